@@ -1,0 +1,1 @@
+"""Subcommands of the ``forwardkit`` command; each module exposes ``register(subparsers)``."""

@@ -1,0 +1,192 @@
+"""The platform forwardkit runs on: ``current_platform`` (cpu or cuda).
+
+``current_platform`` is a proxy to the active :class:`Platform`. Tests (and users who
+want to resolve a CUDA configuration on a CPU machine) swap it with
+:func:`use_platform` / :func:`set_current_platform`; every module that imported
+``current_platform`` sees the swap, because the proxy forwards each attribute lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from forwardkit.logger import init_logger
+
+__all__ = [
+    "CpuPlatform",
+    "CudaPlatform",
+    "Platform",
+    "current_platform",
+    "detect_platform",
+    "platform_by_name",
+    "set_current_platform",
+    "use_platform",
+]
+
+logger = init_logger(__name__)
+
+
+class Platform:
+    """Capabilities of one device type. Subclasses override the class attributes."""
+
+    name: str = "unspecified"
+    device_type: str = "cpu"
+    dist_backend: str = "gloo"
+    _global_graph_pool: Any = None
+
+    def is_cpu(self) -> bool:
+        """True on the CPU platform."""
+        return self.device_type == "cpu"
+
+    def is_cuda(self) -> bool:
+        """True on NVIDIA CUDA."""
+        return self.device_type == "cuda"
+
+    def is_cuda_alike(self) -> bool:
+        """True on CUDA (and ROCm, which torch also exposes as ``cuda``)."""
+        return self.device_type == "cuda"
+
+    def supports_static_graph(self) -> bool:
+        """Whether CUDA graphs (static graphs) can be captured here."""
+        return False
+
+    def default_compile_backend(self) -> str:
+        """The Inductor backend name used when ``CompilationConfig.backend`` is empty."""
+        return "inductor"
+
+    def get_device_capability(self) -> int | None:
+        """Compute capability as an int (90 for sm_90), or None off CUDA."""
+        return None
+
+    def device(self, index: int = 0) -> torch.device:
+        """The torch device for this platform."""
+        return torch.device(self.device_type) if self.is_cpu() else torch.device(self.device_type, index)
+
+    def set_additional_forward_context(self, **kwargs: Any) -> dict[str, Any]:
+        """Platform extras for ``ForwardContext.additional_kwargs``; none by default."""
+        return {}
+
+    @property
+    def synchronize(self) -> Callable[[], None] | None:
+        """``torch.<device>.synchronize`` or None when the device has none."""
+        module = getattr(torch, self.device_type, None)
+        fn = getattr(module, "synchronize", None) if module is not None else None
+        if fn is None:
+            logger.warning_once("platform %s has no synchronize(); timings skip the sync", self.name)
+        return fn
+
+    def graph_pool_handle(self) -> Any:
+        """A fresh CUDA-graph memory-pool handle."""
+        raise RuntimeError(f"platform {self.name!r} cannot capture CUDA graphs")
+
+    def get_global_graph_pool(self) -> Any:
+        """One graph memory pool shared by every capture on this platform (made lazily)."""
+        cls = type(self)
+        if cls._global_graph_pool is None:
+            cls._global_graph_pool = self.graph_pool_handle()
+        return cls._global_graph_pool
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class CpuPlatform(Platform):
+    """Plain CPU: no static graphs, Inductor compiles C++ with the system compiler."""
+
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+
+    @property
+    def synchronize(self) -> Callable[[], None] | None:
+        return None  # CPU work is synchronous; nothing to wait for.
+
+
+class CudaPlatform(Platform):
+    """NVIDIA CUDA. Constructible without a GPU so tests can resolve CUDA configs on CPU."""
+
+    name = "cuda"
+    device_type = "cuda"
+    dist_backend = "nccl"
+
+    def __init__(self, device_capability: int | None = None) -> None:
+        self._capability = device_capability
+
+    def supports_static_graph(self) -> bool:
+        return True
+
+    def get_device_capability(self) -> int | None:
+        if self._capability is not None:
+            return self._capability
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return major * 10 + minor
+        return None
+
+    def graph_pool_handle(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+
+_PLATFORMS: dict[str, Callable[[], Platform]] = {"cpu": CpuPlatform, "cuda": CudaPlatform}
+
+
+def platform_by_name(name: str) -> Platform:
+    """Build a platform from its name: ``cpu`` or ``cuda``."""
+    try:
+        return _PLATFORMS[name.lower()]()
+    except KeyError:
+        raise ValueError(f"unknown platform {name!r}; expected one of {sorted(_PLATFORMS)}") from None
+
+
+def detect_platform() -> Platform:
+    """CUDA when a GPU is visible, else CPU."""
+    return CudaPlatform() if torch.cuda.is_available() else CpuPlatform()
+
+
+class _PlatformProxy:
+    """Forwards every attribute to the active platform (see :func:`use_platform`)."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_active", None)
+
+    def _get(self) -> Platform:
+        active = object.__getattribute__(self, "_active")
+        if active is None:
+            active = detect_platform()
+            object.__setattr__(self, "_active", active)
+        return active
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._get(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._get(), name, value)
+
+    def __repr__(self) -> str:
+        return f"current_platform -> {self._get()!r}"
+
+
+current_platform: Any = _PlatformProxy()
+
+
+def set_current_platform(platform: Platform | str | None) -> Platform | None:
+    """Make ``platform`` the active one (None: detect again); returns the previous one."""
+    if isinstance(platform, str):
+        platform = platform_by_name(platform)
+    previous = object.__getattribute__(current_platform, "_active")
+    object.__setattr__(current_platform, "_active", platform)
+    return previous
+
+
+@contextlib.contextmanager
+def use_platform(platform: Platform | str) -> Iterator[Platform]:
+    """Temporarily make ``platform`` the active one; restores the previous on exit."""
+    previous = set_current_platform(platform)
+    try:
+        yield current_platform._get()
+    finally:
+        set_current_platform(previous)

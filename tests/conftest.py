@@ -1,0 +1,45 @@
+"""Shared fixtures: a per-session compile cache, and restoring global state after each test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache_root(tmp_path_factory: pytest.TempPathFactory):
+    """One compile-cache root for the whole run, so compiled pieces are shared between tests."""
+    if "FORWARDKIT_CACHE_ROOT" not in os.environ:
+        root = tmp_path_factory.mktemp("forwardkit-cache")
+        os.chmod(root, 0o700)
+        os.environ["FORWARDKIT_CACHE_ROOT"] = str(root)
+    yield os.environ["FORWARDKIT_CACHE_ROOT"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_platform():
+    """Tests may swap ``current_platform``; put the real one back afterwards."""
+    from forwardkit import platforms
+
+    previous = object.__getattribute__(platforms.current_platform, "_active")
+    yield
+    platforms.set_current_platform(previous)
+
+
+@pytest.fixture
+def cuda_platform():
+    """Emulate a CUDA platform (capability 90) on any machine, for config resolution tests."""
+    from forwardkit.platforms import CudaPlatform, use_platform
+
+    with use_platform(CudaPlatform(device_capability=90)) as platform:
+        yield platform
+
+
+@pytest.fixture
+def cpu_platform():
+    """Force the CPU platform."""
+    from forwardkit.platforms import CpuPlatform, use_platform
+
+    with use_platform(CpuPlatform()) as platform:
+        yield platform
