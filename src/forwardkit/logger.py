@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 __all__ = ["ForwardkitLogger", "init_logger"]
@@ -61,7 +61,7 @@ class ForwardkitLogger(logging.LoggerAdapter):
         self._once(logging.WARNING, msg, *args)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _log_once(name: str, level: int, msg: str, args: tuple[Any, ...]) -> None:
     logging.getLogger(name).log(level, msg, *args, stacklevel=4)
 
