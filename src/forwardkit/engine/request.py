@@ -1,0 +1,120 @@
+"""``Request``: one prompt's state while the engine works on it."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from forwardkit.engine.sampling_params import SamplingParams
+
+__all__ = ["Request", "RequestStatus"]
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life: waiting for admission, running, or finished."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """A request: prompt tokens, generated tokens, KV blocks and progress.
+
+    ``num_computed_tokens`` counts tokens whose KV entries are in the cache. The request
+    still needs ``num_tokens - num_computed_tokens`` tokens run through the model; when that
+    reaches the end, the logits of the last token give the next token. A preempted request
+    drops its blocks and sets ``num_computed_tokens`` back to 0 (recompute).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+        eos_token_id: int | None = None,
+        max_model_len: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
+        self.generator = generator
+        self.num_preemptions = 0
+        # Generation may not go past max_tokens nor past the model's context length.
+        limit = sampling_params.max_tokens
+        if max_model_len is not None:
+            room = max_model_len - len(self.prompt_token_ids)
+            limit = room if limit is None else min(limit, room)
+        self.max_output_tokens = limit
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Length of the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this request can ever hold (prompt + max output)."""
+        extra = self.max_output_tokens if self.max_output_tokens is not None else 0
+        return self.num_prompt_tokens + max(extra, 0)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens not yet run through the model."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the request stopped generating."""
+        return self.status == RequestStatus.FINISHED
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Token ids of positions ``start .. stop-1`` of prompt + output."""
+        n = self.num_prompt_tokens
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
+    def append_token(self, token_id: int) -> bool:
+        """Record a generated token; returns True (and sets ``finish_reason``) if it ends the request."""
+        self.output_token_ids.append(token_id)
+        params = self.sampling_params
+        generated = len(self.output_token_ids)
+        if generated >= params.min_tokens:
+            if not params.ignore_eos and self.eos_token_id is not None and token_id == self.eos_token_id:
+                self.finish_reason = "stop"
+                return True
+            if token_id in params.all_stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", token_id
+                return True
+        if self.max_output_tokens is not None and generated >= self.max_output_tokens:
+            self.finish_reason = "length"
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(id={self.request_id!r}, prompt_len={self.num_prompt_tokens}, "
+            f"generated={len(self.output_token_ids)}, computed={self.num_computed_tokens}, "
+            f"status={self.status.value})"
+        )

@@ -1,0 +1,109 @@
+"""``Sampler``: next tokens from last-token logits, per request (greedy, temperature, top-k/p, min-p)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from forwardkit.engine.request import Request
+
+__all__ = ["Sampler", "apply_top_k_top_p", "apply_min_p"]
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask (set to -inf) logits outside each row's top-k and top-p sets, in place.
+
+    ``top_k[i] <= 0`` or ``>= vocab`` and ``top_p[i] >= 1`` switch the filter off for row i.
+    Ties at the k-th value are kept; top-p always keeps the most likely token.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        k = top_k.to(torch.long).clone()
+        k[(k <= 0) | (k > vocab)] = vocab
+        # Ascending order: the k-th largest sits at index vocab - k.
+        kth = sorted_logits.gather(-1, (vocab - k).unsqueeze(-1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        cumulative = probs.cumsum(dim=-1)
+        drop = cumulative <= (1.0 - top_p.to(probs.dtype)).unsqueeze(-1)
+        drop[:, -1] = False  # the most likely token always survives
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    logits.scatter_(-1, order, sorted_logits)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p[i]`` times row i's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.to(probs.dtype).unsqueeze(-1)
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def _exponential_sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw one index from ``probs`` (1-D) with the Gumbel/exponential trick."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+class Sampler:
+    """Turns one logits row per request into a token id.
+
+    Greedy requests take the argmax. Others: logits / temperature, then top-k, top-p and
+    min-p masks, softmax, and one draw from the request's own ``torch.Generator`` (so a
+    request's tokens do not depend on which other requests share its batches). Until a
+    request has ``min_tokens`` outputs its EOS and stop tokens are masked.
+    """
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """Sample one token per row of ``logits`` (float, ``[len(requests), vocab]``)."""
+        if logits.shape[0] != len(requests):
+            raise ValueError(
+                f"sampler got {logits.shape[0]} logits rows for {len(requests)} requests"
+            )
+        if not requests:
+            return []
+        logits = logits.float().clone()
+        self._mask_min_tokens(logits, requests)
+        params = [r.sampling_params for r in requests]
+        tokens = logits.argmax(dim=-1).tolist()
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return tokens
+        device = logits.device
+        sub = logits[rows]
+        temps = torch.tensor([params[i].temperature for i in rows], device=device)
+        sub.div_(temps.unsqueeze(-1))
+        top_k = [params[i].top_k for i in rows]
+        top_p = [params[i].top_p for i in rows]
+        min_p = [params[i].min_p for i in rows]
+        apply_top_k_top_p(
+            sub,
+            torch.tensor(top_k, device=device) if any(k > 0 for k in top_k) else None,
+            torch.tensor(top_p, device=device) if any(p < 1.0 for p in top_p) else None,
+        )
+        if any(m > 0 for m in min_p):
+            apply_min_p(sub, torch.tensor(min_p, device=device))
+        probs = sub.softmax(dim=-1)
+        for j, i in enumerate(rows):
+            tokens[i] = _exponential_sample(probs[j], requests[i].generator)
+        return tokens
+
+    @staticmethod
+    def _mask_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        for i, req in enumerate(requests):
+            params = req.sampling_params
+            if len(req.output_token_ids) >= params.min_tokens:
+                continue
+            banned = set(params.all_stop_token_ids)
+            if not params.ignore_eos and req.eos_token_id is not None:
+                banned.add(req.eos_token_id)
+            banned = [t for t in banned if t < logits.shape[-1]]
+            if banned:
+                logits[i, banned] = float("-inf")

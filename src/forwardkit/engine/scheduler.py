@@ -1,0 +1,218 @@
+"""``Scheduler``: continuous batching with chunked prefill under a per-step token budget.
+
+Each step: running requests first (decode tokens or the next prefill chunk), in admission
+order, then waiting requests while the token budget, ``max_num_seqs`` and free KV blocks allow.
+When a running request cannot get a KV block, the most recently admitted running request is
+preempted (its blocks freed, recomputed later), so a full cache never deadlocks: a request
+alone always fits because ``add`` refuses requests larger than the whole cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from forwardkit.engine.block_manager import BlockManager
+from forwardkit.engine.request import Request, RequestStatus
+from forwardkit.logger import init_logger
+from forwardkit.runner.batch import StepBatch
+
+__all__ = ["Scheduler", "SchedulerOutput"]
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: the scheduled requests and how many tokens each runs."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        """Tokens scheduled over all requests."""
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run this step."""
+        return not self.requests
+
+    def to_batch(self) -> StepBatch:
+        """The runner's view of this plan."""
+        token_ids, computed, tables, sample = [], [], [], []
+        for req, n in zip(self.requests, self.num_scheduled_tokens):
+            start = req.num_computed_tokens
+            token_ids.append(req.token_slice(start, start + n))
+            computed.append(start)
+            tables.append(list(req.block_ids))
+            sample.append(start + n == req.num_tokens)
+        return StepBatch(
+            req_ids=[r.request_id for r in self.requests],
+            token_ids=token_ids,
+            num_computed_tokens=computed,
+            block_tables=tables,
+            sample=sample,
+        )
+
+
+class Scheduler:
+    """Continuous-batching scheduler over one ``BlockManager``.
+
+    Args:
+        block_manager: the KV block allocator.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step.
+        enable_chunked_prefill: split prompts over steps to fit the budget; when False a
+            prompt is scheduled whole, so it must fit the budget.
+        max_model_len: longest prompt + output a request may reach.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} is invalid; expected an integer >= 1")
+        if max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} is invalid; expected an integer >= 1"
+            )
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # --- admission -------------------------------------------------------------------
+    def check_fits(self, request: Request) -> None:
+        """Raise ``ValueError`` naming the request if it could never be served."""
+        rid, n = request.request_id, request.num_prompt_tokens
+        if self.max_model_len is not None and n >= self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt has {n} tokens but max_model_len is "
+                f"{self.max_model_len}; it needs at least one free position to generate into"
+            )
+        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
+            raise ValueError(
+                f"request {rid!r}: prompt has {n} tokens, more than max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}, and chunked prefill is disabled; enable it or "
+                "raise max_num_batched_tokens"
+            )
+        capacity = self.block_manager.capacity_tokens
+        if request.max_total_tokens > capacity:
+            raise ValueError(
+                f"request {rid!r}: prompt ({n} tokens) plus max output "
+                f"({request.max_output_tokens}) needs {request.max_total_tokens} KV slots but the "
+                f"whole cache holds {capacity} ({self.block_manager.num_blocks} blocks of "
+                f"{self.block_manager.block_size}); lower max_tokens or enlarge the cache"
+            )
+
+    def add(self, request: Request) -> None:
+        """Queue a request (after ``check_fits``)."""
+        self.check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    # --- one step --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (and allocate KV blocks for it)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            n = min(req.num_pending_tokens, budget)
+            while not self.block_manager.can_allocate(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                self.block_manager.allocate(req, n)
+                out.requests.append(req)
+                out.num_scheduled_tokens.append(n)
+                scheduled.add(req.request_id)
+                budget -= n
+                index += 1
+                continue
+            break  # the current request itself was preempted
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                n = req.num_pending_tokens
+                if n > budget:
+                    # Without chunked prefill a prompt runs whole; only a preempted request
+                    # whose prompt + output outgrew the budget is chunked (else it never runs).
+                    if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
+                        break
+                    n = budget
+                if not self.block_manager.can_allocate(req, n):
+                    break  # wait for running requests to free blocks
+                self.waiting.popleft()
+                self.block_manager.allocate(req, n)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.requests.append(req)
+                out.num_scheduled_tokens.append(n)
+                budget -= n
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        """Free ``request``'s blocks and put it back at the head of the queue (recompute)."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (KV cache full)", request.request_id)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance scheduled requests after a step; ``sampled`` maps request id -> new token.
+
+        Returns the requests that finished this step (their blocks are already freed).
+        """
+        finished = []
+        for req, n in zip(out.requests, out.num_scheduled_tokens):
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += n
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # partial prefill: nothing sampled yet
+            if req.append_token(token):
+                req.status = RequestStatus.FINISHED
+                self.running.remove(req)
+                self.block_manager.free(req)
+                finished.append(req)
+        return finished
+
+    def abort_all(self) -> None:
+        """Drop every request and return all blocks (used after an error in a step)."""
+        for req in self.running:
+            self.block_manager.free(req)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = req.finish_reason or "abort"
+        for req in self.waiting:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = req.finish_reason or "abort"
+        self.running.clear()
+        self.waiting.clear()
