@@ -1,0 +1,192 @@
+"""``ModelConfig``: what config resolution needs to know about the model (spec §6.3).
+
+Built from explicit fields (``ModelConfig(hf_config={...})``) or from a local Hugging Face
+checkpoint directory with :meth:`ModelConfig.from_pretrained`, which reads ``config.json``.
+Derived facts (``architectures``, ``is_moe``, ``is_encoder_decoder``, hidden size, ...) are
+read from ``hf_config`` so they can never disagree with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Literal
+
+import torch
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+__all__ = ["ModelConfig", "resolve_dtype"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+_ACCEPTED = "'auto', 'float32', 'bfloat16', 'float16' (or a torch.dtype of those)"
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+# Used when config.json does not say how long a sequence may be (vLLM falls back to 2048 too).
+_FALLBACK_MAX_MODEL_LEN = 2048
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict[str, Any] | None = None) -> torch.dtype:
+    """Turn a dtype request into a ``torch.dtype``.
+
+    ``'auto'``/None takes ``torch_dtype`` (or ``dtype``) from the HF config, and float32 when the
+    config names none. Strings may be spelled ``'torch.bfloat16'`` too.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; accepted: {_ACCEPTED}")
+        return dtype
+    if dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto"):
+        hf = hf_config or {}
+        name = hf.get("torch_dtype") or hf.get("dtype")
+        if name is None:
+            return torch.float32
+        return resolve_dtype(name)
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype must be a string or torch.dtype, got {dtype!r}; accepted: {_ACCEPTED}")
+    key = dtype.strip().lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; accepted: {_ACCEPTED}")
+    return _DTYPES[key]
+
+
+@dataclass(config=ConfigDict(extra="forbid", arbitrary_types_allowed=True))
+class ModelConfig:
+    """The model an engine runs: checkpoint dir (or None), its HF config and runtime choices."""
+
+    model: str | None = None
+    """Local Hugging Face checkpoint directory; None = the built-in default model."""
+    hf_config: dict[str, Any] = Field(default_factory=dict)
+    """The parsed ``config.json``."""
+    dtype: Any = "auto"
+    """Weights/activation dtype: 'auto' (from the HF config), a name, or a torch.dtype."""
+    max_model_len: int | None = None
+    """Longest sequence; None = ``max_position_embeddings`` of the HF config."""
+    enforce_eager: bool = False
+    """Never compile and never use CUDA graphs (forces optimisation level O0)."""
+    disable_cascade_attn: bool = False
+    """Turn cascade attention off."""
+    runner: Literal["generate", "pooling"] = "generate"
+    """``pooling`` marks an embedding/classification model (it gets a pooler config)."""
+    pooler_config: dict[str, Any] | None = None
+    """Non-None for pooling models."""
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            self.model = os.fspath(self.model)
+        self.dtype = resolve_dtype(self.dtype, self.hf_config)
+        if self.runner == "pooling" and self.pooler_config is None:
+            self.pooler_config = {}
+        limit = self.hf_config.get("max_position_embeddings")
+        if self.max_model_len is None:
+            self.max_model_len = int(limit) if limit else _FALLBACK_MAX_MODEL_LEN
+        elif self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        elif limit and self.max_model_len > int(limit):
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's "
+                f"max_position_embeddings ({limit})"
+            )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str], dtype: str | torch.dtype | None = None,
+                        **overrides: Any) -> ModelConfig:
+        """Read ``<path>/config.json``; ``overrides`` set other fields (``max_model_len=...``)."""
+        directory = os.fspath(path)
+        if not os.path.isdir(directory):
+            raise ValueError(f"model path {directory!r} is not a directory (expected a local "
+                             "Hugging Face checkpoint with config.json)")
+        config_file = os.path.join(directory, "config.json")
+        if not os.path.isfile(config_file):
+            raise ValueError(f"no config.json in model directory {directory!r}")
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                hf_config = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{config_file} is not valid JSON: {exc}") from None
+        if not isinstance(hf_config, dict):
+            raise ValueError(f"{config_file} must hold a JSON object, got {type(hf_config).__name__}")
+        return cls(model=directory, hf_config=hf_config, dtype="auto" if dtype is None else dtype,
+                   **overrides)
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def architectures(self) -> list[str]:
+        """``architectures`` of the HF config (``[]`` when absent)."""
+        return list(self.hf_config.get("architectures") or [])
+
+    @property
+    def architecture(self) -> str | None:
+        """The first architecture name, or None."""
+        archs = self.architectures
+        return archs[0] if archs else None
+
+    @property
+    def is_moe(self) -> bool:
+        """The model has experts (``num_local_experts``/``num_experts`` > 0)."""
+        return any((self.hf_config.get(key) or 0) > 0 for key in _EXPERT_KEYS)
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        """The HF config says ``is_encoder_decoder``."""
+        return bool(self.hf_config.get("is_encoder_decoder", False))
+
+    @property
+    def is_pooling_model(self) -> bool:
+        """Has a pooler config (an embedding/classification model)."""
+        return self.pooler_config is not None
+
+    def _get(self, *keys: str) -> Any:
+        for key in keys:
+            if self.hf_config.get(key) is not None:
+                return self.hf_config[key]
+        raise ValueError(f"the model's HF config has none of {list(keys)} (model={self.model!r})")
+
+    def get_hidden_size(self) -> int:
+        """``hidden_size`` of the HF config."""
+        return int(self._get("hidden_size", "d_model", "n_embd"))
+
+    def get_num_layers(self) -> int:
+        """Number of decoder layers."""
+        return int(self._get("num_hidden_layers", "n_layer", "num_layers"))
+
+    def get_num_attention_heads(self) -> int:
+        """Query heads per layer."""
+        return int(self._get("num_attention_heads", "n_head"))
+
+    def get_num_kv_heads(self) -> int:
+        """Key/value heads per layer (= attention heads without GQA)."""
+        value = self.hf_config.get("num_key_value_heads")
+        return int(value) if value is not None else self.get_num_attention_heads()
+
+    def get_head_size(self) -> int:
+        """Per-head dimension (``head_dim`` or hidden / heads)."""
+        value = self.hf_config.get("head_dim")
+        if value is not None:
+            return int(value)
+        return self.get_hidden_size() // self.get_num_attention_heads()
+
+    def get_vocab_size(self) -> int:
+        """Vocabulary size."""
+        return int(self._get("vocab_size"))
+
+    def compute_hash(self) -> str:
+        """SHA-256 over what shapes the compiled graph (HF config, dtype, limits, eagerness)."""
+        factors = {
+            "hf_config": self.hf_config,
+            "dtype": str(self.dtype),
+            "max_model_len": self.max_model_len,
+            "enforce_eager": self.enforce_eager,
+            "runner": self.runner,
+        }
+        text = json.dumps(factors, sort_keys=True, default=repr)
+        return hashlib.sha256(text.encode()).hexdigest()

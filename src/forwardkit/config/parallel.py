@@ -1,0 +1,356 @@
+"""``ParallelConfig``: tensor / pipeline / data / expert parallel layout (spec/config.md §6.1).
+
+Only the fields that data parallelism, the forward context and config resolution read are
+kept. Resolution follows vLLM 0.14.0: an explicit DP setup (``data_parallel_size > 1`` or
+``data_parallel_size_local == 0``) picks a random free master port and checks the rank; the
+offline SPMD path (DP not explicit) takes size / rank / master address from the
+``FORWARDKIT_DP_*`` environment variables instead, so a user-given rank or port is replaced
+there (quirk kept on purpose, spec §9.8).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from dataclasses import field, fields
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass
+
+from forwardkit import envs
+from forwardkit.logger import init_logger
+from forwardkit.platforms import current_platform
+
+__all__ = ["ALL2ALL_BACKENDS", "EPLBConfig", "ParallelConfig", "get_open_ports"]
+
+logger = init_logger(__name__)
+
+All2AllBackend = Literal[
+    "naive",
+    "pplx",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+    "allgather_reducescatter",
+    "flashinfer_all2allv",
+]
+ALL2ALL_BACKENDS: tuple[str, ...] = (
+    "naive",
+    "pplx",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+    "allgather_reducescatter",
+    "flashinfer_all2allv",
+)
+_SEQUENCE_PARALLEL_MOE_BACKENDS = {
+    "allgather_reducescatter",
+    "naive",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+}
+_EXECUTORS = ("uni", "mp", "ray", "external_launcher")
+
+# Fields that do not change the compiled graph (spec §6.1 "compute_hash() ignores").
+_HASH_IGNORED = frozenset(
+    {
+        "data_parallel_rank",
+        "data_parallel_rank_local",
+        "data_parallel_size_local",
+        "data_parallel_index",
+        "data_parallel_backend",
+        "data_parallel_external_lb",
+        "data_parallel_hybrid_lb",
+        "data_parallel_master_ip",
+        "data_parallel_master_port",
+        "data_parallel_rpc_port",
+        "rank",
+        "master_addr",
+        "master_port",
+        "node_rank",
+        "nnodes",
+        "disable_custom_all_reduce",
+        "distributed_executor_backend",
+    }
+)
+
+
+def get_open_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports that were free on ``host`` a moment ago."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass(config=ConfigDict(extra="forbid"))
+class EPLBConfig:
+    """Expert-parallel load balancer settings (kept for validation; no balancer runs here)."""
+
+    window_size: int = 1000
+    """Steps over which expert load is recorded."""
+    step_interval: int = 3000
+    """Steps between rebalancing."""
+    num_redundant_experts: int = Field(default=0, ge=0)
+    """Extra expert replicas; must be 0 unless EPLB is on."""
+    log_balancedness: bool = False
+    """Log the balancedness of expert load."""
+    log_balancedness_interval: int = 1
+    """Steps between balancedness logs."""
+    use_async: bool = False
+    """Rebalance asynchronously."""
+    policy: Literal["default"] = "default"
+    """Rebalancing policy."""
+
+
+@dataclass(config=ConfigDict(extra="forbid", arbitrary_types_allowed=True))
+class ParallelConfig:
+    """How the model is split over processes; ``world_size`` excludes data parallelism."""
+
+    pipeline_parallel_size: int = 1
+    """Pipeline stages."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel ranks."""
+    prefill_context_parallel_size: int = 1
+    """Prefill context-parallel ranks (counts toward ``world_size``)."""
+    decode_context_parallel_size: int = 1
+    """Decode context-parallel ranks."""
+    data_parallel_size: int = 1
+    """Data-parallel replicas."""
+    data_parallel_size_local: int = 1
+    """Replicas on this node; must be <= ``data_parallel_size``."""
+    data_parallel_rank: int = 0
+    """This replica's DP rank; in ``[0, data_parallel_size)`` when DP is explicit."""
+    data_parallel_rank_local: int | None = None
+    """Local DP rank; set from the environment on the offline path."""
+    data_parallel_master_ip: str = "127.0.0.1"
+    """Address of DP rank 0."""
+    data_parallel_rpc_port: int = 29550
+    """RPC port of the DP coordinator."""
+    data_parallel_master_port: int = 29500
+    """Port of the DP process group (replaced in post-init; see module docstring)."""
+    data_parallel_backend: Literal["ray", "mp"] = "mp"
+    """How DP replicas are launched."""
+    data_parallel_external_lb: bool = False
+    """An external load balancer routes requests (needs DP > 1)."""
+    data_parallel_hybrid_lb: bool = False
+    """Hybrid internal/external load balancing."""
+    is_moe_model: bool | None = None
+    """Set by the engine from the model; None = not known yet."""
+    enable_expert_parallel: bool = False
+    """Shard MoE experts over TP x DP ranks."""
+    enable_eplb: bool = False
+    """Expert-parallel load balancing (CUDA only)."""
+    eplb_config: EPLBConfig = Field(default_factory=EPLBConfig)
+    """EPLB settings (a dict is accepted)."""
+    expert_placement_strategy: Literal["linear", "round_robin"] = "linear"
+    """How experts are placed on EP ranks."""
+    all2all_backend: All2AllBackend = "allgather_reducescatter"
+    """MoE all-to-all implementation; env FORWARDKIT_ALL2ALL_BACKEND overrides it."""
+    disable_custom_all_reduce: bool = False
+    """Use the plain collective instead of a custom all-reduce kernel."""
+    enable_dbo: bool = False
+    """Dual batch overlap: split a step into two micro-batches."""
+    ubatch_size: int = 0
+    """Micro-batches per step when > 1 (without DBO)."""
+    dbo_decode_token_threshold: int = 32
+    """Micro-batch a decode-only step when ``num_tokens >= threshold``."""
+    dbo_prefill_token_threshold: int = 512
+    """Micro-batch a step with a prefill when ``num_tokens >= threshold``."""
+    disable_nccl_for_dp_synchronization: bool | None = None
+    """Sync DP with gloo on CPU; None = the engine sets it to ``async_scheduling``."""
+    distributed_executor_backend: str | None = None
+    """uni, mp, ray or external_launcher; None = chosen in post-init."""
+    nnodes: int = 1
+    """Nodes taking part."""
+    node_rank: int = 0
+    """This node's rank."""
+    master_addr: str = "127.0.0.1"
+    """Address of the torch.distributed master (multi-node)."""
+    master_port: int = 29501
+    """Port of the torch.distributed master (multi-node)."""
+    rank: int = 0
+    """Global rank of this process."""
+    world_size: int = field(init=False, default=1)
+    """PP x TP x PCP (x DP with external_launcher)."""
+    data_parallel_index: int = field(init=False, default=0)
+    """Equals ``data_parallel_rank`` after post-init."""
+
+    def __post_init__(self) -> None:
+        self._port_list: list[int] = []
+        if envs.is_set("FORWARDKIT_ALL2ALL_BACKEND"):
+            value = envs.FORWARDKIT_ALL2ALL_BACKEND
+            if value not in ALL2ALL_BACKENDS:
+                raise ValueError(
+                    f"Invalid value {value!r} for FORWARDKIT_ALL2ALL_BACKEND. "
+                    f"Valid options: {list(ALL2ALL_BACKENDS)}"
+                )
+            logger.warning_once(
+                "FORWARDKIT_ALL2ALL_BACKEND is deprecated; use the all2all_backend field. "
+                "Using %s from the environment.",
+                value,
+            )
+            self.all2all_backend = value  # type: ignore[assignment]
+        for name in ("pipeline_parallel_size", "tensor_parallel_size", "prefill_context_parallel_size",
+                     "decode_context_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.ubatch_size < 0:
+            raise ValueError(f"ubatch_size must be >= 0, got {self.ubatch_size}")
+
+        external = self.distributed_executor_backend == "external_launcher"
+        self.world_size = (
+            self.pipeline_parallel_size * self.tensor_parallel_size * self.prefill_context_parallel_size
+        )
+        if external:
+            self.world_size *= self.data_parallel_size
+
+        if self.data_parallel_size > 1 or self.data_parallel_size_local == 0:
+            if external:
+                self.data_parallel_rank = int(os.environ["RANK"]) // (
+                    self.world_size // self.data_parallel_size
+                )
+            if not self._port_list:
+                self._port_list = get_open_ports(5)
+            self.data_parallel_master_port = self._port_list.pop()
+            if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+                raise ValueError(
+                    f"data_parallel_rank ({self.data_parallel_rank}) must be in the range "
+                    f"[0, {self.data_parallel_size})"
+                )
+        else:
+            # Offline SPMD launch: one process per DP rank, told its place by the environment.
+            self.data_parallel_size = envs.FORWARDKIT_DP_SIZE
+            self.data_parallel_rank = envs.FORWARDKIT_DP_RANK
+            self.data_parallel_rank_local = envs.FORWARDKIT_DP_RANK_LOCAL
+            self.data_parallel_master_ip = envs.FORWARDKIT_DP_MASTER_IP
+            self.data_parallel_master_port = envs.FORWARDKIT_DP_MASTER_PORT
+            if self.data_parallel_size > 1 and self.is_moe_model is False:
+                raise ValueError(
+                    "Offline data parallel mode is not supported/useful for dense models. "
+                    "Launch one independent engine per replica instead."
+                )
+        self.data_parallel_index = self.data_parallel_rank
+
+        if external:
+            os.environ["FORWARDKIT_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self.distributed_executor_backend is None:
+            if self.world_size > 1:
+                self.distributed_executor_backend = "ray" if self.data_parallel_backend == "ray" else "mp"
+            else:
+                self.distributed_executor_backend = "uni"
+        if self.distributed_executor_backend not in _EXECUTORS:
+            raise ValueError(
+                f"distributed_executor_backend {self.distributed_executor_backend!r} is not "
+                f"supported; expected one of {list(_EXECUTORS)}"
+            )
+        if self.nnodes > 1 and self.distributed_executor_backend not in ("mp", "uni", "external_launcher"):
+            raise ValueError(
+                f"nnodes={self.nnodes} needs distributed_executor_backend mp, uni or "
+                f"external_launcher, got {self.distributed_executor_backend!r}"
+            )
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> ParallelConfig:
+        if self.data_parallel_size_local > self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_size_local ({self.data_parallel_size_local}) must be <= "
+                f"data_parallel_size ({self.data_parallel_size})"
+            )
+        if self.data_parallel_external_lb and self.data_parallel_size <= 1:
+            raise ValueError(
+                "data_parallel_external_lb can only be set when data_parallel_size > 1, got "
+                f"data_parallel_size={self.data_parallel_size}"
+            )
+        if self.enable_eplb:
+            if not current_platform.is_cuda_alike():
+                raise ValueError(
+                    "Expert parallelism load balancing is only supported on CUDA devices now, "
+                    f"not on platform {current_platform.name!r}."
+                )
+            if not self.enable_expert_parallel:
+                raise ValueError("enable_expert_parallel must be True to use EPLB.")
+            if self.tensor_parallel_size * self.data_parallel_size <= 1:
+                raise ValueError(
+                    "EPLB requires tensor_parallel_size or data_parallel_size to be greater than 1, "
+                    f"but got TP={self.tensor_parallel_size} and DP={self.data_parallel_size}."
+                )
+        elif self.eplb_config.num_redundant_experts != 0:
+            raise ValueError(
+                "num_redundant_experts is set to "
+                f"{self.eplb_config.num_redundant_experts} but EPLB is not enabled. Either "
+                "enable EPLB or unset num_redundant_experts."
+            )
+        return self
+
+    @property
+    def world_size_across_dp(self) -> int:
+        """``world_size * data_parallel_size``."""
+        return self.world_size * self.data_parallel_size
+
+    @property
+    def use_ubatching(self) -> bool:
+        """Micro-batching is on: DBO, or ``ubatch_size > 1``."""
+        return self.enable_dbo or self.ubatch_size > 1
+
+    @property
+    def num_ubatches(self) -> int:
+        """2 with DBO, else ``ubatch_size``."""
+        return 2 if self.enable_dbo else self.ubatch_size
+
+    @property
+    def use_sequence_parallel_moe(self) -> bool:
+        """MoE runs sequence-parallel over TP (EP with TP > 1 and DP > 1 on a supported backend)."""
+        return (
+            self.all2all_backend in _SEQUENCE_PARALLEL_MOE_BACKENDS
+            and self.enable_expert_parallel
+            and self.tensor_parallel_size > 1
+            and self.data_parallel_size > 1
+        )
+
+    @property
+    def nnodes_within_dp(self) -> int:
+        """Nodes one DP replica spans."""
+        if self.nnodes == 1:
+            return 1
+        return self.nnodes // (self.data_parallel_size // max(self.data_parallel_size_local, 1))
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks of one replica on this node."""
+        return self.world_size // self.nnodes_within_dp
+
+    @property
+    def node_rank_within_dp(self) -> int:
+        """This node's index inside its DP replica."""
+        return self.node_rank % self.nnodes_within_dp
+
+    def get_next_dp_init_port(self) -> int:
+        """A port for the next DP process-group init: a reserved free port, else the master port
+        (which is then incremented)."""
+        if self._port_list:
+            return self._port_list.pop()
+        port = self.data_parallel_master_port
+        self.data_parallel_master_port += 1
+        return port
+
+    def compute_hash(self) -> str:
+        """SHA-256 over every field except the launch/address ones listed in spec §6.1."""
+        factors: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name in _HASH_IGNORED:
+                continue
+            value = getattr(self, f.name)
+            if f.name == "eplb_config":
+                value = {g.name: getattr(value, g.name) for g in fields(value)}
+            factors[f.name] = value
+        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,78 @@
+"""``SchedulerConfig``: the batch limits the compilation/cudagraph resolution reads (spec §6.2)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import InitVar, field
+
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass
+
+__all__ = ["SchedulerConfig"]
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass(config=ConfigDict(extra="forbid"))
+class SchedulerConfig:
+    """Per-step limits of the scheduler (vLLM ``SchedulerConfig`` subset).
+
+    ``max_model_len`` and ``is_encoder_decoder`` are init-only inputs used for the checks;
+    encoder-decoder models force ``enable_chunked_prefill`` off.
+    """
+
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    """Most tokens (over all requests) in one step; also the largest compile range end."""
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    """Most requests in one step."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps."""
+    async_scheduling: bool | None = None
+    """Overlap scheduling with execution; None lets the engine decide (spec §5.3 step 5)."""
+    max_num_partial_prefills: int = 1
+    """Most requests with a partial (chunked) prefill in one step."""
+    max_long_partial_prefills: int = 1
+    """Most long requests with a partial prefill in one step."""
+    max_model_len: InitVar[int] = DEFAULT_MAX_MODEL_LEN
+    """Longest sequence (init-only; used for the chunked-prefill check)."""
+    is_encoder_decoder: InitVar[bool] = False
+    """The model is encoder-decoder (init-only; turns chunked prefill off)."""
+    max_num_encoder_input_tokens: int = field(init=False, default=0)
+    """Encoder token budget per step; equals ``max_num_batched_tokens``."""
+    encoder_cache_size: int = field(init=False, default=0)
+    """Encoder cache size in tokens; equals ``max_num_batched_tokens``."""
+
+    def __post_init__(self, max_model_len: int, is_encoder_decoder: bool) -> None:
+        if is_encoder_decoder:
+            self.enable_chunked_prefill = False
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be greater than or equal to 1.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than "
+                "or equal to 1."
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than "
+                f"or equal to max_num_seqs ({self.max_num_seqs})."
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({max_model_len}) while chunked prefill is disabled, so the "
+                "longest prompt could never be scheduled; raise max_num_batched_tokens or "
+                "enable chunked prefill."
+            )
+        if self.max_num_partial_prefills < 1 or self.max_long_partial_prefills < 1:
+            raise ValueError("max_num_partial_prefills and max_long_partial_prefills must be >= 1")
+        self.max_num_encoder_input_tokens = self.max_num_batched_tokens
+        self.encoder_cache_size = self.max_num_batched_tokens
+
+    def compute_hash(self) -> str:
+        """Hash of what changes the compiled graph: only ``max_num_batched_tokens``."""
+        factors = {"max_num_batched_tokens": self.max_num_batched_tokens}
+        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
