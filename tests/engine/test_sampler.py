@@ -1,0 +1,133 @@
+"""Sampler and SamplingParams: greedy, masks, seeds, min_tokens, validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forwardkit.engine.request import Request
+from forwardkit.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from forwardkit.engine.sampling_params import SamplingParams, as_params_list
+
+
+def _req(params: SamplingParams, seed: int | None = None, eos: int | None = None) -> Request:
+    gen = None
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+    return Request("r", [1], params, eos_token_id=eos, generator=gen)
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 0.0]])
+    reqs = [_req(SamplingParams(temperature=0)), _req(SamplingParams(temperature=0))]
+    assert Sampler()(logits, reqs) == [1, 0]
+
+
+def test_greedy_resets_other_knobs():
+    p = SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2)
+    assert (p.top_k, p.top_p, p.min_p) == (0, 1.0, 0.0) and p.greedy
+
+
+def test_top_k_mask():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0], [1.0, 4.0, 3.0, 2.0]])
+    out = apply_top_k_top_p(logits.clone(), torch.tensor([2, 0]), None)
+    assert torch.isinf(out[0]).tolist() == [True, False, False, True]
+    assert not torch.isinf(out[1]).any()  # 0 = disabled
+
+
+def test_top_p_mask():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    out = apply_top_k_top_p(logits.clone(), None, torch.tensor([0.75]))
+    # 0.5 + 0.3 reaches 0.75: the two most likely survive.
+    assert torch.isinf(out[0]).tolist() == [False, False, True, True]
+    out = apply_top_k_top_p(logits.clone(), None, torch.tensor([0.01]))
+    assert torch.isinf(out[0]).tolist() == [False, True, True, True]  # top token always kept
+    out = apply_top_k_top_p(logits.clone(), None, torch.tensor([1.0]))
+    assert not torch.isinf(out).any()
+
+
+def test_min_p_mask():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    out = apply_min_p(logits.clone(), torch.tensor([0.5]))
+    assert torch.isinf(out[0]).tolist() == [False, False, True, True]
+
+
+def test_sampling_respects_top_k():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    params = SamplingParams(temperature=1.5, top_k=3)
+    for seed in range(40):
+        (tok,) = Sampler()(logits, [_req(params, seed=seed)])
+        assert tok in allowed
+
+
+def test_seed_reproducible_and_batch_independent():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 100)
+    params = SamplingParams(temperature=1.0)
+
+    def draw(seeds):
+        reqs = [_req(params, seed=s) for s in seeds]
+        sampler = Sampler()
+        return [sampler(logits[: len(reqs)], reqs) for _ in range(5)]
+
+    assert draw([1, 2, 3]) == draw([1, 2, 3])
+    # Request 0 draws the same tokens alone or with neighbours: generators are per request.
+    alone = [_req(params, seed=1)]
+    solo = [Sampler()(logits[:1], alone)[0] for _ in range(5)]
+    assert solo == [row[0] for row in draw([1, 2, 3])]
+    assert draw([1, 2, 3]) != draw([4, 5, 6])
+
+
+def test_sampling_follows_distribution():
+    logits = torch.tensor([[0.0, 0.0, -1e9]])
+    params = SamplingParams(temperature=1.0)
+    req = _req(params, seed=0)
+    counts = [0, 0, 0]
+    for _ in range(400):
+        counts[Sampler()(logits, [req])[0]] += 1
+    assert counts[2] == 0 and 120 < counts[0] < 280
+
+
+def test_min_tokens_masks_eos_and_stop():
+    logits = torch.tensor([[0.0, 1.0, 9.0, 8.0]])
+    params = SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[3])
+    req = _req(params, eos=2)
+    assert Sampler()(logits, [req]) == [1]  # EOS (2) and stop token (3) masked
+    req.output_token_ids.append(0)
+    assert Sampler()(logits, [req]) == [2]
+
+
+def test_row_count_mismatch():
+    with pytest.raises(ValueError, match="2 logits rows for 1 requests"):
+        Sampler()(torch.zeros(2, 3), [_req(SamplingParams())])
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"seed": "x"}, "seed"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_sampling_params_validation(kwargs, field):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**kwargs)
+
+
+def test_as_params_list():
+    p = SamplingParams(max_tokens=3)
+    assert as_params_list(p, 2) == [p, p]
+    assert len(as_params_list(None, 3)) == 3
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
+        as_params_list([p], 2)
