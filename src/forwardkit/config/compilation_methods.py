@@ -1,0 +1,293 @@
+"""The methods of ``CompilationConfig`` (spec/config.md §4), kept apart from its fields.
+
+:class:`CompilationMethods` is a field-less base class of ``CompilationConfig``; it reads
+and writes the config's attributes through ``self``. Checks that vLLM writes as ``assert``
+raise :class:`~forwardkit.config.utils.ConfigAssertionError` (a ValueError and an
+AssertionError at once).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from forwardkit.config.compilation_enums import CompilationMode, CUDAGraphMode, Range
+from forwardkit.config.compilation_sizes import (
+    compile_ranges_from_split_points,
+    padded_graph_size_table,
+    round_capture_sizes_for_spec_decode,
+)
+from forwardkit.config.utils import (
+    ConfigAssertionError,
+    ConfigAttributeError,
+    get_hash_factors,
+    hash_factors,
+)
+from forwardkit.logger import init_logger
+
+__all__ = ["CompilationMethods"]
+
+logger = init_logger(__name__)
+
+_HASH_IGNORED = frozenset(
+    {
+        "debug_dump_path",
+        "cache_dir",
+        "local_cache_dir",
+        "bs_to_padded_graph_size",
+        "traced_files",
+        "compilation_time",
+        "static_forward_context",
+        "pass_config",
+        "dynamic_shapes_config",
+    }
+)
+
+
+class CompilationMethods:
+    """Behaviour of ``CompilationConfig``; see that class for the fields."""
+
+    # ------------------------------------------------------------------ backend
+
+    def init_backend(self, vllm_config: Any) -> str | Any:
+        """The ``torch.compile`` backend for this config, given the engine config.
+
+        Modes STOCK_TORCH_COMPILE/DYNAMO_TRACE_ONCE return a registered Dynamo backend name
+        as-is, or the object a dotted name points to. VLLM_COMPILE returns a new
+        ``forwardkit.compilation.backend.ForwardkitBackend(vllm_config)`` (imported lazily:
+        the config layer does not import the compilation layer at import time).
+        """
+        if self.mode is None:
+            raise ValueError(
+                "No compilation mode is set (mode is None). init_backend() is meant to be "
+                "called on the compilation config of an EngineConfig, which resolves the mode."
+            )
+        if self.mode == CompilationMode.NONE:
+            raise ValueError("No compilation mode is set.")
+        if self.mode in (CompilationMode.STOCK_TORCH_COMPILE, CompilationMode.DYNAMO_TRACE_ONCE):
+            from torch._dynamo import list_backends
+
+            registered = list_backends(exclude_tags=())
+            if self.backend in registered:
+                return self.backend
+            return _resolve_qualname(self.backend, registered)
+        if self.backend not in ("eager", "inductor"):
+            logger.info("Using out-of-tree backend %r for piecewise compilation", self.backend)
+        from forwardkit.compilation.backend import ForwardkitBackend
+
+        return ForwardkitBackend(vllm_config)
+
+    # ------------------------------------------------------------------ sizes
+
+    def post_init_cudagraph_sizes(self) -> None:
+        """Finish size setup once capture sizes are known: expand ``compile_sizes``, sort
+        ``cudagraph_capture_sizes`` in place and build ``bs_to_padded_graph_size``.
+
+        ``compile_sizes`` keeps first-occurrence order (the reference's order was
+        unspecified); the ``"cudagraph_capture_sizes"`` expansion may duplicate ints, as in
+        the reference.
+        """
+        sizes = self.cudagraph_capture_sizes
+        if sizes is None:
+            raise ConfigAttributeError(
+                "cudagraph_capture_sizes is None; set it to a list (the engine config does) "
+                "before post_init_cudagraph_sizes()"
+            )
+        computed: list[int] = []
+        for entry in dict.fromkeys(self.compile_sizes or []):
+            if isinstance(entry, str):
+                if entry != "cudagraph_capture_sizes":
+                    raise ConfigAssertionError(
+                        "Unrecognized size type in compile_sizes, expect "
+                        f"'cudagraph_capture_sizes', got {entry}"
+                    )
+                computed.extend(sizes)
+            else:
+                computed.append(entry)
+        ordered = sorted(sizes)
+        if ordered and ordered[-1] != self.max_cudagraph_capture_size:
+            raise ConfigAssertionError(
+                f"max_cudagraph_capture_size ({self.max_cudagraph_capture_size}) must equal the "
+                f"largest of cudagraph_capture_sizes ({ordered[-1]})"
+            )
+        padded_graph_size_table(ordered, self.max_cudagraph_capture_size)  # validate first
+        self.compile_sizes = computed
+        sizes.sort()
+        self.compute_bs_to_padded_graph_size()
+
+    def compute_bs_to_padded_graph_size(self) -> None:
+        """Set ``bs_to_padded_graph_size[bs]`` = smallest capture size >= bs, for 0..max."""
+        self.bs_to_padded_graph_size = padded_graph_size_table(
+            self.cudagraph_capture_sizes or [], self.max_cudagraph_capture_size
+        )
+
+    def adjust_cudagraph_sizes_for_spec_decode(
+        self, uniform_decode_query_len: int, tensor_parallel_size: int
+    ) -> None:
+        """Round capture sizes up to multiples of the decode query length (1 + speculative
+        tokens), and of the TP size under sequence parallelism; rebuild the padding table."""
+        result = round_capture_sizes_for_spec_decode(
+            self.cudagraph_capture_sizes or [],
+            self.max_cudagraph_capture_size or 0,
+            uniform_decode_query_len,
+            tensor_parallel_size,
+            bool(self.pass_config.enable_sp),
+        )
+        if result is None:
+            return
+        self.cudagraph_capture_sizes, self.max_cudagraph_capture_size = result
+        self.compute_bs_to_padded_graph_size()
+
+    def get_compile_ranges(self) -> list[Range]:
+        """Inclusive Inductor compile ranges from ``compile_ranges_split_points``."""
+        return compile_ranges_from_split_points(self.compile_ranges_split_points)
+
+    # ------------------------------------------------------------------ splitting ops
+
+    def set_splitting_ops_for_v1(self, all2all_backend: str, data_parallel_size: int = 1) -> None:
+        """Resolve ``splitting_ops`` (and downgrade ``cudagraph_mode`` where it cannot work)."""
+        if self.mode != CompilationMode.VLLM_COMPILE:
+            if self.splitting_ops is None:
+                self.splitting_ops = []
+            return
+        if self.pass_config.fuse_attn_quant and not self.use_inductor_graph_partition:
+            self.set_splitting_ops_for_attn_fusion()
+        elif self.splitting_ops is None:
+            self.splitting_ops = list(self.ATTENTION_OPS)
+        elif len(self.splitting_ops) == 0:
+            if self.cudagraph_mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE):
+                logger.warning_once(
+                    "Using piecewise cudagraph with empty splitting_ops; the whole graph "
+                    "becomes one piece."
+                )
+            if self.cudagraph_mode == CUDAGraphMode.PIECEWISE:
+                logger.warning_once(
+                    "Piecewise cudagraph with empty splitting_ops is the same as no cudagraph; "
+                    "setting cudagraph_mode to NONE. Use FULL or FULL_DECODE_ONLY for full graphs."
+                )
+                self.cudagraph_mode = CUDAGraphMode.NONE
+            elif self.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE:
+                logger.warning_once(
+                    "FULL_AND_PIECEWISE with empty splitting_ops; setting cudagraph_mode to FULL."
+                )
+                self.cudagraph_mode = CUDAGraphMode.FULL
+        if (
+            all2all_backend == "deepep_high_throughput"
+            and data_parallel_size > 1
+            and self.cudagraph_mode != CUDAGraphMode.NONE
+        ):
+            logger.info(
+                "DeepEP high-throughput kernels are not CUDA-graph compatible; "
+                "setting cudagraph_mode to NONE."
+            )
+            self.cudagraph_mode = CUDAGraphMode.NONE
+
+    def set_splitting_ops_for_attn_fusion(self) -> None:
+        """Splitting ops for attention + quant fusion: attention must stay in the graph."""
+        if not self.pass_config.fuse_attn_quant:
+            raise ConfigAssertionError(
+                "set_splitting_ops_for_attn_fusion() needs pass_config.fuse_attn_quant=True"
+            )
+        if self.splitting_ops is None:
+            if self.cudagraph_mode is None:
+                raise ConfigAttributeError(
+                    "cudagraph_mode is None; resolve it (the engine config does) before "
+                    "set_splitting_ops_for_attn_fusion()"
+                )
+            self.splitting_ops = []
+            if self.cudagraph_mode.has_piecewise_cudagraphs():
+                logger.warning_once(
+                    "Piecewise cudagraphs cannot be used with attention fusion "
+                    "(fuse_attn_quant); setting cudagraph_mode to FULL."
+                )
+                self.cudagraph_mode = CUDAGraphMode.FULL
+        if self.splitting_ops_contain_attention():
+            raise ConfigAssertionError(
+                "attention ops should not be in splitting_ops when fuse_attn_quant is True; "
+                f"got splitting_ops={self.splitting_ops}"
+            )
+
+    def splitting_ops_contain_attention(self) -> bool:
+        """True when every attention op is in ``splitting_ops``."""
+        return self.splitting_ops is not None and all(op in self.splitting_ops for op in self.ATTENTION_OPS)
+
+    def is_attention_compiled_piecewise(self) -> bool:
+        """True when the graph is split at attention and compiled piece by piece."""
+        if not self.splitting_ops_contain_attention():
+            return False
+        if not self.use_inductor_graph_partition:
+            return self.mode == CompilationMode.VLLM_COMPILE
+        return self.backend == "inductor" and self.mode != CompilationMode.NONE
+
+    # ------------------------------------------------------------------ custom ops
+
+    def is_custom_op_enabled(self, op: str) -> bool:
+        """Whether ``op`` is on under ``custom_ops`` (needs 'all' or 'none' in the list)."""
+        if "all" in self.custom_ops:
+            return f"-{op}" not in self.custom_ops
+        if "none" not in self.custom_ops:
+            raise ConfigAssertionError(
+                f"custom_ops must contain 'all' or 'none' before asking about {op!r}, got "
+                f"{self.custom_ops}; the engine config adds one of them"
+            )
+        return f"+{op}" in self.custom_ops
+
+    def custom_op_log_check(self) -> None:
+        """Log enabled/disabled custom ops; warn (once) about ``custom_ops`` entries that
+        have no effect in this model. Never raises for unknown ops."""
+        if not self.enabled_custom_ops and not self.disabled_custom_ops:
+            logger.debug("No custom ops found in model.")
+            return
+        logger.debug("enabled custom ops: %s", self.enabled_custom_ops)
+        logger.debug("disabled custom ops: %s", self.disabled_custom_ops)
+        present = set(self.enabled_custom_ops) | set(self.disabled_custom_ops)
+        registered = _registered_custom_ops()
+        for op in self.custom_ops:
+            if op in ("all", "none"):
+                continue
+            if not op.startswith(("+", "-")):
+                raise ConfigAssertionError(f"Invalid custom op syntax {op!r} (expected '+op' or '-op')")
+            name = op[1:]
+            if name in present:
+                continue
+            why = "is not present in this model" if name in registered else "does not exist or was not registered"
+            logger.warning_once(
+                "Op %r %s; %s it via custom_ops has no effect.",
+                name,
+                why,
+                "enabling" if op[0] == "+" else "disabling",
+            )
+
+    # ------------------------------------------------------------------ hashing
+
+    def compute_hash(self) -> str:
+        """SHA-256 over everything that changes the compiled graph (paths, timings and
+        runtime state excluded; ``pass_config``/``dynamic_shapes_config`` by their hashes)."""
+        factors = get_hash_factors(self, _HASH_IGNORED)
+        factors["pass_config"] = self.pass_config.compute_hash()
+        factors["dynamic_shapes_config"] = self.dynamic_shapes_config.compute_hash()
+        return hash_factors(factors)
+
+
+def _resolve_qualname(name: str, registered: list[str]) -> Any:
+    """The object ``"package.module.attr"`` names; ValueError listing options otherwise."""
+    module_name, _, attr = name.rpartition(".")
+    if not module_name:
+        raise ValueError(
+            f"Invalid backend {name!r}: not a registered torch.compile backend "
+            f"({', '.join(registered)}) and not a dotted name 'module.attr'"
+        )
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"Invalid backend {name!r}: cannot resolve it ({e})") from e
+
+
+def _registered_custom_ops() -> set[str]:
+    # Lazy, optional: the custom-op registry lives in the compilation layer.
+    try:
+        from forwardkit.compilation import custom_op
+    except ImportError:
+        return set()
+    registry = getattr(getattr(custom_op, "CustomOp", None), "op_registry", None)
+    return set(registry) if registry else set()
