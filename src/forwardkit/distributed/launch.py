@@ -1,0 +1,181 @@
+"""A local multi-process launcher: :func:`spawn` runs one function on N ranks.
+
+Each rank is a fresh process (multiprocessing "spawn" context) that calls
+``fn(rank, nprocs, port, *args)``, where ``port`` is a free loopback port for the rendezvous
+(pass it to :func:`forwardkit.distributed.init_dp_group` as ``master_port``). Results come
+back in rank order; a failing, crashing or overdue rank makes :func:`spawn` stop every other
+rank and raise :class:`SpawnError` carrying the failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import queue as queue_mod
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import multiprocessing as mp
+
+__all__ = ["SpawnError", "find_free_port", "spawn"]
+
+_POLL_S = 0.05
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank failed, died or did not finish in time.
+
+    ``rank`` is the first failing rank (None for a global timeout) and ``remote_traceback``
+    its formatted traceback (None when the process died without reporting).
+    """
+
+    def __init__(self, message: str, rank: int | None = None, remote_traceback: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class _FnRef:
+    """A picklable reference to a module-level function, importable in the child.
+
+    Functions defined in test files (imported by pytest without a package path) or in
+    scripts are re-loaded from their source file when the module name is not importable.
+    """
+
+    def __init__(self, fn: Callable[..., Any]):
+        qualname = getattr(fn, "__qualname__", "")
+        if not inspect.isfunction(fn) or "<" in qualname:
+            raise ValueError(
+                f"spawn() needs a module-level function (picklable by name), got {fn!r}"
+            )
+        self.module, self.qualname = fn.__module__, qualname
+        try:
+            self.path: str | None = inspect.getfile(fn)
+        except TypeError:
+            self.path = None
+
+    def resolve(self) -> Callable[..., Any]:
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError:
+            if self.path is None:
+                raise
+            spec = importlib.util.spec_from_file_location(self.module, self.path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[self.module] = module
+            spec.loader.exec_module(module)
+        obj: Any = module
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+def _child(ref: _FnRef, rank: int, nprocs: int, port: int, args: tuple, results: Any) -> None:
+    try:
+        value = ref.resolve()(rank, nprocs, port, *args)
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def _stop(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple = (),
+    timeout_s: float = 120.0,
+    port: int | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, nprocs, port, *args)`` in ``nprocs`` local processes.
+
+    Args:
+        fn: a module-level function; its return value must be picklable.
+        nprocs: number of ranks (>= 1).
+        args: extra positional arguments (picklable).
+        timeout_s: wall-clock limit for all ranks together.
+        port: rendezvous port to hand to the ranks (default: a free loopback port).
+
+    Returns:
+        The ranks' return values, in rank order.
+
+    Raises:
+        SpawnError: a rank raised (message includes its traceback), exited without a
+            result, or the timeout passed; all remaining ranks are terminated first.
+    """
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive seconds, got {timeout_s!r}")
+    ref = _FnRef(fn)
+    port = find_free_port() if port is None else port
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_child, args=(ref, r, nprocs, port, tuple(args), results),
+                    name=f"forwardkit-rank{r}", daemon=True)
+        for r in range(nprocs)
+    ]
+    for proc in procs:
+        proc.start()
+
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(values) < nprocs:
+            try:
+                rank, ok, payload = results.get(timeout=_POLL_S)
+            except queue_mod.Empty:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(nprocs)) - set(values))
+                    raise SpawnError(
+                        f"spawn: ranks {missing} did not finish within {timeout_s:g} s"
+                    ) from None
+                for r, proc in enumerate(procs):
+                    if r not in values and proc.exitcode is not None:
+                        # Give a result that was queued just before exit a moment to arrive.
+                        try:
+                            rank, ok, payload = results.get(timeout=1.0)
+                            break
+                        except queue_mod.Empty:
+                            raise SpawnError(
+                                f"spawn: rank {r} exited with code {proc.exitcode} "
+                                "without returning a result", rank=r,
+                            ) from None
+                else:
+                    continue
+            if not ok:
+                raise SpawnError(
+                    f"spawn: rank {rank} failed:\n{payload}", rank=rank, remote_traceback=payload
+                )
+            values[rank] = payload
+    finally:
+        if len(values) == nprocs:
+            for proc in procs:
+                proc.join(5.0)
+        _stop(procs)
+        results.close()
+    return [values[r] for r in range(nprocs)]

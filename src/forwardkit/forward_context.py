@@ -1,0 +1,431 @@
+"""The forward context: what the step that is running right now needs to know.
+
+Model code deep inside the network (attention custom ops, MoE layers, CUDA-graph wrappers)
+reads the current :class:`ForwardContext` via :func:`get_forward_context` instead of taking
+extra arguments, which keeps compiled graphs' signatures stable. The model runner installs
+it around each forward with :func:`set_forward_context`.
+
+Re-implements vLLM 0.14.0's ``vllm.forward_context`` (spec/runtime.md §1, §7.1) with one
+deliberate change: the current context lives in a :class:`contextvars.ContextVar`, not a
+process global, so every thread (micro-batch threads) and asyncio task sees its own context.
+A new thread starts with no context; an asyncio task starts with its creator's.
+``_forward_context`` is still readable as a module attribute (it returns the caller's current
+context), but assigning to it has no effect; use :func:`override_forward_context`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar, Token
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from forwardkit import envs, telemetry
+from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.distributed.dp_utils import coordinate_batch_across_dp
+from forwardkit.logger import init_logger
+from forwardkit.platforms import current_platform
+from forwardkit.ubatch import UBatchSlices
+
+__all__ = [
+    "BatchDescriptor",
+    "DPMetadata",
+    "ForwardContext",
+    "ForwardContextNotSetError",
+    "UBatchSlices",
+    "coordinate_batch_across_dp",
+    "create_forward_context",
+    "current_platform",
+    "get_batchsize_stats",
+    "get_forward_context",
+    "init_logger",
+    "is_forward_context_available",
+    "override_forward_context",
+    "reset_batchsize_stats",
+    "set_forward_context",
+]
+
+logger = init_logger(__name__)
+
+# Batch-size telemetry (spec §1.2, §7.1). Plain module attributes: tests monkeypatch them.
+batchsize_logging_interval: float = envs.FORWARDKIT_LOG_BATCHSIZE_INTERVAL
+track_batchsize: bool = batchsize_logging_interval >= 0
+batchsize_forward_time: defaultdict[Any, list[float]] = defaultdict(list)
+forward_start_time: float = 0
+last_logging_time: float = 0
+
+_NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+_NOT_SET_MSG = (
+    "Forward context is not set. Please use `set_forward_context` to set the forward context."
+)
+
+
+class ForwardContextNotSetError(AssertionError):
+    """``get_forward_context()`` was called outside any forward context.
+
+    An ``AssertionError`` subclass, so code written against vLLM keeps working.
+    """
+
+
+class BatchDescriptor(NamedTuple):
+    """The key that identifies a captured CUDA graph: the shape class of one step.
+
+    ``num_tokens`` is the padded token count; ``num_reqs`` None means "any number of
+    requests" (PIECEWISE graphs and mixed-batch FULL graphs); ``uniform`` marks
+    uniform-decode batches; ``has_lora`` active LoRA adapters. Every field takes part in
+    equality and hashing, so keep the set minimal.
+    """
+
+    num_tokens: int
+    num_reqs: int | None = None
+    uniform: bool = False
+    has_lora: bool = False
+
+    def relax_for_mixed_batch_cudagraphs(self) -> BatchDescriptor:
+        """The same descriptor with ``num_reqs=None`` and ``uniform=False`` (mixed-batch key)."""
+        return BatchDescriptor(self.num_tokens, None, False, self.has_lora)
+
+
+def _compute_sp_num_tokens(
+    num_tokens_across_dp_cpu: torch.Tensor, sequence_parallel_size: int
+) -> list[int]:
+    """Each DP rank's ``ceil(n / sp)``, repeated ``sp`` times (length ``dp_size * sp``)."""
+    sp = sequence_parallel_size
+    if sp < 1:
+        raise ValueError(f"sequence_parallel_size must be >= 1, got {sp}")
+    return [(int(n) + sp - 1) // sp for n in num_tokens_across_dp_cpu.tolist() for _ in range(sp)]
+
+
+def _compute_chunked_local_num_tokens(
+    num_tokens_across_dp_cpu: torch.Tensor,
+    sequence_parallel_size: int,
+    max_num_tokens: int,
+    chunk_idx: int,
+) -> list[int]:
+    """Tokens per (DP, SP) rank in chunk ``chunk_idx`` of at most ``max_num_tokens`` each.
+
+    A rank that has run out of tokens reports 1, so it still joins that chunk's collective
+    (with one dummy row) and all ranks stay in lockstep.
+    """
+    out = []
+    for total in _compute_sp_num_tokens(num_tokens_across_dp_cpu, sequence_parallel_size):
+        local = min(max_num_tokens, total - max_num_tokens * chunk_idx)
+        out.append(local if local > 0 else 1)
+    return out
+
+
+@dataclass
+class DPMetadata:
+    """Token counts of every DP rank for the current step.
+
+    ``num_tokens_across_dp_cpu`` (1-d CPU tensor, one entry per DP rank, after DP padding),
+    ``max_tokens_across_dp_cpu`` (its maximum as a 0-d tensor of the same dtype), and
+    ``local_sizes`` (per-rank chunk sizes; set only inside :meth:`chunked_sizes` /
+    :meth:`sp_local_sizes`).
+    """
+
+    max_tokens_across_dp_cpu: torch.Tensor
+    num_tokens_across_dp_cpu: torch.Tensor
+    local_sizes: list[int] | None = None
+
+    @staticmethod
+    def make(
+        parallel_config: Any, num_tokens: int, num_tokens_across_dp_cpu: torch.Tensor
+    ) -> DPMetadata:
+        """Build the metadata from the agreed per-rank counts (no communication).
+
+        Asserts that DP is on (``data_parallel_size > 1``), the model is not known to be
+        dense (``is_moe_model`` is not False) and this rank's entry equals ``num_tokens``
+        (message: ``"<entry> <num_tokens>"``).
+        """
+        assert num_tokens_across_dp_cpu is not None
+        assert parallel_config.data_parallel_size > 1
+        assert getattr(parallel_config, "is_moe_model", None) is not False
+        if not isinstance(num_tokens_across_dp_cpu, torch.Tensor):
+            num_tokens_across_dp_cpu = torch.tensor(num_tokens_across_dp_cpu, dtype=torch.int32)
+        dp_rank = parallel_config.data_parallel_rank
+        mine = int(num_tokens_across_dp_cpu[dp_rank])
+        assert mine == num_tokens, f"{mine} {num_tokens}"
+        return DPMetadata(torch.max(num_tokens_across_dp_cpu), num_tokens_across_dp_cpu)
+
+    @contextmanager
+    def chunked_sizes(
+        self, sequence_parallel_size: int, max_chunk_size_per_rank: int, chunk_idx: int
+    ) -> Iterator[list[int]]:
+        """Set ``local_sizes`` to every rank's token count in chunk ``chunk_idx``; yields it.
+
+        Chunked MoE splits each rank's tokens into chunks of at most
+        ``max_chunk_size_per_rank``; ranks that are done report 1 so collectives stay in
+        lockstep. ``local_sizes`` is reset to None on exit (also on exceptions).
+        """
+        self.local_sizes = _compute_chunked_local_num_tokens(
+            self.num_tokens_across_dp_cpu, sequence_parallel_size, max_chunk_size_per_rank,
+            chunk_idx,
+        )
+        try:
+            yield self.local_sizes
+        finally:
+            self.local_sizes = None
+
+    @contextmanager
+    def sp_local_sizes(self, sequence_parallel_size: int) -> Iterator[list[int]]:
+        """Like :meth:`chunked_sizes` without chunking: ``ceil(n / sp)`` per (DP, SP) rank."""
+        self.local_sizes = _compute_sp_num_tokens(
+            self.num_tokens_across_dp_cpu, sequence_parallel_size
+        )
+        try:
+            yield self.local_sizes
+        finally:
+            self.local_sizes = None
+
+    def get_chunk_sizes_across_dp_rank(self) -> list[int] | None:
+        """``local_sizes``; only valid inside :meth:`chunked_sizes` / :meth:`sp_local_sizes`."""
+        assert self.local_sizes is not None
+        return self.local_sizes
+
+    def cu_tokens_across_sp(self, sp_size: int) -> torch.Tensor:
+        """Inclusive cumulative sum of ``ceil(n / sp_size)`` repeated ``sp_size`` times (int64).
+
+        Rank ``r``'s rows in a gathered buffer are ``[cu[r-1], cu[r])`` (0 for ``r == 0``).
+        """
+        if sp_size < 1:
+            raise ValueError(f"sp_size must be >= 1, got {sp_size}")
+        per_rank = (self.num_tokens_across_dp_cpu - 1 + sp_size) // sp_size
+        return torch.cumsum(per_rank.repeat_interleave(sp_size), dim=0)
+
+
+@dataclass
+class ForwardContext:
+    """Everything the running step exposes to model code.
+
+    ``no_compile_layers`` is the config's ``static_forward_context`` dict itself (layer name
+    -> layer); ``attn_metadata`` is a dict layer name -> metadata (a list of such dicts, one
+    per micro-batch, when micro-batching; None in profile/warm-up runs);
+    ``virtual_engine`` indexes each attention layer's ``kv_cache`` list.
+    ``cudagraph_runtime_mode`` must be NONE, PIECEWISE or FULL.
+    """
+
+    no_compile_layers: dict[str, Any]
+    attn_metadata: Any
+    virtual_engine: int
+    dp_metadata: DPMetadata | None = None
+    cudagraph_runtime_mode: CUDAGraphMode = _NONE
+    batch_descriptor: BatchDescriptor | None = None
+    ubatch_slices: UBatchSlices | None = None
+    additional_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        mode = self.cudagraph_runtime_mode
+        if not (mode is _NONE or mode is _PIECEWISE or mode is _FULL):
+            raise AssertionError(f"Invalid cudagraph runtime mode: {mode}")
+
+
+_CURRENT: ContextVar[ForwardContext | None] = ContextVar("forwardkit_forward_context", default=None)
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM exposes the current context as the module global ``_forward_context``.
+    if name == "_forward_context":
+        return _CURRENT.get()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def get_forward_context() -> ForwardContext:
+    """The forward context of the calling thread / task.
+
+    Raises :class:`ForwardContextNotSetError` (an ``AssertionError``) when none is set.
+    """
+    ctx = _CURRENT.get()
+    if ctx is None:
+        raise ForwardContextNotSetError(_NOT_SET_MSG)
+    return ctx
+
+
+def is_forward_context_available() -> bool:
+    """Whether a forward context is set for the calling thread / task."""
+    return _CURRENT.get() is not None
+
+
+def create_forward_context(
+    attn_metadata: Any,
+    vllm_config: Any,
+    virtual_engine: int = 0,
+    dp_metadata: DPMetadata | None = None,
+    cudagraph_runtime_mode: CUDAGraphMode = _NONE,
+    batch_descriptor: BatchDescriptor | None = None,
+    ubatch_slices: UBatchSlices | None = None,
+    additional_kwargs: dict[str, Any] | None = None,
+) -> ForwardContext:
+    """Build (but do not install) a :class:`ForwardContext` for ``vllm_config``.
+
+    ``vllm_config`` is any object with ``compilation_config.static_forward_context``
+    (an :class:`~forwardkit.config.engine.EngineConfig` or a stand-in).
+    """
+    return ForwardContext(
+        vllm_config.compilation_config.static_forward_context,
+        attn_metadata,
+        virtual_engine,
+        dp_metadata,
+        cudagraph_runtime_mode,
+        batch_descriptor,
+        ubatch_slices,
+        additional_kwargs or {},
+    )
+
+
+def _restore(token: Token) -> None:
+    try:
+        _CURRENT.reset(token)
+    except ValueError:  # exited in another asyncio task/context than entered: best effort
+        old = token.old_value
+        _CURRENT.set(None if old is Token.MISSING else old)
+
+
+class _OverrideScope:
+    """Context manager installing a fixed context (see :func:`override_forward_context`)."""
+
+    __slots__ = ("_ctx", "_token")
+
+    def __init__(self, forward_context: ForwardContext | None) -> None:
+        self._ctx = forward_context
+        self._token: Token | None = None
+
+    def __enter__(self) -> None:
+        self._token = _CURRENT.set(self._ctx)
+
+    def __exit__(self, *exc: object) -> None:
+        _restore(self._token)
+
+
+def override_forward_context(forward_context: ForwardContext | None) -> _OverrideScope:
+    """Context manager: make ``forward_context`` current (None: none) and restore on exit.
+
+    Affects only the calling thread / asyncio task; nests; restores on exceptions.
+    """
+    return _OverrideScope(forward_context)
+
+
+class _ForwardStepScope:
+    """The context manager returned by :func:`set_forward_context` (work happens on enter)."""
+
+    __slots__ = ("_args", "_token", "_start", "_num_tokens")
+
+    def __init__(self, args: tuple) -> None:
+        self._args = args
+        self._token: Token | None = None
+        self._start: float | None = None
+
+    def __enter__(self) -> None:
+        global forward_start_time
+        (attn_metadata, vllm_config, virtual_engine, num_tokens, num_tokens_across_dp,
+         cudagraph_runtime_mode, batch_descriptor, ubatch_slices) = self._args
+        self._num_tokens = num_tokens
+        if track_batchsize and attn_metadata is not None:
+            # NOTE: the start time is kept per scope; vLLM's single global (spec §9.12) is
+            # also updated for compatibility but not used for the measurement.
+            self._start = forward_start_time = time.perf_counter()
+
+        dp_metadata = None
+        parallel_config = vllm_config.parallel_config
+        if parallel_config.data_parallel_size > 1 and (
+            attn_metadata is not None or num_tokens is not None
+        ):
+            if num_tokens_across_dp is None:
+                assert ubatch_slices is None, (
+                    "ubatch_slices need num_tokens_across_dp from coordinate_batch_across_dp"
+                )
+                assert num_tokens is not None, (
+                    "with data_parallel_size > 1, set_forward_context needs num_tokens or "
+                    "num_tokens_across_dp"
+                )
+                # A collective: every DP rank must enter its forward context together.
+                _, num_tokens_across_dp, _ = coordinate_batch_across_dp(
+                    num_tokens_unpadded=num_tokens, parallel_config=parallel_config,
+                    allow_microbatching=False, allow_dp_padding=False,
+                )
+                assert num_tokens_across_dp is not None
+            dp_metadata = DPMetadata.make(parallel_config, num_tokens or 0, num_tokens_across_dp)
+
+        if (cudagraph_runtime_mode is not _NONE and num_tokens is not None
+                and batch_descriptor is None):
+            batch_descriptor = BatchDescriptor(num_tokens)
+
+        additional_kwargs = current_platform.set_additional_forward_context(
+            attn_metadata=attn_metadata, vllm_config=vllm_config,
+            virtual_engine=virtual_engine, dp_metadata=dp_metadata, num_tokens=num_tokens,
+            num_tokens_across_dp=num_tokens_across_dp,
+            cudagraph_runtime_mode=cudagraph_runtime_mode, batch_descriptor=batch_descriptor,
+            ubatch_slices=ubatch_slices,
+        )
+        ctx = ForwardContext(
+            vllm_config.compilation_config.static_forward_context, attn_metadata,
+            virtual_engine, dp_metadata, cudagraph_runtime_mode, batch_descriptor,
+            ubatch_slices, additional_kwargs or {},
+        )
+        self._token = _CURRENT.set(ctx)
+
+    def __exit__(self, *exc: object) -> None:
+        _restore(self._token)
+        if self._start is not None:
+            _record_forward_time(self._num_tokens, self._start)
+
+
+def set_forward_context(
+    attn_metadata: Any,
+    vllm_config: Any,
+    virtual_engine: int = 0,
+    num_tokens: int | None = None,
+    num_tokens_across_dp: torch.Tensor | None = None,
+    cudagraph_runtime_mode: CUDAGraphMode = _NONE,
+    batch_descriptor: BatchDescriptor | None = None,
+    ubatch_slices: UBatchSlices | None = None,
+) -> _ForwardStepScope:
+    """Context manager that installs the forward context of one model step.
+
+    On entry (spec §1.7): with ``data_parallel_size > 1`` builds :class:`DPMetadata` from
+    ``num_tokens_across_dp`` (or, when that is None, from a ``coordinate_batch_across_dp``
+    all-reduce without padding — a collective every DP rank must join); when the mode is not
+    NONE and no descriptor is given, uses ``BatchDescriptor(num_tokens)``; asks the platform
+    for ``additional_kwargs``; installs the context for the calling thread / task. On exit
+    the previous context is restored (also on exceptions, which propagate) and, with
+    batch-size telemetry on and ``attn_metadata`` not None, the step time is recorded.
+    The ``with`` target is None.
+    """
+    return _ForwardStepScope((
+        attn_metadata, vllm_config, virtual_engine, num_tokens, num_tokens_across_dp,
+        cudagraph_runtime_mode, batch_descriptor, ubatch_slices,
+    ))
+
+
+def _record_forward_time(num_tokens: int | None, start: float) -> None:
+    """Telemetry exit step (spec §7.1): sync, record, and log at most once per interval."""
+    global last_logging_time
+    synchronize = current_platform.synchronize
+    if synchronize is not None:
+        synchronize()
+    now = time.perf_counter()
+    batchsize_forward_time[num_tokens].append((now - start) * 1000)
+    if now - last_logging_time > batchsize_logging_interval:
+        last_logging_time = now
+        line = telemetry.format_summary(batchsize_forward_time)
+        if line is not None:
+            logger.info(line)
+
+
+def get_batchsize_stats() -> dict[int, dict[str, float]]:
+    """Recorded forward times per batch size: ``count``, ``median_ms``, ``p99_ms``, ``mean_ms``.
+
+    Empty unless telemetry is on (``FORWARDKIT_LOG_BATCHSIZE_INTERVAL >= 0``). The key is the
+    ``num_tokens`` given to :func:`set_forward_context` (None when it was not given).
+    """
+    return telemetry.summarize(batchsize_forward_time)
+
+
+def reset_batchsize_stats() -> None:
+    """Forget every recorded forward time (vLLM never clears them; this is an addition)."""
+    batchsize_forward_time.clear()
