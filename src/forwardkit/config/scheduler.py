@@ -9,7 +9,7 @@ from dataclasses import InitVar, field
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass
 
-__all__ = ["SchedulerConfig"]
+__all__ = ["SchedulerConfig", "SpeculativeConfig"]
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 128
@@ -75,4 +75,38 @@ class SchedulerConfig:
     def compute_hash(self) -> str:
         """Hash of what changes the compiled graph: only ``max_num_batched_tokens``."""
         factors = {"max_num_batched_tokens": self.max_num_batched_tokens}
+        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+
+
+_EAGLE_LIKE_METHODS = frozenset({"eagle", "eagle3", "mtp", "deepseek_mtp", "draft_model"})
+
+
+@dataclass(config=ConfigDict(extra="forbid"))
+class SpeculativeConfig:
+    """Speculative decoding, as far as config resolution needs it (no drafter runs here).
+
+    ``num_speculative_tokens`` draft tokens per request make a uniform decode step
+    ``1 + num_speculative_tokens`` tokens long, which changes the default capture sizes.
+    """
+
+    num_speculative_tokens: int = 1
+    """Draft tokens proposed per request per step (>= 1)."""
+    method: str = "ngram"
+    """Drafting method (``ngram``, ``eagle``, ``eagle3``, ``mtp``, ...)."""
+    disable_padded_drafter_batch: bool = False
+    """Do not pad the drafter batch (incompatible with async scheduling)."""
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+
+    def use_eagle(self) -> bool:
+        """The drafter is EAGLE/MTP-like (the only kind async scheduling supports)."""
+        return self.method in _EAGLE_LIKE_METHODS
+
+    def compute_hash(self) -> str:
+        """Hash of the method and the number of draft tokens."""
+        factors = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
         return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()

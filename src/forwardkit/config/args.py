@@ -1,0 +1,267 @@
+"""vLLM-style engine arguments, shared by ``forwardkit config``, ``generate`` and ``bench``.
+
+``add_engine_args(parser)`` adds the flags; ``engine_config_from_args(ns)`` turns the parsed
+namespace into a resolved :class:`~forwardkit.config.engine.EngineConfig`. Accepted forms::
+
+    -O3   -O 3   -O=3   --optimization-level 3          optimisation level O0..O3
+    -O.cudagraph_mode=FULL   -O.pass_config.eliminate_noops=false   dotted compilation keys
+    --compilation-config '{"mode": 3}'   -cc '{...}'   -cc.mode=3   --compilation-config.mode=3
+
+Dotted values are parsed as JSON when they are valid JSON (``3``, ``false``, ``[1, 2]``) and
+kept as strings otherwise (``FULL``); they override keys of ``--compilation-config``. Every
+bad value raises a one-line ``ValueError`` naming the flag or key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from forwardkit.config.cache import CacheConfig
+from forwardkit.config.engine import EngineConfig, OptimizationLevel
+from forwardkit.config.model import ModelConfig
+from forwardkit.config.parallel import ALL2ALL_BACKENDS, ParallelConfig
+from forwardkit.config.scheduler import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    SchedulerConfig,
+)
+from forwardkit.platforms import platform_by_name
+
+__all__ = [
+    "add_engine_args",
+    "compilation_overrides_from_args",
+    "engine_config_from_args",
+    "normalize_engine_argv",
+    "one_line_error",
+]
+
+_DOTTED = re.compile(r"^(?:-cc|--compilation-config)\.(.*)$")
+
+
+def normalize_engine_argv(argv: Sequence[str]) -> list[str]:
+    """Rewrite ``-cc.k=v`` / ``--compilation-config.k=v`` to ``-O.k=v`` (argparse can't match them).
+
+    Tokens after a literal ``--`` are left alone.
+    """
+    out: list[str] = []
+    rest = False
+    for token in argv:
+        if not rest and token == "--":
+            rest = True
+        match = None if rest else _DOTTED.match(token)
+        out.append(f"-O.{match.group(1)}" if match else token)
+    return out
+
+
+def _install_normalizer(parser: argparse.ArgumentParser) -> None:
+    original = parser.parse_known_args
+
+    def parse_known_args(args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        argv = sys.argv[1:] if args is None else args
+        return original(normalize_engine_argv(list(argv)), namespace)
+
+    # NOTE: set on the instance, so it also runs when this parser is a subcommand parser
+    # (argparse calls the subparser's parse_known_args with the remaining tokens).
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the engine flags (model, batch limits, parallelism, optimisation, compilation)."""
+    _install_normalizer(parser)
+    g = parser.add_argument_group("engine configuration")
+    g.add_argument("--model", default=None, metavar="DIR",
+                   help="local Hugging Face checkpoint directory (config.json + safetensors); "
+                        "default: the built-in small model")
+    g.add_argument("--dtype", default=None,
+                   help="model dtype: auto (from config.json), float32, bfloat16 or float16")
+    g.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+                   help="longest sequence (default: max_position_embeddings of the model)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=None, metavar="N",
+                   help=f"most requests per step (default {DEFAULT_MAX_NUM_SEQS})")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, metavar="N",
+                   help=f"most tokens per step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, at least "
+                        "max-num-seqs)")
+    g.add_argument("--block-size", type=_positive_int, default=None, metavar="N",
+                   help="tokens per KV-cache block (default 16)")
+    g.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=None, metavar="N",
+                   help="data-parallel replicas (default 1)")
+    g.add_argument("--data-parallel-rank", type=int, default=None, metavar="R",
+                   help="this process's data-parallel rank (default 0)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=None, metavar="N",
+                   help="tensor-parallel ranks (default 1; used for sequence-parallel sizes)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="shard MoE experts over data-parallel ranks")
+    g.add_argument("--all2all-backend", choices=ALL2ALL_BACKENDS, default=None,
+                   help="MoE all-to-all backend (default allgather_reducescatter)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no torch.compile and no CUDA graphs (forces -O0)")
+    g.add_argument("--platform", choices=("cuda", "cpu"), default=None,
+                   help="resolve for this platform (default: detected); 'cuda' works without a GPU "
+                        "for inspecting configs")
+    g.add_argument("-O", "--optimization-level", dest="engine_O", action="append", default=[],
+                   metavar="LEVEL|.KEY=VALUE",
+                   help="optimisation level 0-3 (-O3, -O 3, -O=3; default 2), or a dotted "
+                        "compilation-config key: -O.cudagraph_mode=FULL, -O.pass_config.eliminate_noops=false")
+    g.add_argument("--compilation-config", "-cc", dest="compilation_config", default=None,
+                   metavar="JSON",
+                   help="compilation config as a JSON object, e.g. '{\"mode\": 3, "
+                        "\"cudagraph_capture_sizes\": [1, 2, 4]}'; single keys: -cc.KEY=VALUE")
+    return parser
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _set_dotted(target: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    if not all(parts):
+        raise ValueError(f"invalid compilation-config key {key!r} (empty part between dots)")
+    node = target
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ValueError(f"compilation-config key {part!r} is not an object; cannot set {key!r}")
+        node = child
+    node[parts[-1]] = value
+
+
+def compilation_overrides_from_args(ns: argparse.Namespace) -> tuple[int | None, dict[str, Any]]:
+    """(optimisation level or None, compilation-config dict) from ``-O`` / ``-cc`` arguments."""
+    level: int | None = None
+    config: dict[str, Any] = {}
+    raw = getattr(ns, "compilation_config", None)
+    if raw is not None:
+        try:
+            config = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--compilation-config is not valid JSON ({exc}): {raw!r}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"--compilation-config must be a JSON object, got {raw!r}")
+    for item in getattr(ns, "engine_O", None) or []:
+        text = item.strip()
+        if text.startswith("."):
+            key, sep, value = text[1:].partition("=")
+            if not sep or not key:
+                raise ValueError(f"invalid -O{text}: expected -O.KEY=VALUE, e.g. -O.cudagraph_mode=FULL")
+            _set_dotted(config, key, _parse_value(value))
+        elif re.fullmatch(r"\d+", text):
+            if int(text) not in {lvl.value for lvl in OptimizationLevel}:
+                raise ValueError(f"invalid optimization level {text!r}; expected 0, 1, 2 or 3")
+            level = int(text)
+        else:
+            raise ValueError(
+                f"invalid -O value {item!r}; expected a level 0-3 (-O3, -O 3, -O=3) or "
+                "-O.KEY=VALUE"
+            )
+    _check_compilation_keys(config)
+    return level, config
+
+
+def _check_compilation_keys(config: dict[str, Any]) -> None:
+    from forwardkit.config.compilation import CompilationConfig
+
+    accepted = sorted(f.name for f in dataclasses.fields(CompilationConfig) if f.init)
+    for key in config:
+        if key not in accepted:
+            raise ValueError(f"unknown compilation-config key {key!r}; accepted: {', '.join(accepted)}")
+
+
+def one_line_error(exc: ValidationError) -> str:
+    """Condense a pydantic ``ValidationError`` into one line naming each bad field."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        msg = err.get("msg", "").removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        parts.append(f"{exc.title}.{loc}: {msg}" if loc else f"{exc.title}: {msg}")
+    return "; ".join(parts) or str(exc).splitlines()[0]
+
+
+def engine_config_from_args(ns: argparse.Namespace, *,
+                            default_hf_config: dict[str, Any] | None = None) -> EngineConfig:
+    """Build and resolve an :class:`EngineConfig` from :func:`add_engine_args` arguments.
+
+    ``default_hf_config`` describes the model used when ``--model`` is absent (the tools pass
+    the built-in model's config so capture sizes are worked out for it); without it and
+    without ``--model`` the engine has no model config.
+    """
+    try:
+        return _build(ns, default_hf_config)
+    except ValidationError as exc:
+        raise ValueError(one_line_error(exc)) from None
+
+
+def _build(ns: argparse.Namespace, default_hf_config: dict[str, Any] | None) -> EngineConfig:
+    level, compilation = compilation_overrides_from_args(ns)
+    model_kwargs: dict[str, Any] = {}
+    if ns.max_model_len is not None:
+        model_kwargs["max_model_len"] = ns.max_model_len
+    if ns.enforce_eager:
+        model_kwargs["enforce_eager"] = True
+    dtype = ns.dtype
+    model: ModelConfig | None
+    if ns.model is not None:
+        model = ModelConfig.from_pretrained(ns.model, dtype=dtype, **model_kwargs)
+    elif default_hf_config is not None:
+        model = ModelConfig(hf_config=dict(default_hf_config), dtype=dtype or "auto", **model_kwargs)
+    else:
+        given = [flag for flag, on in (("--dtype", dtype is not None), ("--enforce-eager", ns.enforce_eager),
+                                       ("--max-model-len", ns.max_model_len is not None)) if on]
+        if given:
+            raise ValueError(f"{', '.join(given)} need a model: pass --model DIR")
+        model = None
+
+    seqs, tokens = ns.max_num_seqs, ns.max_num_batched_tokens
+    if tokens is None:
+        tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, seqs or 0)
+    if seqs is None:
+        seqs = min(DEFAULT_MAX_NUM_SEQS, tokens)
+    scheduler = SchedulerConfig(
+        max_num_seqs=seqs,
+        max_num_batched_tokens=tokens,
+        max_model_len=model.max_model_len if model is not None else DEFAULT_MAX_MODEL_LEN,
+        is_encoder_decoder=model.is_encoder_decoder if model is not None else False,
+    )
+    parallel_kwargs: dict[str, Any] = {}
+    for name in ("data_parallel_size", "data_parallel_rank", "tensor_parallel_size", "all2all_backend"):
+        value = getattr(ns, name, None)
+        if value is not None:
+            parallel_kwargs[name] = value
+    if ns.enable_expert_parallel:
+        parallel_kwargs["enable_expert_parallel"] = True
+    kwargs: dict[str, Any] = {
+        "model_config": model,
+        "parallel_config": ParallelConfig(**parallel_kwargs),
+        "scheduler_config": scheduler,
+        "cache_config": CacheConfig(block_size=ns.block_size) if ns.block_size else CacheConfig(),
+        "compilation_config": compilation,
+    }
+    if level is not None:
+        kwargs["optimization_level"] = level
+    if ns.platform is not None:
+        kwargs["platform"] = platform_by_name(ns.platform)
+    return EngineConfig(**kwargs)
