@@ -1,0 +1,272 @@
+"""``CUDAGraphWrapper``: capture a runnable once per batch descriptor, replay it afterwards.
+
+Behaviour follows vLLM 0.14.0's ``vllm.compilation.cuda_graph`` (spec/runtime.md §5,
+spec/compilation.md §8). Per call the wrapper reads the runtime mode and batch descriptor
+from the forward context: if the mode is NONE or not this wrapper's mode it just calls the
+runnable (this lets a FULL wrapper around the model and PIECEWISE wrappers around compiled
+pieces coexist); otherwise it captures on first sight of the descriptor and replays later.
+
+The graph primitives come from a :class:`GraphBackend` (default: ``torch.cuda.CUDAGraph``),
+so the capture/replay/fall-through decisions can be tested on CPU with a fake backend.
+
+Differences from the reference, on purpose:
+* the platform's global graph pool is fetched at the first capture, not at construction, so a
+  wrapper can be built on a machine without CUDA (the reference fails there, spec §9.15);
+* vLLM's NCCL-allocator hook (``set_graph_pool_id``) is not needed: forwardkit has no custom
+  NCCL buffer allocator;
+* ``eager_warmups`` (default 0, like vLLM 0.14 whose runner does the warm-ups, §5.7) lets a
+  standalone user have the wrapper run a new descriptor eagerly N times before capturing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from forwardkit import envs
+from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.cudagraph import monitor
+from forwardkit.forward_context import BatchDescriptor, get_forward_context
+from forwardkit.logger import init_logger
+from forwardkit.platforms import current_platform
+
+__all__ = [
+    "CUDAGraphEntry",
+    "CUDAGraphOptions",
+    "CUDAGraphWrapper",
+    "GraphBackend",
+    "weak_ref_tensor",
+    "weak_ref_tensors",
+]
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class CUDAGraphOptions:
+    """Per-wrapper options; piecewise pieces differ by position (spec §5.8)."""
+
+    debug_log_enable: bool = True  # DEBUG-log each capture (first piece only for piecewise)
+    gc_disable: bool = False  # make gc.collect / empty_cache no-ops during capture
+    weak_ref_output: bool = True  # turn the output into weak refs inside the capture
+
+
+@dataclass
+class CUDAGraphEntry:
+    """One captured graph: its key, the graph, its (weak) outputs and recorded input pointers."""
+
+    batch_descriptor: BatchDescriptor
+    cudagraph: Any | None = None
+    output: Any | None = None
+    input_addresses: list[int] | None = None
+
+
+def weak_ref_tensor(tensor: Any) -> Any:
+    """A tensor aliasing ``tensor``'s memory without keeping it alive; non-tensors unchanged.
+
+    The caller must keep the memory alive some other way (for graph outputs: the graph pool).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    storage = tensor.untyped_storage()
+    weak_storage = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), tensor.device, storage.nbytes()
+    )
+    weak = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return weak.set_(weak_storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+
+def weak_ref_tensors(tensors: Any) -> Any:
+    """Weak references for a tensor, a list/tuple of tensors, or an object with ``.tensors``.
+
+    Objects with a ``tensors`` dict (``IntermediateTensors``) are rebuilt as
+    ``type(obj)(weak dict)``. Anything else raises ``ValueError("Invalid type for tensors")``.
+    """
+    if isinstance(tensors, torch.Tensor):
+        return weak_ref_tensor(tensors)
+    if isinstance(tensors, list):
+        return [weak_ref_tensor(t) for t in tensors]
+    if isinstance(tensors, tuple):
+        return tuple(weak_ref_tensor(t) for t in tensors)
+    inner = getattr(tensors, "tensors", None)
+    if isinstance(inner, dict):
+        return type(tensors)({k: weak_ref_tensor(v) for k, v in inner.items()})
+    raise ValueError(f"Invalid type for tensors: {type(tensors).__name__}")
+
+
+class GraphBackend:
+    """Graph primitives used by the wrapper; this default uses ``torch.cuda.CUDAGraph``.
+
+    Tests substitute a subclass with fake graphs to exercise the wrapper's decisions on CPU.
+    """
+
+    def graph_pool(self) -> Any:
+        """The memory pool every capture shares (the platform's global pool)."""
+        return current_platform.get_global_graph_pool()
+
+    def new_graph(self) -> Any:
+        """A fresh, empty graph object."""
+        return torch.cuda.CUDAGraph()
+
+    def capture(self, graph: Any, pool: Any) -> contextlib.AbstractContextManager[Any]:
+        """Context manager capturing the enclosed work into ``graph`` using ``pool``.
+
+        Captures on the current stream unless it is the default stream (which cannot be
+        captured); then torch's own side stream is used.
+        """
+        stream = torch.cuda.current_stream()
+        if stream == torch.cuda.default_stream():
+            stream = None
+        return torch.cuda.graph(graph, pool=pool, stream=stream)
+
+    def replay(self, graph: Any) -> None:
+        """Launch a captured graph."""
+        graph.replay()
+
+    def weak_ref(self, output: Any) -> Any:
+        """Weak references to ``output`` (see :func:`weak_ref_tensors`)."""
+        return weak_ref_tensors(output)
+
+
+@contextlib.contextmanager
+def _gc_and_empty_cache_disabled() -> Iterator[None]:
+    """Make ``gc.collect`` and ``torch.cuda.empty_cache`` no-ops for the block.
+
+    The graph-capture context calls both on entry; once per layer piece that is very slow,
+    so only the first piece of a piecewise model keeps them (spec §5.3 step 4).
+    """
+    saved_collect, saved_empty = gc.collect, torch.cuda.empty_cache
+    gc.collect = lambda *args, **kwargs: 0
+    torch.cuda.empty_cache = lambda: None
+    try:
+        yield
+    finally:
+        gc.collect, torch.cuda.empty_cache = saved_collect, saved_empty
+
+
+def _tensor_addresses(args: tuple[Any, ...]) -> list[int]:
+    return [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
+
+
+class CUDAGraphWrapper:
+    """Wraps ``runnable``; captures/replays it for steps whose runtime mode is ``runtime_mode``.
+
+    ``runtime_mode`` is FULL (whole model, wrapped by the runner) or PIECEWISE (one compiled
+    piece); NONE is an ``AssertionError``. Callers must pass the same input storage on every
+    replay of a descriptor (the wrapper never copies inputs), and consume replay outputs before
+    the next replay: they live in the shared graph pool. Unknown attributes are looked up on the
+    runnable. In DEBUG logging mode (``FORWARDKIT_LOGGING_LEVEL=DEBUG`` at construction) replay
+    checks that positional tensor inputs still have their captured addresses.
+    """
+
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        engine_config: Any,
+        runtime_mode: CUDAGraphMode,
+        cudagraph_options: CUDAGraphOptions | None = None,
+        *,
+        graph_backend: GraphBackend | None = None,
+        eager_warmups: int = 0,
+    ) -> None:
+        if not isinstance(runtime_mode, CUDAGraphMode):
+            raise ValueError(
+                f"runtime_mode must be CUDAGraphMode.PIECEWISE or CUDAGraphMode.FULL, got {runtime_mode!r}"
+            )
+        assert runtime_mode != CUDAGraphMode.NONE, (
+            "CUDAGraphWrapper needs runtime_mode PIECEWISE or FULL, got NONE; "
+            "leave the runnable unwrapped to run eagerly"
+        )
+        if not runtime_mode.valid_runtime_modes():
+            raise ValueError(
+                f"runtime_mode {runtime_mode} is a configuration mode; a wrapper serves one "
+                "runtime mode: PIECEWISE or FULL"
+            )
+        if isinstance(eager_warmups, bool) or not isinstance(eager_warmups, int) or eager_warmups < 0:
+            raise ValueError(f"eager_warmups must be an int >= 0, got {eager_warmups!r}")
+        self.runnable = runnable
+        self.engine_config = engine_config
+        self.compilation_config = getattr(engine_config, "compilation_config", None)
+        self.runtime_mode = runtime_mode
+        self.cudagraph_options = cudagraph_options or CUDAGraphOptions()
+        self.graph_backend = graph_backend or GraphBackend()
+        self.eager_warmups = eager_warmups
+        self.graph_pool: Any = None  # fetched at the first capture (see module docstring)
+        self.is_debugging_mode = envs.FORWARDKIT_LOGGING_LEVEL == "DEBUG"
+        self.concrete_cudagraph_entries: dict[BatchDescriptor, CUDAGraphEntry] = {}
+        self._warmups_done: dict[BatchDescriptor, int] = {}
+
+    def __getattr__(self, key: str) -> Any:
+        # Only reached for attributes the wrapper itself lacks.
+        runnable = self.__dict__.get("runnable")
+        if runnable is not None and hasattr(runnable, key):
+            return getattr(runnable, key)
+        raise AttributeError(
+            f"Attribute {key} not exists in the runnable of cudagraph wrapper: {runnable}"
+        )
+
+    def unwrap(self) -> Callable[..., Any]:
+        """The wrapped runnable."""
+        return self.runnable
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        context = get_forward_context()
+        runtime_mode = context.cudagraph_runtime_mode
+        descriptor = context.batch_descriptor
+        if runtime_mode == CUDAGraphMode.NONE or runtime_mode != self.runtime_mode:
+            return self.runnable(*args, **kwargs)
+
+        assert descriptor is not None, (
+            f"forward context has runtime mode {runtime_mode} but no batch_descriptor; "
+            "pass the dispatcher's descriptor (or num_tokens) to set_forward_context"
+        )
+        entry = self.concrete_cudagraph_entries.get(descriptor)
+        if entry is None:
+            entry = self.concrete_cudagraph_entries[descriptor] = CUDAGraphEntry(descriptor)
+        if entry.cudagraph is None:
+            done = self._warmups_done.get(descriptor, 0)
+            if done < self.eager_warmups:
+                self._warmups_done[descriptor] = done + 1
+                return self.runnable(*args, **kwargs)
+            return self._capture(entry, args, kwargs)
+        return self._replay(entry, args)
+
+    def _capture(self, entry: CUDAGraphEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.cudagraph_options.debug_log_enable:
+            logger.debug("Capturing a cudagraph on (%s, %s)", self.runtime_mode.name, entry.batch_descriptor)
+        monitor.validate_cudagraph_capturing_enabled()
+        entry.input_addresses = _tensor_addresses(args)
+        backend = self.graph_backend
+        if self.graph_pool is None:
+            self.graph_pool = backend.graph_pool()
+        graph = backend.new_graph()
+        with contextlib.ExitStack() as stack:
+            if self.cudagraph_options.gc_disable:
+                stack.enter_context(_gc_and_empty_cache_disabled())
+            with backend.capture(graph, self.graph_pool):
+                output = self.runnable(*args, **kwargs)
+                if self.cudagraph_options.weak_ref_output:
+                    # Drop the strong reference inside the capture so its memory goes back to
+                    # the pool at once; only safe for the last piece (no later graph reads it).
+                    output = backend.weak_ref(output)
+        entry.output = backend.weak_ref(output)
+        entry.cudagraph = graph
+        monitor.record_capture()
+        return output
+
+    def _replay(self, entry: CUDAGraphEntry, args: tuple[Any, ...]) -> Any:
+        if self.is_debugging_mode:
+            addresses = _tensor_addresses(args)
+            assert addresses == entry.input_addresses, (
+                "Input addresses for cudagraphs are different during replay. "
+                f"Expected {entry.input_addresses}, got {addresses} "
+                f"(descriptor {entry.batch_descriptor}); pass slices of the same persistent "
+                "buffers on every step"
+            )
+        self.graph_backend.replay(entry.cudagraph)
+        return entry.output

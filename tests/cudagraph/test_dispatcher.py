@@ -1,0 +1,399 @@
+"""CudagraphDispatcher and the runner-side decision helper (spec/runtime.md §4, §8.7-§8.9)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.cudagraph.dispatcher import (
+    CudagraphDispatcher,
+    cudagraphs_available,
+    determine_batch_execution_and_padding,
+    is_uniform_decode,
+)
+from forwardkit.cudagraph.metrics import CUDAGraphStat
+from forwardkit.forward_context import BatchDescriptor as d
+from forwardkit.platforms import CpuPlatform, CudaPlatform
+
+M = CUDAGraphMode
+
+
+def padding_table(sizes: list[int]) -> list[int]:
+    """Smallest capture size >= b for every b up to the max (entry 0 is 0)."""
+    return [0] + [min(s for s in sizes if s >= b) for b in range(1, max(sizes, default=0) + 1)]
+
+
+def make_cfg(
+    mode: CUDAGraphMode = M.FULL_AND_PIECEWISE,
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
+    max_num_seqs: int = 8,
+    spec_tokens: int | None = None,
+    lora: bool = False,
+    specialize_lora: bool = True,
+    piecewise_ok: bool = True,
+    metrics: bool = False,
+    dp_size: int = 1,
+    dp_rank: int = 0,
+    tp: int = 1,
+    enable_sp: bool = False,
+    with_table: bool = True,
+) -> NS:
+    """A SimpleNamespace engine config with only the attributes the dispatcher reads."""
+    sizes_l = sorted(sizes)
+    cc = NS(
+        cudagraph_mode=mode,
+        cudagraph_capture_sizes=sizes_l,
+        max_cudagraph_capture_size=sizes_l[-1] if sizes_l else 0,
+        bs_to_padded_graph_size=padding_table(sizes_l) if with_table else None,
+        cudagraph_specialize_lora=specialize_lora,
+        is_attention_compiled_piecewise=lambda: piecewise_ok,
+        mode=3 if piecewise_ok else 0,
+        splitting_ops=["forwardkit::unified_attention_with_output"] if piecewise_ok else [],
+        pass_config=NS(enable_sp=enable_sp),
+    )
+    return NS(
+        compilation_config=cc,
+        scheduler_config=NS(max_num_seqs=max_num_seqs),
+        speculative_config=None if spec_tokens is None else NS(num_speculative_tokens=spec_tokens),
+        lora_config=NS() if lora else None,
+        parallel_config=NS(
+            data_parallel_size=dp_size, data_parallel_rank=dp_rank, tensor_parallel_size=tp
+        ),
+        observability_config=NS(cudagraph_metrics=metrics),
+        model_config=None,
+    )
+
+
+def dispatcher_for(mode: CUDAGraphMode = M.FULL_AND_PIECEWISE, init: bool = True, **kw) -> CudagraphDispatcher:
+    disp = CudagraphDispatcher(make_cfg(mode=mode, **kw))
+    if init:
+        disp.initialize_cudagraph_keys(mode, disp.uniform_decode_query_len)
+    return disp
+
+
+# ---- E27: keys per configured mode ----------------------------------------------------------
+KEYS_E27 = {
+    M.FULL_AND_PIECEWISE: ({d(n) for n in (1, 2, 4, 8, 16)}, {d(n, n, True) for n in (1, 2, 4, 8)}),
+    M.FULL_DECODE_ONLY: (set(), {d(n, n, True) for n in (1, 2, 4, 8)}),
+    M.FULL: (set(), {d(n) for n in (1, 2, 4, 8, 16)}),
+    M.PIECEWISE: ({d(n) for n in (1, 2, 4, 8, 16)}, set()),
+    M.NONE: (set(), set()),
+}
+
+
+@pytest.mark.parametrize("mode", list(KEYS_E27), ids=str)
+def test_e27_keys_per_mode(mode):
+    disp = dispatcher_for(mode)
+    piecewise, full = KEYS_E27[mode]
+    assert disp.keys_initialized
+    assert disp.cudagraph_keys[M.PIECEWISE] == piecewise
+    assert disp.cudagraph_keys[M.FULL] == full
+
+
+# ---- E28: dispatch -------------------------------------------------------------------------
+E28 = [
+    (M.FULL_AND_PIECEWISE, (3, True, False), {}, (M.FULL, d(4, 4, True, False))),
+    (M.FULL_AND_PIECEWISE, (3, False, False), {}, (M.PIECEWISE, d(4))),
+    (M.FULL_AND_PIECEWISE, (8, True, False), {}, (M.FULL, d(8, 8, True))),
+    (M.FULL_AND_PIECEWISE, (9, True, False), {}, (M.PIECEWISE, d(16))),
+    (M.FULL_AND_PIECEWISE, (12, True, False), {"disable_full": True}, (M.PIECEWISE, d(16))),
+    (M.FULL_AND_PIECEWISE, (16, False, False), {}, (M.PIECEWISE, d(16))),
+    (M.FULL_AND_PIECEWISE, (17, False, False), {}, (M.NONE, d(17))),
+    (M.FULL_AND_PIECEWISE, (5, True, True), {}, (M.NONE, d(5))),
+    (M.FULL_DECODE_ONLY, (3, True, False), {}, (M.FULL, d(4, 4, True))),
+    (M.FULL_DECODE_ONLY, (3, False, False), {}, (M.NONE, d(3))),
+    (M.FULL_DECODE_ONLY, (12, True, False), {}, (M.NONE, d(12))),
+    (M.FULL, (3, True, False), {}, (M.FULL, d(4))),
+    (M.FULL, (3, False, False), {}, (M.FULL, d(4))),
+    (M.FULL, (3, True, False), {"disable_full": True}, (M.NONE, d(3))),
+    (M.PIECEWISE, (3, True, False), {}, (M.PIECEWISE, d(4))),
+    (M.PIECEWISE, (3, False, False), {}, (M.PIECEWISE, d(4))),
+    (M.NONE, (3, True, False), {}, (M.NONE, d(3))),
+]
+
+
+@pytest.mark.parametrize(("mode", "args", "kwargs", "expected"), E28)
+def test_e28_dispatch(mode, args, kwargs, expected):
+    disp = dispatcher_for(mode)
+    result = disp.dispatch(*args, **kwargs)
+    assert result == expected
+    assert isinstance(result[1], d)
+
+
+@pytest.mark.parametrize("mode", [M.FULL_AND_PIECEWISE, M.FULL, M.PIECEWISE, M.FULL_DECODE_ONLY])
+def test_e28_dispatch_before_keys_initialised_is_none(mode):
+    disp = dispatcher_for(mode, init=False)
+    assert not disp.keys_initialized
+    assert disp.dispatch(3, True, False) == (M.NONE, d(3))
+    assert disp.get_capture_descs() == []
+
+
+# ---- E29: speculative decoding ---------------------------------------------------------------
+def test_e29_spec_decode_uq3():
+    disp = dispatcher_for(sizes=(3, 6, 9, 12, 24), max_num_seqs=4, spec_tokens=2)
+    assert disp.uniform_decode_query_len == 3
+    assert disp.cudagraph_keys[M.PIECEWISE] == {d(n) for n in (3, 6, 9, 12, 24)}
+    assert disp.cudagraph_keys[M.FULL] == {d(3, 1, True), d(6, 2, True), d(9, 3, True), d(12, 4, True)}
+    assert disp.dispatch(6, True, False) == (M.FULL, d(6, 2, True))
+    assert disp.dispatch(5, False, False) == (M.PIECEWISE, d(6))
+    assert disp.dispatch(13, True, False) == (M.PIECEWISE, d(24))
+    assert disp.dispatch(13, False, False) == (M.PIECEWISE, d(24))
+
+
+def test_e29_spec_decode_uq2():
+    disp = dispatcher_for(sizes=(1, 2, 4, 8), spec_tokens=1)
+    assert disp.cudagraph_keys[M.FULL] == {d(2, 1, True), d(4, 2, True), d(8, 4, True)}
+    assert disp.dispatch(6, True, False) == (M.FULL, d(8, 4, True))
+    with pytest.raises(AssertionError, match="not a multiple of uniform_decode_query_len=2"):
+        disp.dispatch(1, True, False)
+
+
+def test_uniform_decode_query_len_passed_to_init_wins():
+    """Spec §9.13: keys and padding use one value (the one passed to initialize_cudagraph_keys)."""
+    disp = CudagraphDispatcher(make_cfg(sizes=(1, 2, 4, 8)))
+    disp.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE, 2)
+    assert disp.uniform_decode_query_len == 2
+    assert disp.dispatch(3, True, False) == (M.FULL, d(4, 2, True))
+    with pytest.raises(ValueError, match="uniform_decode_query_len must be a positive int"):
+        disp.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE, 0)
+
+
+# ---- E30: LoRA ---------------------------------------------------------------------------------
+def test_e30_lora_specialised():
+    disp = dispatcher_for(sizes=(1, 2, 4), lora=True, specialize_lora=True)
+    assert disp.cudagraph_keys[M.PIECEWISE] == {d(n, None, False, lo) for n in (1, 2, 4) for lo in (False, True)}
+    assert disp.cudagraph_keys[M.FULL] == {d(n, n, True, lo) for n in (1, 2, 4) for lo in (False, True)}
+    assert disp.dispatch(3, True, True) == (M.FULL, d(4, 4, True, True))
+    assert disp.dispatch(3, False, False) == (M.PIECEWISE, d(4))
+
+
+def test_e30_lora_not_specialised():
+    disp = dispatcher_for(sizes=(1, 2, 4), lora=True, specialize_lora=False)
+    assert disp.cudagraph_keys[M.PIECEWISE] == {d(n, None, False, True) for n in (1, 2, 4)}
+    assert disp.cudagraph_keys[M.FULL] == {d(n, n, True, True) for n in (1, 2, 4)}
+    assert disp.dispatch(3, True, False) == (M.NONE, d(3))
+    assert disp.dispatch(3, True, True) == (M.FULL, d(4, 4, True, True))
+
+
+# ---- E31: max_num_seqs bounds the uniform FULL keys -----------------------------------------------
+def test_e31_max_num_seqs_bounds_full_keys():
+    disp = dispatcher_for(sizes=(1, 2, 4, 8), max_num_seqs=2)
+    assert disp.cudagraph_keys[M.FULL] == {d(1, 1, True), d(2, 2, True)}
+    assert disp.dispatch(2, True, False) == (M.FULL, d(2, 2, True))
+    assert disp.dispatch(3, True, False) == (M.PIECEWISE, d(4))
+    assert disp.dispatch(8, False, False) == (M.PIECEWISE, d(8))
+
+
+# ---- E32: errors -----------------------------------------------------------------------------------
+def test_e32_piecewise_needs_piecewise_compilation():
+    with pytest.raises(AssertionError, match=r"^Compilation mode should be CompilationMode.VLLM_COMPILE when cudagraph_mode piecewise cuda"):
+        CudagraphDispatcher(make_cfg(mode=M.PIECEWISE, piecewise_ok=False))
+
+
+def test_e32_full_decode_only_without_compilation_constructs():
+    disp = CudagraphDispatcher(make_cfg(mode=M.FULL_DECODE_ONLY, piecewise_ok=False))
+    assert disp.keys_initialized is False
+
+
+def test_e32_add_key_none_mode():
+    disp = dispatcher_for()
+    with pytest.raises(AssertionError, match="^Invalid cudagraph runtime mode for keys: NONE$"):
+        disp.add_cudagraph_key(M.NONE, d(4))
+
+
+def test_invalid_inputs_raise_clear_errors():
+    disp = dispatcher_for()
+    with pytest.raises(ValueError, match="num_tokens must be a non-negative int, got -1"):
+        disp.dispatch(-1)
+    with pytest.raises(ValueError, match="invalid cudagraph_mode 'SOMETIMES'"):
+        disp.initialize_cudagraph_keys("SOMETIMES")
+
+
+def test_mode_name_string_accepted_and_reinit_rebuilds_keys():
+    disp = dispatcher_for(M.FULL_AND_PIECEWISE)
+    disp.initialize_cudagraph_keys("FULL_DECODE_ONLY")
+    assert disp.cudagraph_mode == M.FULL_DECODE_ONLY
+    assert disp.cudagraph_keys[M.PIECEWISE] == set()
+    assert disp.dispatch(3, False) == (M.NONE, d(3))
+
+
+def test_padding_without_table_uses_capture_sizes():
+    disp = dispatcher_for(sizes=(4, 12, 20), with_table=False)
+    assert disp.dispatch(5, False) == (M.PIECEWISE, d(12))
+    assert disp.dispatch(13, True) == (M.PIECEWISE, d(20))
+    assert disp.dispatch(3, True) == (M.FULL, d(4, 4, True))
+
+
+# ---- capture list (§6.2, E40) ------------------------------------------------------------------------
+def test_capture_descs_largest_first_with_lora_cases():
+    disp = dispatcher_for(sizes=(1, 2, 4), lora=True)
+    groups = disp.get_capture_descs()
+    assert [m for m, _ in groups] == [M.PIECEWISE, M.FULL]
+    assert [(x.num_tokens, x.has_lora) for x in groups[0][1]] == [
+        (4, True), (4, False), (2, True), (2, False), (1, True), (1, False)
+    ]
+    assert all(not x.uniform and x.num_reqs is None for x in groups[0][1])
+    assert groups[1][1][:2] == [d(4, 4, True, True), d(4, 4, True, False)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        (M.FULL_AND_PIECEWISE, [(M.PIECEWISE, [16, 8, 4, 2, 1]), (M.FULL, [8, 4, 2, 1])]),
+        (M.FULL_DECODE_ONLY, [(M.FULL, [8, 4, 2, 1])]),
+        (M.FULL, [(M.FULL, [16, 8, 4, 2, 1])]),
+        (M.PIECEWISE, [(M.PIECEWISE, [16, 8, 4, 2, 1])]),
+        (M.NONE, []),
+    ],
+    ids=str,
+)
+def test_capture_descs_match_keys(mode, expected):
+    disp = dispatcher_for(mode)
+    groups = disp.get_capture_descs()
+    assert [(m, [x.num_tokens for x in descs]) for m, descs in groups] == expected
+    for m, descs in groups:
+        assert set(descs) == disp.cudagraph_keys[m]
+
+
+# ---- CPU platforms ---------------------------------------------------------------------------------------
+def test_cudagraphs_available():
+    assert cudagraphs_available(CpuPlatform()) is False
+    assert cudagraphs_available(CudaPlatform(device_capability=90)) is torch.cuda.is_available()
+
+
+def test_cpu_platform_logs_once_that_graphs_are_off(cpu_platform, caplog):
+    from forwardkit.logger import _log_once
+
+    _log_once.cache_clear()
+    logging.getLogger("forwardkit").propagate = True
+    try:
+        with caplog.at_level(logging.INFO, logger="forwardkit"):
+            CudagraphDispatcher(make_cfg(mode=M.NONE))
+            CudagraphDispatcher(make_cfg(mode=M.NONE))
+    finally:
+        logging.getLogger("forwardkit").propagate = False
+    lines = [r.getMessage() for r in caplog.records if "CUDA graphs are off" in r.getMessage()]
+    assert len(lines) == 1
+    assert "platform cpu" in lines[0]
+
+
+# ---- E33: uniform decode ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "force", "expected"),
+    [
+        ((1, 1, 8, 8), None, True),
+        ((1, 1, 7, 8), None, False),
+        ((3, 3, 12, 4), None, True),
+        ((3, 3, 11, 4), None, False),
+        ((2, 1, 8, 4), None, False),
+        ((5, 1, 5, 1), None, False),
+        ((1, 1, 1, 1), None, True),
+        ((4, 1, 4, 1), True, True),
+        ((1, 1, 4, 4), False, False),
+    ],
+)
+def test_e33_is_uniform_decode(args, force, expected):
+    assert is_uniform_decode(*args, force_uniform_decode=force) is expected
+
+
+# ---- E34: runner decisions, one rank ------------------------------------------------------------------------
+def run_decision(disp, per_req: list[int], **kw):
+    return determine_batch_execution_and_padding(disp, sum(per_req), len(per_req), per_req, max(per_req), **kw)
+
+
+E34 = [
+    ([1] * 5, {}, M.FULL, d(8, 8, True), (5, 8, 3)),
+    ([1] * 5, {"use_cascade_attn": True}, M.PIECEWISE, d(8), (5, 8, 3)),
+    ([4, 1, 1, 7], {}, M.PIECEWISE, d(16), (13, 16, 3)),
+    ([1] * 10, {}, M.PIECEWISE, d(16), (10, 16, 6)),
+    ([10, 10], {}, M.NONE, d(20), (20, 20, 0)),
+    ([1] * 5, {"force_eager": True}, M.NONE, d(5), (5, 5, 0)),
+    ([1] * 5, {"force_uniform_decode": False}, M.PIECEWISE, d(8), (5, 8, 3)),
+]
+
+
+@pytest.mark.parametrize(("per_req", "kw", "mode", "desc", "stat"), E34)
+def test_e34_single_rank(per_req, kw, mode, desc, stat):
+    disp = dispatcher_for(metrics=True)
+    out = run_decision(disp, per_req, **kw)
+    assert out.cudagraph_mode == mode
+    assert out.batch_descriptor == desc
+    assert out.should_ubatch is False
+    assert out.num_tokens_across_dp is None
+    assert out.cudagraph_stats == CUDAGraphStat(*stat, str(mode))
+    m, desc_, ub, across, stats = out  # unpacks like vLLM's 5-tuple
+    assert (m, desc_, ub, across) == (mode, desc, False, None)
+
+
+def test_stats_only_with_metrics_on():
+    assert run_decision(dispatcher_for(metrics=False), [1] * 5).cudagraph_stats is None
+
+
+def test_lora_flag_from_active_adapters_and_force():
+    disp = dispatcher_for(sizes=(1, 2, 4), lora=True)
+    assert run_decision(disp, [1] * 3, has_active_lora=True).batch_descriptor == d(4, 4, True, True)
+    assert run_decision(disp, [1] * 3, has_active_lora=True, force_has_lora=False).batch_descriptor == d(4, 4, True)
+
+
+def test_sequence_parallel_pads_to_tp_multiple():
+    disp = dispatcher_for(mode=M.NONE, tp=4, enable_sp=True)
+    out = run_decision(disp, [2, 3])
+    assert (out.cudagraph_mode, out.batch_descriptor) == (M.NONE, d(8))
+
+
+# ---- E35: two DP ranks (the all-reduce simulated: max padded count, min mode) -------------------------------------
+def simulate_two_ranks(per_req_0: list[int], per_req_1: list[int]):
+    """Run both ranks' decisions; a fake coordinator plays the all-reduce with both inputs."""
+    local = {}
+    for rank, per_req in ((0, per_req_0), (1, per_req_1)):
+        disp = dispatcher_for(metrics=True)
+        out = run_decision(disp, per_req)
+        local[rank] = (out.batch_descriptor.num_tokens, out.cudagraph_mode.value)
+    padded = max(n for n, _ in local.values())
+    synced = min(m for _, m in local.values())
+    results, calls = [], []
+
+    def coordinate(**kw):
+        calls.append(kw)
+        return False, torch.tensor([padded, padded], dtype=torch.int32), synced
+
+    for rank, per_req in ((0, per_req_0), (1, per_req_1)):
+        disp = dispatcher_for(metrics=True, dp_size=2, dp_rank=rank)
+        results.append(run_decision(disp, per_req, coordinate_fn=coordinate))
+    return results, calls
+
+
+@pytest.mark.parametrize(
+    ("r0", "r1", "across", "res0", "res1"),
+    [
+        ([1] * 5, [1] * 3, [8, 8], (M.FULL, d(8, 8, True), (5, 8, 3)), (M.FULL, d(8, 8, True), (3, 8, 5))),
+        ([1] * 5, [4, 1, 1, 7], [16, 16], (M.PIECEWISE, d(16), (5, 16, 11)), (M.PIECEWISE, d(16), (13, 16, 3))),
+        ([1] * 5, [10, 10], [20, 20], (M.NONE, d(20), (5, 20, 15)), (M.NONE, d(20), (20, 20, 0))),
+    ],
+)
+def test_e35_two_dp_ranks(r0, r1, across, res0, res1):
+    results, calls = simulate_two_ranks(r0, r1)
+    for out, (mode, desc, stat) in zip(results, (res0, res1)):
+        assert out.num_tokens_across_dp.tolist() == across
+        assert (out.cudagraph_mode, out.batch_descriptor) == (mode, desc)
+        assert out.cudagraph_stats == CUDAGraphStat(*stat, str(mode))
+    assert calls[0]["num_tokens_unpadded"] == sum(r0)
+    assert calls[0]["allow_dp_padding"] is True
+    assert calls[0]["parallel_config"].data_parallel_rank == 0
+
+
+def test_dp_no_padding_when_graphs_off():
+    calls = []
+
+    def coordinate(**kw):
+        calls.append(kw)
+        return False, torch.tensor([5, 3], dtype=torch.int32), 0
+
+    disp = dispatcher_for(mode=M.NONE, dp_size=2, dp_rank=1)
+    out = run_decision(disp, [1] * 3, coordinate_fn=coordinate)
+    assert calls[0]["allow_dp_padding"] is False
+    assert (out.cudagraph_mode, out.batch_descriptor) == (M.NONE, d(3))
