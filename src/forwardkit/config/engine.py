@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
-import enum
 import hashlib
 import time
 from collections.abc import Iterator
@@ -36,6 +34,11 @@ from pydantic.dataclasses import dataclass
 from forwardkit import envs
 from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+from forwardkit.config.levels import (
+    OptimizationLevel,
+    apply_level_defaults,
+    default_capture_sizes,
+)
 from forwardkit.config.model import ModelConfig
 from forwardkit.config.parallel import ParallelConfig
 from forwardkit.config.scheduler import SchedulerConfig, SpeculativeConfig
@@ -46,6 +49,7 @@ from forwardkit.platforms import Platform, current_platform, platform_by_name, u
 __all__ = [
     "EngineConfig",
     "OptimizationLevel",
+    "default_capture_sizes",
     "get_current_engine_config",
     "get_current_engine_config_or_none",
     "get_layers_from_engine_config",
@@ -56,81 +60,6 @@ logger = init_logger(__name__)
 
 _UBATCH_BACKENDS = ("deepep_low_latency", "deepep_high_throughput")
 _ASYNC_EXECUTORS = ("mp", "uni", "external_launcher")
-
-
-class OptimizationLevel(enum.IntEnum):
-    """How hard the engine optimises: O0 eager ... O3 (currently the same as O2)."""
-
-    O0 = 0
-    O1 = 1
-    O2 = 2
-    O3 = 3
-
-    def __str__(self) -> str:
-        return self.name
-
-
-def _norm_fusion(cfg: EngineConfig) -> bool:
-    cc = cfg.compilation_config
-    return cc.is_custom_op_enabled("rms_norm") or cc.is_custom_op_enabled("quant_fp8")
-
-
-def _act_fusion(cfg: EngineConfig) -> bool:
-    cc = cfg.compilation_config
-    return cc.is_custom_op_enabled("silu_and_mul") or cc.is_custom_op_enabled("quant_fp8")
-
-
-# vLLM 0.14.0 hard-codes "model is quantized" / "model is dense" to False in this table.
-_IS_QUANTIZED = False
-_IS_DENSE = False
-
-
-def _level_defaults(level: OptimizationLevel) -> dict[str, Any]:
-    """The §5.2 table for one level; leaves are values or ``fn(engine_config)``."""
-    if level == OptimizationLevel.O0:
-        flags: dict[str, Any] = dict.fromkeys(
-            ("eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "fuse_allreduce_rms",
-             "fuse_attn_quant", "enable_sp", "fuse_gemm_comms"), False)
-        mode = CUDAGraphMode.NONE
-    else:
-        late = level >= OptimizationLevel.O2
-        flags = {
-            "eliminate_noops": True,
-            "fuse_norm_quant": _norm_fusion,
-            "fuse_act_quant": _act_fusion,
-            "fuse_allreduce_rms": False,
-            "fuse_attn_quant": _IS_QUANTIZED if late else False,
-            "enable_sp": _IS_DENSE if late else False,
-            "fuse_gemm_comms": _IS_DENSE if late else False,
-        }
-        mode = CUDAGraphMode.FULL_AND_PIECEWISE if late else CUDAGraphMode.PIECEWISE
-    return {"compilation_config": {"pass_config": flags, "cudagraph_mode": mode,
-                                   "use_inductor_graph_partition": False}}
-
-
-def set_default(cfg: EngineConfig, obj: Any, key: str, value: Any) -> None:
-    """Set ``obj.key`` only when it is None: to ``value(cfg)`` if callable, else ``value``."""
-    if getattr(obj, key) is None:
-        setattr(obj, key, value(cfg) if callable(value) else value)
-
-
-def _apply_table(cfg: EngineConfig, obj: Any, table: dict[str, Any]) -> None:
-    for key, value in table.items():
-        current = getattr(obj, key)
-        if isinstance(value, dict) and dataclasses.is_dataclass(current):
-            _apply_table(cfg, current, value)
-        else:
-            set_default(cfg, obj, key, value)
-
-
-def default_capture_sizes(max_size: int) -> list[int]:
-    """vLLM's default capture sizes up to ``max_size``: 1, 2, 4, then steps of 8, then 16."""
-    sizes = [s for s in (1, 2, 4) if s <= max_size]
-    if max_size >= 8:
-        sizes += range(8, min(max_size + 1, 256), 8)
-    if max_size >= 256:
-        sizes += range(256, max_size + 1, 16)
-    return sizes
 
 
 @dataclass(config=ConfigDict(extra="forbid", arbitrary_types_allowed=True))
@@ -206,7 +135,7 @@ class EngineConfig:
         if "all" not in cc.custom_ops and "none" not in cc.custom_ops:  # step 11
             on = cc.backend == "inductor" and cc.mode != CompilationMode.NONE
             cc.custom_ops.append("none" if on else "all")
-        _apply_table(self, self, _level_defaults(self.optimization_level))  # step 12
+        apply_level_defaults(self)  # step 12
         if cc.cudagraph_mode.requires_piecewise_compilation() and cc.mode != CompilationMode.VLLM_COMPILE:
             logger.info("Cudagraph mode %s is not compatible with compilation mode %s; "
                         "overriding to NONE.", cc.cudagraph_mode, cc.mode)  # step 13
