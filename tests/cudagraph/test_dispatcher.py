@@ -397,3 +397,82 @@ def test_dp_no_padding_when_graphs_off():
     out = run_decision(disp, [1] * 3, coordinate_fn=coordinate)
     assert calls[0]["allow_dp_padding"] is False
     assert (out.cudagraph_mode, out.batch_descriptor) == (M.NONE, d(3))
+
+
+# ---- the same examples with the real EngineConfig / CompilationConfig ----------------------------------
+def real_cfg(max_num_seqs: int = 8, **kw):
+    from forwardkit.config.engine import EngineConfig
+    from forwardkit.config.model import ModelConfig
+    from forwardkit.config.scheduler import SchedulerConfig
+
+    return EngineConfig(
+        model_config=ModelConfig(),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs),
+        platform=CudaPlatform(device_capability=90),
+        **kw,
+    )
+
+
+def test_real_config_defaults_reproduce_e27_e28():
+    cfg = real_cfg()
+    cc = cfg.compilation_config
+    assert cc.cudagraph_mode == M.FULL_AND_PIECEWISE and cc.cudagraph_capture_sizes == [1, 2, 4, 8, 16]
+    disp = CudagraphDispatcher(cfg)
+    disp.initialize_cudagraph_keys(cc.cudagraph_mode, cfg.uniform_decode_query_len)
+    assert (disp.cudagraph_keys[M.PIECEWISE], disp.cudagraph_keys[M.FULL]) == KEYS_E27[M.FULL_AND_PIECEWISE]
+    for mode, args, kwargs, expected in E28:
+        if mode == M.FULL_AND_PIECEWISE:
+            assert disp.dispatch(*args, **kwargs) == expected, args
+    for n in range(1, 17):  # the dispatcher's padding agrees with the config's own
+        assert disp.dispatch(n)[1].num_tokens == cfg.pad_for_cudagraph(n)
+
+
+@pytest.mark.parametrize("mode", [M.FULL_DECODE_ONLY, M.FULL, M.PIECEWISE, M.NONE], ids=str)
+def test_real_config_keys_per_mode(mode):
+    cfg = real_cfg(compilation_config={"cudagraph_mode": mode.name, "cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
+    assert cfg.compilation_config.cudagraph_mode == mode
+    disp = CudagraphDispatcher(cfg)
+    disp.initialize_cudagraph_keys(mode)
+    assert (disp.cudagraph_keys[M.PIECEWISE], disp.cudagraph_keys[M.FULL]) == KEYS_E27[mode]
+
+
+def test_real_config_spec_decode_e29():
+    cfg = real_cfg(max_num_seqs=4, speculative_config={"num_speculative_tokens": 2, "method": "eagle"})
+    cc = cfg.compilation_config
+    cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = [3, 6, 9, 12, 24], 24
+    cc.compute_bs_to_padded_graph_size()
+    disp = CudagraphDispatcher(cfg)
+    assert disp.uniform_decode_query_len == 3
+    disp.initialize_cudagraph_keys(cc.cudagraph_mode, 3)
+    assert disp.cudagraph_keys[M.FULL] == {d(3, 1, True), d(6, 2, True), d(9, 3, True), d(12, 4, True)}
+    assert disp.dispatch(6, True, False) == (M.FULL, d(6, 2, True))
+    assert disp.dispatch(13, True, False) == (M.PIECEWISE, d(24))
+
+
+def test_real_config_e32_piecewise_without_attention_split():
+    cfg = real_cfg()
+    cfg.compilation_config.splitting_ops = []
+    cfg.compilation_config.cudagraph_mode = M.PIECEWISE
+    with pytest.raises(AssertionError, match=r"^Compilation mode should be CompilationMode.VLLM_COMPILE when cudagraph_mode piecewise cuda"):
+        CudagraphDispatcher(cfg)
+
+
+def test_real_config_e34_decisions():
+    disp = CudagraphDispatcher(real_cfg())
+    disp.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE)
+    for per_req, kw, mode, desc, _ in E34:
+        out = run_decision(disp, per_req, **kw)
+        assert (out.cudagraph_mode, out.batch_descriptor) == (mode, desc), (per_req, kw)
+        assert out.cudagraph_stats is None  # EngineConfig has no observability_config: metrics off
+
+
+def test_real_cpu_config_dispatches_none():
+    from forwardkit.config.engine import EngineConfig
+    from forwardkit.config.model import ModelConfig
+
+    cfg = EngineConfig(model_config=ModelConfig(), platform=CpuPlatform())
+    assert cfg.compilation_config.cudagraph_mode == M.NONE
+    disp = CudagraphDispatcher(cfg)
+    disp.initialize_cudagraph_keys(cfg.compilation_config.cudagraph_mode)
+    assert disp.dispatch(3, True) == (M.NONE, d(3))
+    assert disp.get_capture_descs() == []

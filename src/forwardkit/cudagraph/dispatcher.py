@@ -100,11 +100,12 @@ class CudagraphDispatcher:
                 f"compilation_mode={getattr(self.compilation_config, 'mode', None)}, "
                 f"splitting_ops={getattr(self.compilation_config, 'splitting_ops', None)}"
             )
-        if not cudagraphs_available():
+        platform = getattr(engine_config, "platform", None) or current_platform
+        if not cudagraphs_available(platform):
             logger.info_once(
-                "CUDA graphs are off: platform %s cannot capture them; steps run eagerly "
-                "(runtime mode NONE).",
-                getattr(current_platform, "name", "?"),
+                "CUDA graphs are off: platform %s cannot capture them on this machine; steps "
+                "run eagerly (runtime mode NONE).",
+                getattr(platform, "name", "?"),
             )
 
     # ---- configuration reads (done per call: sizes may be adjusted after construction) ----
