@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import multiprocessing as mp
 import queue as queue_mod
 import socket
 import sys
@@ -19,8 +20,6 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
-
-import multiprocessing as mp
 
 __all__ = ["SpawnError", "find_free_port", "spawn"]
 
