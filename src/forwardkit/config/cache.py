@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass
+
+from forwardkit.config.utils import hash_factors
 
 __all__ = ["CacheConfig"]
 
@@ -30,5 +29,4 @@ class CacheConfig:
 
     def compute_hash(self) -> str:
         """Hash of the fields that change the compiled graph (the block size)."""
-        factors = {"block_size": self.block_size}
-        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+        return hash_factors({"block_size": self.block_size})

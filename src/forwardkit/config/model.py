@@ -8,7 +8,6 @@ read from ``hf_config`` so they can never disagree with it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Any, Literal
@@ -16,6 +15,8 @@ from typing import Any, Literal
 import torch
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
+
+from forwardkit.config.utils import hash_factors, normalize_value
 
 __all__ = ["ModelConfig", "resolve_dtype"]
 
@@ -188,5 +189,4 @@ class ModelConfig:
             "enforce_eager": self.enforce_eager,
             "runner": self.runner,
         }
-        text = json.dumps(factors, sort_keys=True, default=repr)
-        return hashlib.sha256(text.encode()).hexdigest()
+        return hash_factors({k: normalize_value(v) for k, v in factors.items()})

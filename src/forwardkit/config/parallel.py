@@ -10,17 +10,16 @@ there (quirk kept on purpose, spec §9.8).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import socket
-from dataclasses import field, fields
-from typing import Any, Literal
+from dataclasses import field
+from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
 
 from forwardkit import envs
+from forwardkit.config.utils import get_hash_factors, hash_factors
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
 
@@ -345,12 +344,4 @@ class ParallelConfig:
 
     def compute_hash(self) -> str:
         """SHA-256 over every field except the launch/address ones listed in spec §6.1."""
-        factors: dict[str, Any] = {}
-        for f in fields(self):
-            if f.name in _HASH_IGNORED:
-                continue
-            value = getattr(self, f.name)
-            if f.name == "eplb_config":
-                value = {g.name: getattr(value, g.name) for g in fields(value)}
-            factors[f.name] = value
-        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+        return hash_factors(get_hash_factors(self, _HASH_IGNORED))

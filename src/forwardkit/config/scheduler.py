@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import InitVar, field
 
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass
+
+from forwardkit.config.utils import hash_factors
 
 __all__ = ["SchedulerConfig", "SpeculativeConfig"]
 
@@ -74,8 +74,7 @@ class SchedulerConfig:
 
     def compute_hash(self) -> str:
         """Hash of what changes the compiled graph: only ``max_num_batched_tokens``."""
-        factors = {"max_num_batched_tokens": self.max_num_batched_tokens}
-        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+        return hash_factors({"max_num_batched_tokens": self.max_num_batched_tokens})
 
 
 _EAGLE_LIKE_METHODS = frozenset({"eagle", "eagle3", "mtp", "deepseek_mtp", "draft_model"})
@@ -108,5 +107,4 @@ class SpeculativeConfig:
 
     def compute_hash(self) -> str:
         """Hash of the method and the number of draft tokens."""
-        factors = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
-        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+        return hash_factors({"method": self.method, "num_speculative_tokens": self.num_speculative_tokens})
