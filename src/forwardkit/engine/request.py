@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 import torch
 
@@ -34,7 +35,7 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         prompt: str | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
         max_model_len: int | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
@@ -44,7 +45,13 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
+        # A model may have several EOS ids (Llama 3 lists two); any of them ends generation.
+        if eos_token_id is None:
+            self.eos_token_ids: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self.eos_token_ids = frozenset((eos_token_id,))
+        else:
+            self.eos_token_ids = frozenset(int(t) for t in eos_token_id)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
@@ -101,7 +108,7 @@ class Request:
         params = self.sampling_params
         generated = len(self.output_token_ids)
         if generated >= params.min_tokens:
-            if not params.ignore_eos and self.eos_token_id is not None and token_id == self.eos_token_id:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
                 self.finish_reason = "stop"
                 return True
             if token_id in params.all_stop_token_ids:

@@ -102,8 +102,8 @@ class Sampler:
             if len(req.output_token_ids) >= params.min_tokens:
                 continue
             banned = set(params.all_stop_token_ids)
-            if not params.ignore_eos and req.eos_token_id is not None:
-                banned.add(req.eos_token_id)
+            if not params.ignore_eos:
+                banned |= req.eos_token_ids
             banned = [t for t in banned if t < logits.shape[-1]]
             if banned:
                 logits[i, banned] = float("-inf")

@@ -1,0 +1,299 @@
+"""``ModelRunner``: one forward step = inputs -> padding -> DP agreement -> attention
+metadata -> forward context -> model -> last-token logits (spec/runtime.md §6).
+
+The model is whatever ``forwardkit.models.loader.load_model`` returns (eager, or with its
+inner module compiled by ``support_torch_compile``); full-model CUDA graphs wrap it in a
+``CUDAGraphWrapper`` here, piecewise graphs live inside the compiled model. Either way the
+runner only sets the forward context, so nothing else changes between eager and graphs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.config.engine import EngineConfig, set_current_engine_config
+from forwardkit.cudagraph import monitor
+from forwardkit.cudagraph.dispatcher import (
+    CudagraphDispatcher,
+    cudagraphs_available,
+    determine_batch_execution_and_padding,
+)
+from forwardkit.distributed import coordinate_batch_across_dp
+from forwardkit.forward_context import BatchDescriptor, set_forward_context
+from forwardkit.layers.attention import build_attention_metadata
+from forwardkit.layers.kv_cache import attention_layers, bind_kv_cache, kv_cache_bytes_per_block
+from forwardkit.logger import init_logger
+from forwardkit.platforms import current_platform
+from forwardkit.runner.batch import StepBatch
+from forwardkit.runner.input_buffers import InputBuffers
+from forwardkit.runner.setup import num_kv_blocks, resolve_cudagraph_mode
+from forwardkit.runner.static_metadata import StaticMetadataPool
+
+__all__ = ["ModelRunner", "StepInfo"]
+
+logger = init_logger(__name__)
+
+
+class StepInfo:
+    """How the last step ran: runtime mode, descriptor, real and padded tokens, DP counts."""
+
+    def __init__(self, mode: CUDAGraphMode, descriptor: Any, num_tokens: int,
+                 num_tokens_across_dp: torch.Tensor | None) -> None:
+        self.mode = mode
+        self.descriptor = descriptor
+        self.num_tokens = num_tokens
+        self.num_padded_tokens = descriptor.num_tokens
+        self.num_tokens_across_dp = num_tokens_across_dp
+
+    def __repr__(self) -> str:
+        return (f"StepInfo(mode={self.mode}, tokens={self.num_tokens}, "
+                f"padded={self.num_padded_tokens}, across_dp={self.num_tokens_across_dp})")
+
+
+class ModelRunner:
+    """Owns the model, its KV cache and static inputs; runs steps given a :class:`StepBatch`.
+
+    Args:
+        engine_config: the engine's config; its ``compilation_config.static_forward_context``
+            is where the model's layers register.
+        model: an already built model (built under ``set_current_engine_config(engine_config)``);
+            None = ``load_model(engine_config)``.
+        device: where to run; default the platform's device.
+    """
+
+    def __init__(self, engine_config: EngineConfig, model: nn.Module | None = None,
+                 device: torch.device | str | None = None) -> None:
+        self.engine_config = cfg = engine_config
+        platform = cfg.platform or current_platform
+        self.device = torch.device(device) if device is not None else platform.device()
+        self.compilation_config = cfg.compilation_config
+        self.parallel_config = cfg.parallel_config
+        self.dp_size = int(self.parallel_config.data_parallel_size)
+        self.dp_rank = int(self.parallel_config.data_parallel_rank)
+        self.model_config = cfg.model_config
+        if model is None:
+            from forwardkit.models.loader import load_model  # model layer, loaded lazily
+
+            with set_current_engine_config(cfg):
+                model = load_model(cfg)
+        self.model = self._place(model)
+        self.dtype = (self.model_config.dtype if self.model_config is not None
+                      else next(self.model.parameters()).dtype)
+        self.max_model_len = int(self.model_config.max_model_len) if self.model_config else 2048
+        self.block_size = int(cfg.cache_config.block_size)
+        self.max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
+        self._init_kv_cache()
+        max_capture = int(getattr(self.compilation_config, "max_cudagraph_capture_size", 0) or 0)
+        self.max_num_tokens = max(int(cfg.scheduler_config.max_num_batched_tokens), max_capture)
+        self.buffers = InputBuffers(self.max_num_tokens, self.device)
+        self._init_cudagraphs()
+        self.last_step: StepInfo | None = None
+
+    # ------------------------------------------------------------------ start-up
+    def _place(self, model: nn.Module) -> nn.Module:
+        param = next(model.parameters(), None)
+        if param is not None and param.device != self.device:
+            model = model.to(self.device)
+        return model.eval()
+
+    def _init_kv_cache(self) -> None:
+        sfc = self.compilation_config.static_forward_context
+        layers = attention_layers(sfc)
+        if not layers:
+            raise ValueError(
+                "the model registered no attention layers in this engine config's "
+                "static_forward_context; build it under set_current_engine_config(engine_config)"
+            )
+        self.attn_layer_names = list(layers)
+        self.num_blocks = num_kv_blocks(
+            num_gpu_blocks=self.engine_config.cache_config.num_gpu_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            bytes_per_block=kv_cache_bytes_per_block(sfc, self.block_size, self.dtype),
+            device=self.device,
+        )
+        self.engine_config.cache_config.num_gpu_blocks = self.num_blocks
+        self.kv_caches = bind_kv_cache(sfc, self.num_blocks, self.block_size, self.dtype, self.device)
+        # Block id num_blocks is the backend's scratch block: dummy requests live there.
+        self.scratch_block = self.num_blocks
+        self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
+        self.attn_cg_support = min(int(layer.backend.cudagraph_support) for layer in layers.values())
+
+    def _init_cudagraphs(self) -> None:
+        cc = self.compilation_config
+        self.dispatcher = CudagraphDispatcher(self.engine_config)
+        self.cudagraph_mode = CUDAGraphMode.NONE
+        self.static_metadata = StaticMetadataPool()
+        configured = CUDAGraphMode.parse(cc.cudagraph_mode or CUDAGraphMode.NONE)
+        eager = self.model_config is not None and self.model_config.enforce_eager
+        if configured == CUDAGraphMode.NONE or eager:
+            return
+        if not cudagraphs_available() or self.device.type != "cuda":
+            logger.info_once("CUDA graphs are off on %s: every step runs eagerly (mode NONE).",
+                             self.device)
+            return
+        mode = resolve_cudagraph_mode(cc, self.attn_cg_support)
+        if mode != configured:
+            cc.cudagraph_mode = mode
+        self.cudagraph_mode = mode
+        self.dispatcher.cudagraph_mode = mode
+        self.dispatcher.initialize_cudagraph_keys(mode, 1)
+        if mode.has_full_cudagraphs():
+            from forwardkit.cudagraph.wrapper import CUDAGraphWrapper  # graphs layer
+
+            self.model = CUDAGraphWrapper(self.model, self.engine_config, CUDAGraphMode.FULL)
+
+    # ------------------------------------------------------------------ one step
+    @property
+    def vocab_size(self) -> int:
+        """Logits width."""
+        if self.model_config is not None:
+            return self.model_config.get_vocab_size()
+        return int(self.model.compute_logits.__self__.config["vocab_size"])  # pragma: no cover
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch, pad_to: int | None = None) -> torch.Tensor:
+        """Run one step; return float32 logits ``[num sampled requests, vocab]``.
+
+        Rows follow batch order over the requests whose ``batch.sample`` is True. An empty
+        batch runs a dummy step when DP > 1 (collectives stay in lockstep) and returns no rows.
+        ``pad_to`` forces an eager step padded to at least that many tokens (padding must
+        never change results; tests use it to check that).
+        """
+        if batch.num_reqs == 0:
+            if self.dp_size > 1:
+                self.dummy_run(1, uniform_decode=True)
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        n = batch.num_tokens
+        self.buffers.check_fits(n)
+        execution = self._decide(batch, pad_to)
+        mode, desc, across_dp = execution
+        padded = desc.num_tokens
+        attn_md = self._metadata(batch.query_lens, batch.seq_lens, batch.block_tables, padded, mode)
+        input_ids, positions = self.buffers.fill(batch, padded)
+        with set_forward_context(attn_md, self.engine_config, num_tokens=padded,
+                                 num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
+                                 batch_descriptor=desc):
+            hidden = self.model(input_ids, positions)
+        self.last_step = StepInfo(mode, desc, n, across_dp)
+        rows = torch.tensor(batch.logits_indices(), dtype=torch.long, device=hidden.device)
+        return self.model.compute_logits(hidden.index_select(0, rows)).float()
+
+    def _decide(self, batch: StepBatch, pad_to: int | None) -> tuple[Any, Any, Any]:
+        """Runtime mode, padded descriptor and DP token counts (spec §4.4 and §2.6)."""
+        coordinate = None
+        if pad_to is not None:
+            if pad_to > self.max_num_tokens:
+                raise ValueError(f"pad_to={pad_to} exceeds the input buffers "
+                                 f"({self.max_num_tokens} tokens)")
+
+            def coordinate(**kw: Any) -> Any:
+                kw["num_tokens_padded"] = max(kw["num_tokens_padded"], pad_to)
+                return coordinate_batch_across_dp(**kw)
+
+        mode, desc, _, across_dp, _ = determine_batch_execution_and_padding(
+            self.dispatcher, batch.num_tokens, batch.num_reqs, batch.query_lens,
+            batch.max_query_len, allow_microbatching=False, force_eager=pad_to is not None,
+            coordinate_fn=coordinate,
+        )
+        if pad_to is not None and desc.num_tokens < pad_to:
+            desc = BatchDescriptor(pad_to)
+        self.buffers.check_fits(desc.num_tokens)
+        return mode, desc, across_dp
+
+    def _metadata(self, query_lens: list[int], seq_lens: list[int],
+                  block_tables: list[list[int]], padded: int, mode: CUDAGraphMode) -> dict[str, Any]:
+        """Per-layer attention metadata for a step padded to ``padded`` tokens.
+
+        FULL graphs need fixed shapes: every padding row becomes a one-token dummy request
+        on the scratch block and the block table has the model's full width; the values go
+        into persistent tensors (``StaticMetadataPool``).
+        """
+        if mode == CUDAGraphMode.FULL:
+            extra = padded - sum(query_lens)
+            query_lens = list(query_lens) + [1] * extra
+            seq_lens = list(seq_lens) + [1] * extra
+            block_tables = list(block_tables) + [[self.scratch_block]] * extra
+            md = build_attention_metadata(query_lens, seq_lens, block_tables, padded,
+                                          self.block_size, self.device, self.max_blocks_per_req)
+            md = self.static_metadata.update(padded, md)
+        else:
+            md = build_attention_metadata(query_lens, seq_lens, block_tables, padded,
+                                          self.block_size, self.device)
+        return dict.fromkeys(self.attn_layer_names, md)
+
+    # ------------------------------------------------------------------ dummy runs, capture
+    def _dummy_shapes(self, num_tokens: int, uniform_decode: bool) -> list[int]:
+        """Per-request token counts of a dummy batch (spec §6.3, uq = 1)."""
+        if uniform_decode:
+            return [1] * min(self.max_num_seqs, num_tokens)
+        reqs = min(num_tokens, self.max_num_seqs)
+        lens = [num_tokens // reqs] * reqs
+        lens[-1] += num_tokens - sum(lens)
+        return lens
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int, runtime_mode: CUDAGraphMode | None = None,
+                  uniform_decode: bool = False, force_attention: bool = False) -> None:
+        """Run a batch of ``num_tokens`` zero tokens: warm-up, capture, or an idle DP rank.
+
+        Goes through the same dispatch and DP coordination as ``execute``. Attention
+        metadata is built only when ``force_attention`` or the mode is FULL (dummy requests
+        on the scratch block); otherwise attention layers get None and output zeros.
+        """
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(f"dummy run of {num_tokens} tokens exceeds max_num_tokens "
+                             f"{self.max_num_tokens}")
+        lens = self._dummy_shapes(num_tokens, uniform_decode)
+        mode, desc, _, across_dp, _ = determine_batch_execution_and_padding(
+            self.dispatcher, num_tokens, len(lens), lens, max(lens), allow_microbatching=False,
+            force_eager=runtime_mode == CUDAGraphMode.NONE, force_uniform_decode=uniform_decode,
+        )
+        if runtime_mode is not None:
+            assert mode == runtime_mode, (
+                f"Cudagraph runtime mode mismatch in dummy_run: requested {runtime_mode}, "
+                f"dispatched {mode} for {num_tokens} tokens"
+            )
+        padded = desc.num_tokens
+        attn_md = None
+        if force_attention or mode == CUDAGraphMode.FULL:
+            tables = [[self.scratch_block] * math.ceil(q / self.block_size) for q in lens]
+            attn_md = self._metadata(lens, lens, tables, padded, mode)
+        input_ids, positions = self.buffers.dummy(padded)
+        with set_forward_context(attn_md, self.engine_config, num_tokens=padded,
+                                 num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
+                                 batch_descriptor=desc):
+            self.model(input_ids, positions)
+        self.last_step = StepInfo(mode, desc, 0, across_dp)
+
+    def capture_model(self) -> float:
+        """Capture every CUDA graph the dispatcher has keys for (spec §6.2); returns seconds.
+
+        A no-op (with a log line) when graphs are off. Mixed-batch sizes first, then the
+        uniform-decode FULL sizes, largest first within each group.
+        """
+        if self.cudagraph_mode == CUDAGraphMode.NONE:
+            logger.info_once("Skipping CUDA graph capture: cudagraph mode is NONE.")
+            return 0.0
+        start = time.perf_counter()
+        warmups = int(getattr(self.compilation_config, "cudagraph_num_of_warmups", 0) or 0)
+        with monitor.capture_session():
+            for mode, descs in self.dispatcher.get_capture_descs():
+                for desc in descs:
+                    for _ in range(warmups):
+                        self.dummy_run(desc.num_tokens, CUDAGraphMode.NONE, desc.uniform,
+                                       force_attention=mode == CUDAGraphMode.FULL)
+                    self.dummy_run(desc.num_tokens, mode, desc.uniform)
+        sync = current_platform.synchronize()
+        if sync is not None:
+            sync()
+        elapsed = time.perf_counter() - start
+        logger.info("Graph capturing finished in %.0f secs", elapsed)
+        return elapsed
