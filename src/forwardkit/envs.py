@@ -106,6 +106,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FORWARDKIT_DP_MASTER_PORT": _int("FORWARDKIT_DP_MASTER_PORT", 0),
     # seconds every DP collective may take before the waiting ranks raise instead of hanging
     "FORWARDKIT_DP_TIMEOUT_S": _float("FORWARDKIT_DP_TIMEOUT_S", 120.0),
+    # rows per DP rank that one MoE all-gather/reduce chunk carries (vLLM: VLLM_MOE_DP_CHUNK_SIZE)
+    "FORWARDKIT_MOE_DP_CHUNK_SIZE": _int("FORWARDKIT_MOE_DP_CHUNK_SIZE", 256),
 }
 
 

@@ -1,0 +1,170 @@
+"""The ``Attention`` layer and the opaque attention custom ops that read the forward context.
+
+The model graph only ever sees ``torch.ops.forwardkit.unified_attention_with_output(q, k, v,
+output, layer_name)`` (or ``unified_attention``): plain tensors and a layer-name string. The
+per-step state is looked up at run time (spec runtime.md §1.9):
+
+1. ``ctx = get_forward_context()``;
+2. ``md = ctx.attn_metadata[layer_name]`` (None, or no metadata: profile / warm-up run -> zeros);
+3. ``layer = ctx.no_compile_layers[layer_name]``;
+4. ``kv_cache = layer.kv_cache[ctx.virtual_engine]``;
+5. the torch-native paged-attention backend runs.
+
+So nothing per-step is baked into a compiled graph. Both ops are tagged
+``torch.Tag.cudagraph_unsafe`` and have fake implementations for tracing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from forwardkit.layers.attention_backend import (
+    AttentionMetadata,
+    TorchNativeAttentionBackend,
+    build_attention_metadata,
+    paged_attention,
+)
+
+__all__ = [
+    "Attention",
+    "AttentionMetadata",
+    "build_attention_metadata",
+    "unified_attention",
+    "unified_attention_with_output",
+]
+
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+def _lookup(layer_name: str) -> tuple[Attention, AttentionMetadata | None, torch.Tensor]:
+    from forwardkit.forward_context import get_forward_context
+
+    ctx = get_forward_context()
+    try:
+        layer = ctx.no_compile_layers[layer_name]
+    except KeyError:
+        raise KeyError(
+            f"attention layer {layer_name!r} is not registered in the forward context's "
+            f"no_compile_layers ({len(ctx.no_compile_layers)} layers); was the model built under "
+            "this engine config?"
+        ) from None
+    md: Any = ctx.attn_metadata
+    if isinstance(md, dict):
+        md = md.get(layer_name)
+    elif md is not None and not isinstance(md, AttentionMetadata):
+        raise TypeError(
+            f"attn_metadata must be a dict of layer name -> AttentionMetadata or None, got {type(md).__name__}"
+        )
+    kv_cache = layer.kv_cache[ctx.virtual_engine]
+    return layer, md, kv_cache
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    layer, md, kv_cache = _lookup(layer_name)
+    if md is None:
+        output.zero_()
+        return
+    if kv_cache.numel() == 0:
+        raise RuntimeError(
+            f"KV cache of attention layer {layer_name!r} is not bound; call "
+            "forwardkit.layers.kv_cache.bind_kv_cache(...) before running with attention metadata"
+        )
+    t = q.shape[0]
+    paged_attention(
+        q.view(t, layer.num_heads, layer.head_size),
+        k.view(t, layer.num_kv_heads, layer.head_size),
+        v.view(t, layer.num_kv_heads, layer.head_size),
+        kv_cache,
+        md,
+        layer.scale,
+        output.view(t, layer.num_heads, layer.head_size),
+    )
+
+
+@torch.library.custom_op(
+    "forwardkit::unified_attention_with_output", mutates_args=("output",), tags=_TAGS
+)
+def unified_attention_with_output(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str
+) -> None:
+    """Attention of ``q`` [T, Hq*D] over the layer's paged cache, written into ``output``."""
+    _run(q, k, v, output, layer_name)
+
+
+@unified_attention_with_output.register_fake
+def _(q, k, v, output, layer_name) -> None:
+    return None
+
+
+@torch.library.custom_op("forwardkit::unified_attention", mutates_args=(), tags=_TAGS)
+def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """Functional form of :func:`unified_attention_with_output`: returns [T, Hq*D]."""
+    output = torch.empty_like(q)
+    _run(q, k, v, output, layer_name)
+    return output
+
+
+@unified_attention.register_fake
+def _(q, k, v, layer_name) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+class Attention(nn.Module):
+    """Decoder self-attention over a paged KV cache, registered under its ``prefix``.
+
+    ``forward(q[T, Hq*D], k[T, Hk*D], v[T, Hk*D]) -> [T, Hq*D]``. Rotary embedding is applied
+    by the caller. ``kv_cache`` holds one placeholder until ``bind_kv_cache`` sets ``[tensor]``.
+    """
+
+    backend = TorchNativeAttentionBackend
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        prefix: str = "",
+        use_output: bool = True,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads <= 0 or head_size <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"invalid attention shape: num_heads={num_heads}, num_kv_heads={num_kv_heads}, "
+                f"head_size={head_size} (need positive sizes and num_heads % num_kv_heads == 0)"
+            )
+        if not prefix:
+            raise ValueError("Attention needs a non-empty, unique prefix (its layer name)")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = float(scale)
+        self.layer_name = prefix
+        self.use_output = use_output
+        self.attn_type = "decoder"
+        self.kv_cache: list[torch.Tensor] = [torch.tensor([])]
+
+        from forwardkit.config.engine import get_current_engine_config
+
+        context = get_current_engine_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Run the opaque attention op for this layer."""
+        if self.use_output:
+            output = torch.empty_like(query)
+            torch.ops.forwardkit.unified_attention_with_output(query, key, value, output, self.layer_name)
+            return output
+        return torch.ops.forwardkit.unified_attention(query, key, value, self.layer_name)
+
+    def extra_repr(self) -> str:
+        return (
+            f"name={self.layer_name}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"head_size={self.head_size}"
+        )

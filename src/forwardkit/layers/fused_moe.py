@@ -1,0 +1,229 @@
+"""Mixture-of-experts layer with top-k softmax routing and data-parallel expert parallelism.
+
+Routing follows HF Mixtral: ``softmax(router_logits)`` in float32, top-k, renormalised to sum
+to one. The expert computation is the opaque custom op ``forwardkit::moe_forward(hidden,
+router_logits, layer_name)`` which finds the layer (registered in ``static_forward_context``
+under its prefix) through the forward context, so data-dependent routing and the DP
+collectives stay out of compiled graphs.
+
+Expert parallelism across DP ranks (``data_parallel_size > 1`` and ``enable_expert_parallel``):
+rank ``r`` holds a contiguous slice of experts (only that slice is loaded). Each step, in chunks
+of at most ``FORWARDKIT_MOE_DP_CHUNK_SIZE`` rows per rank (``DPMetadata.chunked_sizes``), every
+rank all-gathers all ranks' rows, computes its experts' share for every gathered row,
+and an all-reduce sums the shares; each rank keeps its own rows. Ranks that ran out of rows (or
+run a dummy step) still take part with one dummy row per chunk, so collectives stay in lockstep.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from forwardkit import envs
+from forwardkit.layers.kernels import silu_and_mul_native
+from forwardkit.layers.linear import copy_weight
+
+__all__ = ["FusedMoE", "expert_slice", "moe_forward", "route_topk"]
+
+
+def expert_slice(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """``(first_expert, count)`` held by ``ep_rank``: contiguous, the remainder to the first ranks."""
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank {ep_rank} out of range for ep_size {ep_size}")
+    if num_experts < ep_size:
+        raise ValueError(
+            f"{num_experts} experts cannot be split over {ep_size} expert-parallel ranks "
+            "(need at least one expert per rank)"
+        )
+    base, rem = divmod(num_experts, ep_size)
+    return ep_rank * base + min(ep_rank, rem), base + (1 if ep_rank < rem else 0)
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing: ``(weights [T, k] float32, expert_ids [T, k])``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedMoE(nn.Module):
+    """The experts of one MoE block (the router lives in the caller).
+
+    Parameters: ``w13_weight`` [E_local, 2*I, H] (gate rows then up rows) and ``w2_weight``
+    [E_local, H, I]. ``forward(hidden[T, H], router_logits[T, E]) -> [T, H]``.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool = True,
+        dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        from forwardkit.config.engine import get_current_engine_config
+
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k must be in 1..num_experts={num_experts}, got {top_k}")
+        if not prefix:
+            raise ValueError("FusedMoE needs a non-empty, unique prefix (its layer name)")
+        config = get_current_engine_config()
+        pc = config.parallel_config
+        self.use_ep = pc.data_parallel_size > 1 and pc.enable_expert_parallel
+        self.ep_size = pc.data_parallel_size if self.use_ep else 1
+        self.ep_rank = pc.data_parallel_rank if self.use_ep else 0
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.expert_start, self.num_local_experts = expert_slice(num_experts, self.ep_size, self.ep_rank)
+        self.layer_name = prefix
+        self.w13_weight = nn.Parameter(
+            torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+            requires_grad=False,
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(self.num_local_experts, hidden_size, intermediate_size, dtype=dtype),
+            requires_grad=False,
+        )
+        for param in (self.w13_weight, self.w2_weight):
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        context = config.compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    # -- loading ----------------------------------------------------------------------------
+    def is_local_expert(self, expert_id: int) -> bool:
+        """Whether global expert ``expert_id`` lives on this rank."""
+        return self.expert_start <= expert_id < self.expert_start + self.num_local_experts
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        """Load expert weights. ``shard_id``: ``(expert_id, "w1"|"w3"|"w2")`` for one expert's
+        HF tensor, or ``"w13"``/``"w2"`` for a stacked ``[E, ...]`` tensor of all experts.
+        Experts of other ranks are skipped."""
+        if shard_id in ("w13", "w2"):
+            if loaded.shape[0] != self.num_experts:
+                raise ValueError(f"stacked expert tensor has {loaded.shape[0]} experts, expected {self.num_experts}")
+            copy_weight(param.data, loaded[self.expert_start : self.expert_start + self.num_local_experts])
+            return
+        expert_id, which = shard_id
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert id {expert_id} out of range 0..{self.num_experts - 1}")
+        if not self.is_local_expert(expert_id):
+            return
+        local = param.data[expert_id - self.expert_start]
+        inter = self.intermediate_size
+        if which == "w1":
+            copy_weight(local[:inter], loaded)
+        elif which == "w3":
+            copy_weight(local[inter:], loaded)
+        elif which == "w2":
+            copy_weight(local, loaded)
+        else:
+            raise ValueError(f"unknown expert shard {which!r}; expected 'w1', 'w2' or 'w3'")
+
+    # -- compute ----------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Run the opaque MoE op for this layer (needs a forward context)."""
+        return torch.ops.forwardkit.moe_forward(hidden_states, router_logits, self.layer_name)
+
+    def compute_local(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Sum over this rank's experts of ``weight * expert(x)`` for every row (float32)."""
+        weights, ids = route_topk(router_logits, self.top_k, self.renormalize)
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        local_ids = ids - self.expert_start
+        for e in range(self.num_local_experts):
+            token_idx, k_pos = torch.where(local_ids == e)
+            if token_idx.numel() == 0:
+                continue
+            x = hidden_states[token_idx]
+            h = silu_and_mul_native(F.linear(x, self.w13_weight[e]))
+            y = F.linear(h, self.w2_weight[e])
+            out.index_add_(0, token_idx, y.float() * weights[token_idx, k_pos, None])
+        return out
+
+    def forward_impl(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The op body: local experts only, or the DP expert-parallel exchange."""
+        if not self.use_ep:
+            return self.compute_local(hidden_states, router_logits).to(hidden_states.dtype)
+        from forwardkit.forward_context import get_forward_context
+
+        dp_metadata = get_forward_context().dp_metadata
+        if dp_metadata is None:
+            raise RuntimeError(
+                f"MoE layer {self.layer_name!r} runs expert-parallel over {self.ep_size} DP ranks "
+                "but the forward context has no dp_metadata; pass num_tokens (and "
+                "num_tokens_across_dp) to set_forward_context on every DP rank"
+            )
+        return _dp_exchange(self, hidden_states, router_logits, dp_metadata)
+
+
+def _dp_exchange(
+    layer: FusedMoE, hidden: torch.Tensor, logits: torch.Tensor, dp_metadata: Any
+) -> torch.Tensor:
+    from forwardkit.distributed import get_dp_group
+
+    group = get_dp_group()
+    rank, world = group.rank, group.world_size
+    if world != layer.ep_size:
+        raise RuntimeError(f"DP group has {world} ranks but MoE layer {layer.layer_name!r} expects {layer.ep_size}")
+    num_local, hidden_size = hidden.shape
+    payload = torch.cat([hidden.float(), logits.float()], dim=1)
+    use_cpu = hidden.device.type != group.device.type
+    comm_device = torch.device("cpu") if use_cpu else hidden.device
+    out = torch.zeros((num_local, hidden_size), dtype=torch.float32, device=hidden.device)
+    chunk = envs.FORWARDKIT_MOE_DP_CHUNK_SIZE
+    if chunk <= 0:
+        raise ValueError(f"FORWARDKIT_MOE_DP_CHUNK_SIZE must be positive, got {chunk}")
+    max_tokens = int(dp_metadata.max_tokens_across_dp_cpu)
+
+    def run_chunk(start: int, sizes: list[int], offsets: list[int]) -> None:
+        mine = min(sizes[rank], max(0, num_local - start))  # real rows this rank sends
+        buf = torch.zeros((max(sizes), payload.shape[1]), dtype=torch.float32, device=comm_device)
+        buf[:mine] = payload[start : start + mine].to(comm_device)
+        gathered = group.all_gather(buf, use_cpu=use_cpu)
+        rows = torch.cat([gathered[r, : sizes[r]] for r in range(world)]).to(hidden.device)
+        x, lg = rows[:, :hidden_size].to(hidden.dtype), rows[:, hidden_size:]
+        partial = layer.compute_local(x, lg).to(comm_device)
+        group.all_reduce(partial, use_cpu=use_cpu)
+        out[start : start + mine] = partial[offsets[rank] : offsets[rank] + mine].to(hidden.device)
+
+    if max_tokens <= chunk:
+        # One exchange; row ranges straight from the cumulative counts.
+        cu = [0, *dp_metadata.cu_tokens_across_sp(1).tolist()]
+        with dp_metadata.sp_local_sizes(1) as sizes:
+            run_chunk(0, list(sizes), cu[:-1])
+    else:
+        for chunk_idx, start in enumerate(range(0, max_tokens, chunk)):
+            with dp_metadata.chunked_sizes(1, chunk, chunk_idx) as sizes:
+                offsets = [sum(sizes[:r]) for r in range(world)]
+                run_chunk(start, list(sizes), offsets)
+    return out.to(hidden.dtype)
+
+
+def _lookup_layer(layer_name: str) -> FusedMoE:
+    from forwardkit.forward_context import get_forward_context
+
+    layers = get_forward_context().no_compile_layers
+    layer = layers.get(layer_name)
+    if not isinstance(layer, FusedMoE):
+        raise KeyError(f"MoE layer {layer_name!r} is not registered in the forward context")
+    return layer
+
+
+@torch.library.custom_op("forwardkit::moe_forward", mutates_args=())
+def moe_forward(hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """Opaque MoE: routed experts of layer ``layer_name`` (see module docstring)."""
+    return _lookup_layer(layer_name).forward_impl(hidden_states, router_logits)
+
+
+@moe_forward.register_fake
+def _(hidden_states, router_logits, layer_name) -> torch.Tensor:
+    return torch.empty_like(hidden_states)

@@ -1,0 +1,120 @@
+"""Linear layers, vocabulary embedding and LM head (single device, no tensor parallelism).
+
+Each parameter carries a ``weight_loader(param, tensor, shard_id=None)`` so model
+``load_weights`` can copy Hugging Face tensors in, including into merged projections
+(``q``/``k``/``v`` -> ``qkv_proj``; gate/up -> ``gate_up_proj``). A shape mismatch raises
+:class:`WeightShapeError` naming the expected and given shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["Linear", "LMHead", "MergedLinear", "VocabEmbedding", "WeightShapeError", "copy_weight"]
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor does not have the shape of the parameter (slice) it is loaded into."""
+
+
+def copy_weight(target: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy ``loaded`` into ``target`` (casting dtype); shapes must match exactly."""
+    if tuple(target.shape) != tuple(loaded.shape):
+        raise WeightShapeError(f"expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
+    with torch.no_grad():
+        target.copy_(loaded)
+
+
+def _default_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
+    if shard_id is not None:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} takes no shard id, got {shard_id!r}")
+    copy_weight(param.data, loaded)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` [out, in] (HF layout)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
+        """Copy a whole HF tensor into ``param``."""
+        _default_loader(param, loaded, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the projection."""
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked along the output dim (one matmul).
+
+    ``shards`` maps a shard id (e.g. ``"q"``, ``"k"``, ``"v"`` or ``0``, ``1``) to its output
+    size, in output order; ``weight_loader(param, tensor, shard_id)`` fills one shard.
+    """
+
+    def __init__(self, input_size: int, shards: Sequence[tuple[Hashable, int]], bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
+        self.shard_offsets: dict[Hashable, tuple[int, int]] = {}
+        offset = 0
+        for shard_id, size in shards:
+            self.shard_offsets[shard_id] = (offset, size)
+            offset += size
+        super().__init__(input_size, offset, bias=bias, dtype=dtype)
+        self.output_sizes = [size for _, size in shards]
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
+        """Copy one shard (``shard_id``) into its rows of ``param``."""
+        if shard_id not in self.shard_offsets:
+            raise ValueError(f"unknown shard id {shard_id!r}; expected one of {list(self.shard_offsets)}")
+        offset, size = self.shard_offsets[shard_id]
+        copy_weight(param.data.narrow(0, offset, size), loaded)
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding table [vocab, hidden]."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = _default_loader  # type: ignore[attr-defined]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Look up the embeddings of ``input_ids``."""
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Output projection to the vocabulary; ``tie_to`` shares the embedding table's weight."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
+                 tie_to: VocabEmbedding | None = None) -> None:
+        super().__init__()
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.tied = tie_to is not None
+        if tie_to is not None:
+            self.weight = tie_to.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+            self.weight.weight_loader = _default_loader  # type: ignore[attr-defined]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits in float32."""
+        return F.linear(hidden_states, self.weight).float()

@@ -1,0 +1,130 @@
+"""Rotary position embedding as a :class:`CustomOp` (``rotary_embedding``).
+
+Supports the HF rope types ``default``, ``linear`` and ``llama3``; the inverse frequencies are
+computed exactly as transformers computes them, so logits match to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from forwardkit.compilation.custom_op import CustomOp
+from forwardkit.layers import kernels
+
+__all__ = ["RotaryEmbedding", "get_rope", "rope_parameters"]
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _default_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float) / rotary_dim
+    return 1.0 / (base**exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    try:
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+    except KeyError as e:
+        raise ValueError(f"llama3 rope scaling {scaling!r} is missing key {e.args[0]!r}") from None
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, scaling)`` from an HF config (old ``rope_theta``/``rope_scaling`` keys or
+    transformers-5 ``rope_parameters``); ``scaling`` is None for plain rope."""
+    params = dict(hf_config.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+    scaling = hf_config.get("rope_scaling") or None
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
+    if scaling is not None:
+        scaling = dict(scaling)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default":
+            return theta, None
+        scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+@CustomOp.register("rotary_embedding")
+class RotaryEmbedding(CustomOp):
+    """NeoX-style rotary embedding with a precomputed ``[max_pos, head_size]`` cos/sin cache.
+
+    ``forward(positions[T], query[T, Hq*D], key[T, Hk*D]) -> (query, key)`` rotated.
+    """
+
+    def __init__(
+        self,
+        head_size: int,
+        max_position_embeddings: int,
+        base: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if head_size % 2:
+            raise ValueError(f"rotary head_size must be even, got {head_size}")
+        self.head_size = head_size
+        self.max_position_embeddings = max_position_embeddings
+        self.base = base
+        inv_freq = _default_inv_freq(base, head_size)
+        rope_type = (rope_scaling or {}).get("rope_type", "default")
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling or {})
+        elif rope_type == "linear":
+            inv_freq = inv_freq / float(rope_scaling["factor"])  # type: ignore[index]
+        elif rope_type != "default":
+            raise ValueError(
+                f"Unsupported rope_type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}"
+            )
+        t = torch.arange(max_position_embeddings, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = head_size // 2
+        cache = torch.cat((emb.cos()[:, :half], emb.sin()[:, :half]), dim=-1)
+        # NOTE: kept in float32 whatever the model dtype, like HF's autocast-free rotary.
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self._dtype = dtype
+
+    def forward_native(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pure-torch form."""
+        return kernels.apply_rotary(positions, query, key, self.cos_sin_cache, self.head_size)
+
+    def forward_cuda(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Opaque-kernel form (``forwardkit::rotary_embedding``)."""
+        return torch.ops.forwardkit.rotary_embedding(
+            positions, query, key, self.cos_sin_cache, self.head_size
+        )
+
+    def forward_cpu(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same opaque kernel as on CUDA."""
+        return self.forward_cuda(positions, query, key)
+
+
+def get_rope(
+    head_size: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> RotaryEmbedding:
+    """Build the rotary embedding for a model's rope settings."""
+    return RotaryEmbedding(head_size, max_position, base, rope_scaling, dtype)

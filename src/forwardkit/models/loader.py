@@ -1,0 +1,98 @@
+"""``load_model(engine_config)``: build the model class for the config and fill its weights.
+
+Weights come from a local Hugging Face checkpoint directory (``config.json`` plus
+``*.safetensors``, sharded checkpoints through ``model.safetensors.index.json``). Pickle-based
+formats (``pytorch_model.bin``, ``*.pt``) are refused: loading them can run arbitrary code.
+With ``model_config.model`` None the built-in default model gets seeded random weights.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+from forwardkit.logger import init_logger
+from forwardkit.models import get_model_class
+from forwardkit.models.default import init_random_weights
+from forwardkit.models.llama import hf_config_of
+from forwardkit.models.weights import WeightLoadError, missing_parameters
+
+__all__ = ["iterate_safetensors", "load_model", "safetensors_files"]
+
+logger = init_logger(__name__)
+
+_INDEX = "model.safetensors.index.json"
+_PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's safetensors files (from the shard index when there is one)."""
+    index = os.path.join(model_dir, _INDEX)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{index} is not a valid shard index (need a 'weight_map'): {exc}") from None
+        files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        absent = [f for f in files if not os.path.isfile(f)]
+        if absent:
+            raise ValueError(f"{index} lists shard files that do not exist: {absent}")
+        return files
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if files:
+        return files
+    pickled = sorted(
+        os.path.basename(p) for pattern in _PICKLE_PATTERNS for p in glob.glob(os.path.join(model_dir, pattern))
+    )
+    if pickled:
+        raise ValueError(
+            f"{model_dir} holds only pickle-format weights {pickled}; forwardkit requires safetensors "
+            "(*.safetensors) because unpickling can run arbitrary code. Convert the checkpoint, e.g. "
+            "with transformers: model.save_pretrained(dir, safe_serialization=True)"
+        )
+    raise ValueError(f"no *.safetensors weight files found in model directory {model_dir}")
+
+
+def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of every file, on the CPU."""
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_model(engine_config) -> nn.Module:
+    """Build, load and return the model of ``engine_config`` in eval mode on the platform device."""
+    from forwardkit.config.engine import set_current_engine_config
+
+    model_config = engine_config.model_config
+    hf_config = hf_config_of(engine_config)
+    model_cls = get_model_class(hf_config.get("architectures"))
+    platform = engine_config.platform
+    device = platform.device() if platform is not None else torch.device("cpu")
+    model_dir = model_config.model if model_config is not None else None
+    files = safetensors_files(model_dir) if model_dir is not None else []
+    with set_current_engine_config(engine_config), torch.device(device):
+        model = model_cls(engine_config)
+    if model_dir is None:
+        init_random_weights(model)
+        logger.info_once("Built %s with seeded random weights (no checkpoint)", model_cls.__name__)
+    else:
+        try:
+            loaded = model.load_weights(iterate_safetensors(files))
+        except WeightLoadError as exc:
+            raise WeightLoadError(
+                exc.missing, exc.unexpected, exc.mismatched, source=f"checkpoint {model_dir}"
+            ) from None
+        missing = missing_parameters(model, loaded)
+        if missing:
+            raise WeightLoadError(missing=missing, source=f"checkpoint {model_dir}")
+        logger.info("Loaded %s from %s (%d files)", model_cls.__name__, model_dir, len(files))
+    return model.eval()

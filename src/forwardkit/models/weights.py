@@ -1,0 +1,117 @@
+"""Copying Hugging Face-named tensors into a model's parameters, with complete error reports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from forwardkit.layers.fused_moe import FusedMoE
+from forwardkit.layers.linear import MergedLinear, WeightShapeError
+
+__all__ = ["WeightLoadError", "expected_shards", "load_named_weights", "missing_parameters"]
+
+_LIST_LIMIT = 20
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint does not fit the model: names the missing, unexpected and mis-shaped tensors."""
+
+    def __init__(
+        self,
+        missing: list[str] | None = None,
+        unexpected: list[str] | None = None,
+        mismatched: list[str] | None = None,
+        source: str = "checkpoint",
+    ) -> None:
+        self.missing, self.unexpected, self.mismatched = missing or [], unexpected or [], mismatched or []
+        parts = []
+        for label, items in (
+            ("missing tensors", self.missing),
+            ("unexpected tensors", self.unexpected),
+            ("tensors with the wrong shape", self.mismatched),
+        ):
+            if items:
+                shown = ", ".join(items[:_LIST_LIMIT]) + (f", ... ({len(items)} in all)" if len(items) > _LIST_LIMIT else "")
+                parts.append(f"{label}: {shown}")
+        super().__init__(f"{source} does not match the model: " + "; ".join(parts))
+
+
+def expected_shards(module: nn.Module, param_name: str) -> set[Hashable] | None:
+    """Shard ids that must all be loaded for ``param_name`` of ``module`` to be complete.
+
+    None means "one whole tensor". Expert weights also accept one stacked tensor.
+    """
+    if isinstance(module, MergedLinear):
+        return set(module.shard_offsets)
+    if isinstance(module, FusedMoE):
+        local = range(module.expert_start, module.expert_start + module.num_local_experts)
+        if param_name == "w13_weight":
+            return {(e, w) for e in local for w in ("w1", "w3")}
+        return {(e, "w2") for e in local}
+    return None
+
+
+def _is_complete(module: nn.Module, leaf: str, got: set[Hashable]) -> bool:
+    need = expected_shards(module, leaf)
+    if need is None:
+        return None in got
+    if isinstance(module, FusedMoE) and (leaf.removesuffix("_weight") in got):
+        return True  # one stacked tensor held every expert
+    return need <= got
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    map_name: Callable[[str], tuple[str, Any] | None],
+) -> set[str]:
+    """Copy each ``(hf_name, tensor)`` to the parameter ``map_name`` names (None: skip).
+
+    Returns the names of parameters that are now completely loaded. Unexpected names and shape
+    mismatches are collected and raised together as :class:`WeightLoadError`.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    owners = {name: model.get_submodule(name.rpartition(".")[0]) for name in params}
+    coverage: dict[str, set[Hashable]] = {}
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    for hf_name, tensor in weights:
+        mapped = map_name(hf_name)
+        if mapped is None:
+            continue
+        name, shard = mapped
+        param = params.get(name)
+        if param is None:
+            unexpected.append(hf_name)
+            continue
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is None:
+                if shard is not None:
+                    raise WeightShapeError(f"parameter takes no shard, got {shard!r}")
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise WeightShapeError(f"expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+                with torch.no_grad():
+                    param.data.copy_(tensor)
+            else:
+                loader(param, tensor, shard) if shard is not None else loader(param, tensor)
+        except WeightShapeError as exc:
+            mismatched.append(f"{hf_name} ({exc})")
+            continue
+        coverage.setdefault(name, set()).add(shard)
+    if unexpected or mismatched:
+        raise WeightLoadError(unexpected=unexpected, mismatched=mismatched)
+    return {
+        name
+        for name, got in coverage.items()
+        if _is_complete(owners[name], name.rpartition(".")[2], got)
+    }
+
+
+def missing_parameters(model: nn.Module, loaded: set[str]) -> list[str]:
+    """Parameters of ``model`` not in ``loaded`` (a tied parameter counts once, under any name)."""
+    loaded_ids = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in loaded}
+    return [n for n, p in model.named_parameters() if id(p) not in loaded_ids]
