@@ -1,0 +1,227 @@
+"""``ForwardkitBackend``: the mode-3 (VLLM_COMPILE) Dynamo backend.
+
+Dynamo hands it one FX graph (parameters lifted as inputs, the token count as a ``SymInt``).
+It splits the graph at ``splitting_ops`` (kept eager), swaps every other piece for a lazy
+:class:`~forwardkit.compilation.piecewise.PiecewiseBackend`, and returns the stitched module.
+One backend instance compiles exactly one graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
+
+from forwardkit import envs
+from forwardkit.compilation.cache import CompileCache, cache_enabled, code_hash
+from forwardkit.compilation.compiler import PieceCompiler
+from forwardkit.compilation.counters import compilation_counter, log_summary
+from forwardkit.compilation.passes import PostGradPassManager
+from forwardkit.compilation.piecewise import ArtifactStore, PiecewiseBackend
+from forwardkit.compilation.split import SplitItem, split_graph
+from forwardkit.logger import init_logger
+
+__all__ = ["DEFAULT_SPLITTING_OPS", "ForwardkitBackend", "PiecewiseCompileInterpreter"]
+
+logger = init_logger(__name__)
+
+DEFAULT_SPLITTING_OPS = ["forwardkit::unified_attention", "forwardkit::unified_attention_with_output"]
+
+
+class PiecewiseCompileInterpreter(torch.fx.Interpreter):
+    """Runs the split module on fake inputs and installs a :class:`PiecewiseBackend` per piece.
+
+    Dynamo's placeholder fakes belong to another fake mode than the one active during the
+    backend call, so every tensor is re-fakified into the active mode first ("Mixing fake
+    modes" otherwise). Nothing is compiled here: compiles happen lazily at the first real call.
+    """
+
+    def __init__(self, module: torch.fx.GraphModule, compile_names: list[str], make_piece: Any):
+        super().__init__(module)
+        self.compile_names = compile_names
+        self.make_piece = make_piece
+        self.fake_mode = torch._guards.detect_fake_mode()
+
+    def run(self, *args: Any) -> Any:  # type: ignore[override]
+        """Propagate fakes through the split module (under the active fake mode)."""
+        fake_args = [
+            self.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args
+        ]
+        with self.fake_mode, enable_python_dispatcher():
+            return super().run(*fake_args)
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        """Run the piece on fakes, then replace a compilable one with its lazy backend."""
+        assert isinstance(target, str)
+        output = super().call_module(target, args, kwargs)
+        if target in self.compile_names:
+            index = self.compile_names.index(target)
+            submod = self.fetch_attr(target)
+            self.module.__dict__[target] = self.make_piece(submod, args, index, target)
+            compilation_counter.num_piecewise_capturable_graphs_seen += 1
+        return output
+
+
+def _user_passes_and_options(cc: Any) -> tuple[dict[str, Any], list[Any]]:
+    """Split ``inductor_compile_config`` into real Inductor options and user passes."""
+    from forwardkit.config.pass_config import resolve_inductor_pass
+
+    options: dict[str, Any] = {}
+    passes: list[Any] = []
+    known = torch._inductor.config._config  # type: ignore[attr-defined]
+    for key, value in dict(getattr(cc, "inductor_compile_config", None) or {}).items():
+        if key == "post_grad_custom_post_pass" or (callable(value) and key not in known):
+            if isinstance(value, PostGradPassManager):
+                raise ValueError(
+                    "inductor_compile_config['post_grad_custom_post_pass'] holds a pass manager; "
+                    "forwardkit installs its own. Pass a plain pass (a callable on torch.fx.Graph)."
+                )
+            if value is not None:
+                passes.append(value)
+        elif key in known:
+            options[key] = value
+        else:
+            logger.warning_once("ignoring unknown Inductor option %r in inductor_compile_config", key)
+    for name, value in dict(getattr(cc, "inductor_passes", None) or {}).items():
+        resolved = resolve_inductor_pass(name, value)
+        if not any(p is resolved or p == resolved for p in passes):
+            passes.append(resolved)
+    return options, passes
+
+
+class ForwardkitBackend:
+    """Split-and-compile backend built from an engine config (``CompilationConfig.init_backend``)."""
+
+    def __init__(self, engine_config: Any, prefix: str = "") -> None:
+        self.engine_config = engine_config
+        self.compilation_config = cc = engine_config.compilation_config
+        self.prefix = prefix or "backbone"
+        self.backend_name = getattr(cc, "backend", "") or "inductor"
+        if self.backend_name not in ("inductor", "eager"):
+            raise ValueError(
+                f"compilation_config.backend={self.backend_name!r} is not supported by the "
+                "piecewise backend; use 'inductor' or 'eager'"
+            )
+        options, user_passes = _user_passes_and_options(cc)
+        options["enable_auto_functionalized_v2"] = False  # custom passes expect v1
+        self.pass_manager = PostGradPassManager(getattr(cc, "pass_config", None), user_passes)
+        options["post_grad_custom_post_pass"] = self.pass_manager
+        self.inductor_config = options
+        self.traced_files: set[str] = set()
+        self.called = False
+        self.split_gm: torch.fx.GraphModule | None = None
+        self.pieces: list[SplitItem] = []
+        self.piece_backends: list[PiecewiseBackend] = []
+        self.cache: CompileCache | None = None
+        self._start = time.perf_counter()
+        self._counters_at_start = compilation_counter.clone()
+
+    # ------------------------------------------------------------------ cache
+    def _cache_factors(self) -> dict[str, Any]:
+        cfg = self.engine_config
+        config_hash = cfg.compute_hash() if hasattr(cfg, "compute_hash") else repr(cfg)
+        env = {
+            k: str(getattr(envs, k))
+            for k in ("FORWARDKIT_COMPILE_CACHE_SAVE_FORMAT",)
+        }
+        return {
+            "config_hash": config_hash,
+            "torch": torch.__version__,
+            "code_hash": code_hash(self.traced_files),
+            "compiler": self.backend_name,
+            "env": env,
+            "prefix": self.prefix,
+        }
+
+    def _init_cache(self) -> CompileCache | None:
+        cc = self.compilation_config
+        if self.backend_name == "eager" or not cache_enabled(self.inductor_config):
+            return None
+        root = getattr(cc, "cache_dir", "") or envs.FORWARDKIT_CACHE_ROOT
+        root = os.path.abspath(os.path.expanduser(root))
+        factors = self._cache_factors()
+        key_dir = CompileCache.key_dir(root, factors)
+        pc = getattr(self.engine_config, "parallel_config", None)
+        rank = getattr(pc, "rank", 0) or 0
+        dp_rank = getattr(pc, "data_parallel_rank", 0) or 0
+        local = os.path.join(key_dir, f"rank_{rank}_{dp_rank}", self.prefix)
+        fmt = getattr(cc, "compile_cache_save_format", None) or envs.FORWARDKIT_COMPILE_CACHE_SAVE_FORMAT
+        cache = CompileCache(root, local, fmt)
+        cache.write_metadata("cache_key_factors.json", json.dumps(factors, indent=2, sort_keys=True))
+        for attr, value in (("local_cache_dir", local),):
+            with contextlib.suppress(AttributeError, TypeError, ValueError):
+                setattr(cc, attr, value)
+        return cache
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        """Split ``gm``, install lazy per-piece backends and return the stitched module."""
+        if self.called:
+            raise RuntimeError(
+                "a ForwardkitBackend compiles exactly one graph, and it was called again: the "
+                "model was re-traced (a recompile). Build a new backend per compiled module."
+            )
+        self.called = True
+        compilation_counter.num_graphs_seen += 1
+        cc = self.compilation_config
+        self.cache = self._init_cache()
+        ops = getattr(cc, "splitting_ops", None)
+        ops = list(DEFAULT_SPLITTING_OPS if ops is None else ops)
+        if getattr(cc, "use_inductor_graph_partition", False):
+            ops = []
+        split_gm, items = split_graph(gm, ops)
+        self.split_gm, self.pieces = split_gm, items
+        compilation_counter.num_piecewise_graphs_seen += len(items)
+        compilation_counter.num_splits += sum(it.is_splitting_graph for it in items)
+        compile_names = [it.submod_name for it in items if not it.is_splitting_graph]
+
+        ranges = cc.get_compile_ranges() if hasattr(cc, "get_compile_ranges") else []
+        sizes = [s for s in (getattr(cc, "compile_sizes", None) or []) if isinstance(s, int)]
+        compiler = PieceCompiler(self.backend_name, self.inductor_config, self.cache, cc)
+        store = ArtifactStore(compiler)
+
+        def make_piece(submod: torch.fx.GraphModule, args: Any, index: int, name: str) -> Any:
+            piece = PiecewiseBackend(
+                submod, args, index, len(compile_names), name, ranges, sizes, store,
+                on_all_compiled=self._all_compiled,
+            )
+            self.piece_backends.append(piece)
+            return piece
+
+        fakes = [
+            n.meta.get("example_value", a)
+            for n, a in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)
+        ]
+        PiecewiseCompileInterpreter(split_gm, compile_names, make_piece).run(*fakes)
+        if self.cache is not None:
+            graph_text = split_gm.print_readable(print_output=False)
+            self.cache.write_metadata(
+                "computation_graph.py",
+                "from __future__ import annotations\nimport torch\n"
+                + graph_text.replace("<lambda>", "GraphModule"),
+            )
+        logger.info(
+            "split the graph into %d pieces (%d splitting ops: %s)",
+            len(items), sum(it.is_splitting_graph for it in items), ops,
+        )
+        return split_gm
+
+    def _all_compiled(self) -> None:
+        """Every range and size of the last piece is compiled: log the summary once."""
+        log_summary(time.perf_counter() - self._start, self._counters_at_start)
+
+    def compile_all(self) -> None:
+        """Compile every range (not the sizes, which need real inputs) of every piece now."""
+        for piece in self.piece_backends:
+            for r in piece.ranges:
+                if r in piece.todo:
+                    piece.store.get(piece.fingerprint, r, piece.graph, piece.fake_inputs, piece.name)
+                    piece.todo.discard(r)
+

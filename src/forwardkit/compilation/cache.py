@@ -1,0 +1,277 @@
+"""On-disk compile cache: atomic, locked, checksummed artifacts per rank.
+
+Layout (``root`` = ``cache_dir`` or ``FORWARDKIT_CACHE_ROOT``, default ``~/.cache/forwardkit``)::
+
+    <root>/torch_compile_cache/<hash10>/rank_<r>_<dp>/<prefix>/
+        index.json                     # name -> {path (relative), sha256, size, format, torch}
+        .lock                          # fcntl lock taken around every read-modify-write
+        cache_key_factors.json         # what went into <hash10>, for humans
+        <artifact name>                # binary: one file; unpacked: a directory
+    <root>/inductor_cache/             # Inductor's own cache (C++ kernels), kept with ours
+
+``<hash10>`` covers the engine config hash, the torch version, the traced source files and the
+compiler identity. Unlike the reference, a user-supplied ``cache_dir`` is also keyed by that
+hash (a stale cache is never loaded after a code or config change), paths in the index are
+relative (a moved cache tree still loads), every entry is verified against its checksum, and
+any unreadable entry is logged once and recompiled instead of crashing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from forwardkit import envs
+from forwardkit.compilation.counters import compilation_counter
+from forwardkit.logger import init_logger
+
+__all__ = [
+    "CompileCache",
+    "UnsafeCacheDirError",
+    "cache_enabled",
+    "check_private_dir",
+    "code_hash",
+    "inductor_cache_dir",
+]
+
+logger = init_logger(__name__)
+
+SAVE_FORMATS = ("binary", "unpacked")
+
+
+class UnsafeCacheDirError(PermissionError):
+    """The cache directory could be written by another user; artifacts are code, so it is refused."""
+
+
+def cache_enabled(inductor_config: dict[str, Any] | None = None) -> bool:
+    """False when FORWARDKIT_DISABLE_COMPILE_CACHE=1 or Inductor caches are force-disabled."""
+    if envs.FORWARDKIT_DISABLE_COMPILE_CACHE:
+        return False
+    if torch._inductor.config.force_disable_caches:
+        return False
+    return not (inductor_config or {}).get("force_disable_caches", False)
+
+
+def check_private_dir(path: str) -> None:
+    """Raise :class:`UnsafeCacheDirError` unless ``path`` is owned by us and not group/other-writable."""
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeCacheDirError(
+            f"refusing to use compile cache directory {path!r} (mode {oct(stat.S_IMODE(st.st_mode))}, "
+            f"owner uid {st.st_uid}): another user could write to it, and cached artifacts are "
+            f"executable code. Run `chmod go-w {path}` (as its owner), or point "
+            "FORWARDKIT_CACHE_ROOT / compilation_config.cache_dir at a private directory, or set "
+            "FORWARDKIT_DISABLE_COMPILE_CACHE=1."
+        )
+
+
+def _make_private_dirs(root: str, leaf: str) -> None:
+    """Create ``leaf`` (below ``root``) with mode 0o700 and check every level from ``root`` down."""
+    os.makedirs(leaf, mode=0o700, exist_ok=True)
+    rel = os.path.relpath(leaf, root)
+    path = root
+    check_private_dir(path)
+    for part in [] if rel == "." else rel.split(os.sep):
+        path = os.path.join(path, part)
+        check_private_dir(path)
+
+
+def code_hash(files: Iterable[str]) -> str:
+    """SHA-256 over the sorted traced source files (name and content; generated names only by name)."""
+    h = hashlib.sha256()
+    for path in sorted(set(files)):
+        h.update(path.encode() + b"\n")
+        if path.startswith("<") or not os.path.isfile(path):
+            continue
+        try:
+            with open(path, "rb") as f:
+                h.update(f.read())
+        except OSError as e:  # unreadable: hash the name only
+            logger.warning_once("cannot read traced file %s for the cache key: %s", path, e)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def inductor_cache_dir(path: str | None) -> Iterator[None]:
+    """Point Inductor's own cache (kernels, FX graphs) at ``path`` for the duration of the block."""
+    if path is None:
+        yield
+        return
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def _checksum(path: str) -> tuple[str, int]:
+    """SHA-256 and byte size of a file, or of a directory's files (names + contents, sorted)."""
+    h = hashlib.sha256()
+    size = 0
+    if os.path.isdir(path):
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames.sort()
+            for name in sorted(filenames):
+                full = os.path.join(dirpath, name)
+                h.update(os.path.relpath(full, path).encode() + b"\0")
+                with open(full, "rb") as f:
+                    data = f.read()
+                h.update(data)
+                size += len(data)
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
+        h.update(data)
+        size = len(data)
+    return h.hexdigest(), size
+
+
+class CompileCache:
+    """Artifacts of one model (one backend) under its rank-local directory."""
+
+    INDEX = "index.json"
+
+    def __init__(self, root: str, local_dir: str, save_format: str = "binary") -> None:
+        if save_format not in SAVE_FORMATS:
+            raise ValueError(
+                f"compile_cache_save_format={save_format!r} is not supported; use one of {SAVE_FORMATS}"
+            )
+        self.root, self.local_dir, self.save_format = root, local_dir, save_format
+        _make_private_dirs(root, local_dir)
+        self.inductor_dir = os.path.join(root, "inductor_cache")
+        _make_private_dirs(root, self.inductor_dir)
+        self._lock_path = os.path.join(local_dir, ".lock")
+
+    @staticmethod
+    def key_dir(root: str, factors: dict[str, Any]) -> str:
+        """``<root>/torch_compile_cache/<first 10 hex of sha256(factors)>``."""
+        digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:10]
+        return os.path.join(root, "torch_compile_cache", digest)
+
+    @contextlib.contextmanager
+    def locked(self, exclusive: bool = True) -> Iterator[None]:
+        """Hold the directory's fcntl lock (exclusive for writers, shared for readers)."""
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _read_index(self) -> dict[str, dict[str, Any]]:
+        path = os.path.join(self.local_dir, self.INDEX)
+        if not os.path.exists(path):
+            return {}
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            entries = data["entries"]
+            if not isinstance(entries, dict):
+                raise TypeError("entries is not an object")
+            return entries
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self._fault(f"index {path} is unreadable ({e}); starting a new one")
+            return {}
+
+    def _write_atomic(self, path: str, text: str) -> None:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+    def write_metadata(self, name: str, text: str) -> None:
+        """Write a human-readable file (key factors, graph dump) atomically, once."""
+        path = os.path.join(self.local_dir, name)
+        if not os.path.exists(path):
+            self._write_atomic(path, text)
+
+    def _fault(self, message: str) -> None:
+        compilation_counter.num_cache_errors += 1
+        logger.warning_once("compile cache: %s", message)
+
+    def lookup(self, name: str) -> str | None:
+        """Absolute path of a verified entry ``name``, or None (missing or corrupt: logged once).
+
+        Callers hold the lock (shared is enough).
+        """
+        entry = self._read_index().get(name)
+        if entry is None:
+            return None
+        path = os.path.join(self.local_dir, entry.get("path", name))
+        if not os.path.exists(path):
+            self._fault(f"entry {name} is listed but {path} is missing; recompiling")
+            return None
+        try:
+            digest, size = _checksum(path)
+        except OSError as e:
+            self._fault(f"entry {name} cannot be read ({e}); recompiling")
+            return None
+        if digest != entry.get("sha256") or size != entry.get("size"):
+            self._fault(f"entry {name} failed its checksum (truncated or corrupt); recompiling")
+            return None
+        if entry.get("format") != self.save_format or entry.get("torch") != torch.__version__:
+            return None
+        return path
+
+    def load(self, name: str, loader: Any) -> Any | None:
+        """``loader(path)`` on a verified entry; None (and a logged fault) if anything fails."""
+        # The shared lock keeps a concurrent writer from swapping the entry mid-load.
+        with self.locked(exclusive=False):
+            path = self.lookup(name)
+            if path is None:
+                compilation_counter.num_cache_misses += 1
+                return None
+            try:
+                with inductor_cache_dir(self.inductor_dir):
+                    result = loader(path)
+            except Exception as e:  # an unloadable artifact is a cache miss, never a crash
+                self._fault(f"entry {name} could not be loaded ({type(e).__name__}: {e}); recompiling")
+                compilation_counter.num_cache_misses += 1
+                return None
+        compilation_counter.num_cache_hits += 1
+        return result
+
+    def save(self, name: str, saver: Any) -> None:
+        """``saver(tmp_path)`` writes the artifact; it is renamed into place and indexed atomically."""
+        tmp = tempfile.mkdtemp(dir=self.local_dir, prefix=".tmp-")
+        try:
+            staged = os.path.join(tmp, name)
+            saver(staged)
+            digest, size = _checksum(staged)
+            final = os.path.join(self.local_dir, name)
+            with self.locked(exclusive=True):
+                if os.path.isdir(final) and not os.path.islink(final):
+                    shutil.rmtree(final)
+                os.replace(staged, final)
+                index = self._read_index()
+                index[name] = {
+                    "path": name,
+                    "sha256": digest,
+                    "size": size,
+                    "format": self.save_format,
+                    "torch": torch.__version__,
+                }
+                self._write_atomic(
+                    os.path.join(self.local_dir, self.INDEX),
+                    json.dumps({"version": 1, "entries": index}, indent=2, sort_keys=True),
+                )
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        compilation_counter.num_compiled_artifacts_saved += 1
+        compilation_counter.num_cache_entries_updated += 1

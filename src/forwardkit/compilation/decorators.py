@@ -1,0 +1,245 @@
+"""``@support_torch_compile``: compile a model class's ``forward`` per ``CompilationConfig.mode``.
+
+* ``NONE`` (0) / ``enforce_eager``: the decorator is inert; ``forward`` runs eagerly.
+* ``STOCK_TORCH_COMPILE`` (1): ``torch.compile(forward, backend=<backend>, dynamic=True)`` with
+  guards kept (forwardkit applies it here; in vLLM the runner does it).
+* ``DYNAMO_TRACE_ONCE`` (2): trace once with the token dims dynamic and every guard dropped;
+  the graph goes to the plain backend named by ``backend`` (Inductor gets
+  ``inductor_compile_config``).
+* ``VLLM_COMPILE`` (3): as 2, but the graph goes to a fresh
+  :class:`~forwardkit.compilation.backend.ForwardkitBackend` (split, piecewise compile, cache).
+
+The decorated class reads its config from ``get_current_engine_config()`` at construction, or
+from an ``engine_config=`` (or ``vllm_config=``) keyword.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from forwardkit.compilation.counters import compilation_counter
+from forwardkit.compilation.wrapper import TraceOnceCompiler, collect_traced_files
+from forwardkit.logger import init_logger
+
+__all__ = ["ignore_torch_compile", "infer_dynamic_arg_dims", "support_torch_compile"]
+
+logger = init_logger(__name__)
+
+T = TypeVar("T", bound=type)
+
+_TENSOR_ANNOTATIONS = {
+    "Tensor", "torch.Tensor", "Tensor | None", "torch.Tensor | None", "Optional[torch.Tensor]",
+    "Optional[Tensor]", "IntermediateTensors", "IntermediateTensors | None",
+}
+
+
+def infer_dynamic_arg_dims(forward: Callable[..., Any]) -> dict[str, int]:
+    """Every parameter annotated as a tensor (optionally ``| None``) gets dynamic dim 0."""
+    dims: dict[str, int] = {}
+    for name, p in inspect.signature(forward).parameters.items():
+        ann = p.annotation
+        text = ann if isinstance(ann, str) else getattr(ann, "__name__", None) or str(ann)
+        if ann is torch.Tensor or text.replace("typing.", "") in _TENSOR_ANNOTATIONS or (
+            not isinstance(ann, str) and str(ann) in ("torch.Tensor | None", "typing.Optional[torch.Tensor]")
+        ):
+            dims[name] = 0
+    return dims
+
+
+def ignore_torch_compile(cls: T) -> T:
+    """Make a subclass of a decorated class run eagerly (decorated submodules still compile)."""
+    cls._forwardkit_ignore_compile = True
+    return cls
+
+
+def _mode_of(engine_config: Any) -> int:
+    cc = getattr(engine_config, "compilation_config", None)
+    mode = getattr(cc, "mode", None)
+    return 0 if mode is None else int(mode)
+
+
+def _enforce_eager(engine_config: Any) -> bool:
+    mc = getattr(engine_config, "model_config", None)
+    return bool(getattr(mc, "enforce_eager", False))
+
+
+def _mark_dynamic(bound: inspect.BoundArguments, dims: dict[str, int | list[int]],
+                  unbacked: dict[str, int | list[int]], dyn_type: str) -> None:
+    """Mark the configured dims dynamic (unbacked for size 0/1 or UNBACKED type)."""
+    from torch._dynamo.decorators import mark_unbacked
+
+    def as_list(d: int | list[int]) -> list[int]:
+        return [d] if isinstance(d, int) else list(d)
+
+    for table, force_unbacked in ((dims, False), (unbacked, True)):
+        for name, ds in table.items():
+            value = bound.arguments.get(name)
+            if value is None:
+                continue
+            tensors = list(value.tensors.values()) if hasattr(value, "tensors") else [value]
+            for t in tensors:
+                if not isinstance(t, torch.Tensor):
+                    raise ValueError(
+                        f"argument {name!r} is listed in dynamic_arg_dims but is a "
+                        f"{type(t).__name__}; only tensors can have dynamic dims"
+                    )
+                for d in as_list(ds):
+                    d = d % t.ndim
+                    # A backed symbol of size 0/1 specialises to a constant (a static graph), so
+                    # a first call with one token marks that dim unbacked instead.
+                    if force_unbacked or dyn_type == "unbacked" or t.shape[d] < 2:
+                        mark_unbacked(t, d, hint_override=t.shape[d])
+                    else:
+                        torch._dynamo.mark_dynamic(t, d)
+
+
+def support_torch_compile(
+    cls: T | None = None,
+    *,
+    dynamic_arg_dims: dict[str, int | list[int]] | None = None,
+    mark_unbacked_dims: dict[str, int | list[int]] | None = None,
+    enable_if: Callable[[Any], bool] | None = None,
+) -> Any:
+    """Class decorator (bare or with arguments) that compiles ``forward`` per the engine config.
+
+    ``dynamic_arg_dims`` maps forward parameter names to their dynamic dim(s); by default every
+    tensor-annotated parameter gets dim 0 (the token dimension). ``enable_if(engine_config)``
+    returning False keeps the model eager.
+    """
+
+    def decorate(klass: T) -> T:
+        if "forward" not in dir(klass):
+            raise TypeError(f"{klass.__name__} has no forward(); support_torch_compile needs one")
+        if klass.__dict__.get("_forwardkit_compile_decorated", False):
+            return klass
+        dims = dynamic_arg_dims
+        if dims is None:
+            dims = infer_dynamic_arg_dims(klass.forward)
+            if not dims and not mark_unbacked_dims:
+                raise ValueError(
+                    f"cannot infer dynamic_arg_dims for {klass.__name__}.forward: no parameter is "
+                    "annotated torch.Tensor; pass dynamic_arg_dims={'input_ids': 0, ...}"
+                )
+        params = inspect.signature(klass.forward).parameters
+        for name in [*dims, *(mark_unbacked_dims or {})]:
+            if name not in params:
+                raise ValueError(
+                    f"dynamic dim given for {name!r}, which is not a parameter of "
+                    f"{klass.__name__}.forward {list(params)[1:]}"
+                )
+        _install(klass, dict(dims), dict(mark_unbacked_dims or {}), enable_if)
+        return klass
+
+    return decorate(cls) if cls is not None else decorate
+
+
+def _install(klass: type, dims: dict[str, Any], unbacked: dict[str, Any],
+             enable_if: Callable[[Any], bool] | None) -> None:
+    original_init = klass.__init__
+    original_call = klass.__call__
+    init_params = inspect.signature(original_init).parameters
+
+    def __init__(self: Any, *args: Any, engine_config: Any = None, vllm_config: Any = None,
+                 prefix: str = "", **kwargs: Any) -> None:
+        cfg = engine_config if engine_config is not None else vllm_config
+        if cfg is None:
+            from forwardkit.config.engine import get_current_engine_config
+
+            cfg = get_current_engine_config()
+        if "engine_config" in init_params:
+            kwargs["engine_config"] = cfg
+        elif "vllm_config" in init_params:
+            kwargs["vllm_config"] = cfg
+        if "prefix" in init_params:
+            kwargs["prefix"] = prefix
+        original_init(self, *args, **kwargs)
+        mode = _mode_of(cfg)
+        skip = (
+            mode in (0,)
+            or _enforce_eager(cfg)
+            or getattr(type(self), "_forwardkit_ignore_compile", False)
+            or (enable_if is not None and not enable_if(cfg))
+        )
+        self._fk_engine_config = cfg
+        self._fk_do_not_compile = skip
+        self._fk_compiler = None
+        if skip:
+            return
+        compilation_counter.num_models_seen += 1
+        self._fk_mode = mode
+        self._fk_prefix = prefix
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._fk_do_not_compile or torch.compiler.is_compiling():
+            return original_call(self, *args, **kwargs)
+        compiler = self._fk_compiler
+        if compiler is not None:
+            return compiler(*args, **kwargs)
+        return _first_call(self, klass, dims, unbacked, args, kwargs)
+
+    klass.__init__ = __init__
+    klass.__call__ = __call__
+    klass._forwardkit_compile_decorated = True
+    klass._forwardkit_ignore_compile = False
+
+
+def _make_backend(module: Any, cfg: Any, mode: int) -> Any:
+    """The Dynamo backend callable for mode 1/2/3."""
+    cc = cfg.compilation_config
+    if mode == 3:
+        from forwardkit.compilation.backend import ForwardkitBackend
+
+        backend = cc.init_backend(cfg) if hasattr(cc, "init_backend") else ForwardkitBackend(cfg)
+        if isinstance(backend, ForwardkitBackend) and module._fk_prefix:
+            backend.prefix = module._fk_prefix
+        module._fk_backend = backend
+        return backend
+    name = cc.init_backend(cfg) if hasattr(cc, "init_backend") else (cc.backend or "inductor")
+    if name == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        options = {k: v for k, v in dict(cc.inductor_compile_config or {}).items()
+                   if k in torch._inductor.config._config}  # type: ignore[attr-defined]
+
+        def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            return compile_fx(gm, example_inputs, config_patches=options)
+
+        return inductor
+    if isinstance(name, str):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(name)
+    return name
+
+
+def _first_call(module: Any, klass: type, dims: dict[str, Any], unbacked: dict[str, Any],
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    cfg = module._fk_engine_config
+    cc = cfg.compilation_config
+    mode = module._fk_mode
+    forward = klass.forward
+    if mode == 1:
+        compilation_counter.stock_torch_compile_count += 1
+        backend = _make_backend(module, cfg, mode)
+        compiled = torch.compile(forward.__get__(module), backend=backend, fullgraph=True, dynamic=True)
+        module._fk_compiler = compiled
+        return compiled(*args, **kwargs)
+    bound = inspect.signature(forward).bind(module, *args, **kwargs)
+    dyn = getattr(getattr(cc, "dynamic_shapes_config", None), "type", "backed")
+    _mark_dynamic(bound, dims, unbacked, str(getattr(dyn, "value", dyn)))
+    traced: set[str] = {inspect.getsourcefile(forward) or forward.__code__.co_filename}
+    backend = _make_backend(module, cfg, mode)
+    compiler = TraceOnceCompiler(module, forward, backend)
+    with collect_traced_files(traced):
+        if hasattr(backend, "traced_files"):
+            backend.traced_files = traced  # hashed into the cache key when the backend runs
+        out = compiler.first_call(*args, **kwargs)
+    with contextlib.suppress(AttributeError, TypeError, ValueError):
+        cc.traced_files = set(traced)
+    module._fk_compiler = compiler
+    return out
