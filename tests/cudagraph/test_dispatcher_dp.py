@@ -1,0 +1,75 @@
+"""Runner decisions across two real DP ranks (gloo on loopback): spec/runtime.md E35."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+from forwardkit.config.compilation import CUDAGraphMode as M
+from forwardkit.forward_context import BatchDescriptor as d
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
+
+# rank 0 per-request tokens, rank 1 per-request tokens (E35 rows 1-3)
+ROWS = [([1] * 5, [1] * 3), ([1] * 5, [4, 1, 1, 7]), ([1] * 5, [10, 10])]
+
+
+def _rank_main(rank: int, nprocs: int, port: int) -> list[tuple]:
+    from forwardkit.cudagraph.dispatcher import (
+        CudagraphDispatcher,
+        determine_batch_execution_and_padding,
+    )
+    from forwardkit.distributed import destroy_dp_group, init_dp_group
+
+    sizes = [1, 2, 4, 8, 16]
+    parallel = NS(
+        data_parallel_size=nprocs, data_parallel_rank=rank, tensor_parallel_size=1,
+        disable_nccl_for_dp_synchronization=True, use_ubatching=False, enable_dbo=False,
+        ubatch_size=0, num_ubatches=0, dbo_decode_token_threshold=32, dbo_prefill_token_threshold=512,
+        data_parallel_master_ip="127.0.0.1", data_parallel_master_port=port,
+    )
+    cc = NS(
+        cudagraph_mode=M.FULL_AND_PIECEWISE, cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=16,
+        bs_to_padded_graph_size=[0] + [min(s for s in sizes if s >= b) for b in range(1, 17)],
+        cudagraph_specialize_lora=True, is_attention_compiled_piecewise=lambda: True,
+        pass_config=NS(enable_sp=False),
+    )
+    cfg = NS(
+        compilation_config=cc, scheduler_config=NS(max_num_seqs=8), speculative_config=None,
+        lora_config=None, parallel_config=parallel, observability_config=NS(cudagraph_metrics=True),
+        model_config=None,
+    )
+    disp = CudagraphDispatcher(cfg)
+    disp.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE, 1)
+    init_dp_group(parallel, backend="gloo", timeout_s=60)
+    try:
+        out = []
+        for row in ROWS:
+            per_req = row[rank]
+            r = determine_batch_execution_and_padding(disp, sum(per_req), len(per_req), per_req, max(per_req))
+            stat = r.cudagraph_stats
+            out.append((r.cudagraph_mode.name, tuple(r.batch_descriptor), r.should_ubatch,
+                        r.num_tokens_across_dp.tolist(),
+                        (stat.num_unpadded_tokens, stat.num_padded_tokens, stat.num_paddings)))
+        return out
+    finally:
+        destroy_dp_group()
+
+
+def test_e35_two_real_dp_ranks():
+    from forwardkit.distributed.launch import spawn
+
+    rank0, rank1 = spawn(_rank_main, 2, timeout_s=150)
+    expected0 = [
+        ("FULL", tuple(d(8, 8, True)), False, [8, 8], (5, 8, 3)),
+        ("PIECEWISE", tuple(d(16)), False, [16, 16], (5, 16, 11)),
+        ("NONE", tuple(d(20)), False, [20, 20], (5, 20, 15)),
+    ]
+    expected1 = [
+        ("FULL", tuple(d(8, 8, True)), False, [8, 8], (3, 8, 5)),
+        ("PIECEWISE", tuple(d(16)), False, [16, 16], (13, 16, 3)),
+        ("NONE", tuple(d(20)), False, [20, 20], (20, 20, 0)),
+    ]
+    assert rank0 == expected0
+    assert rank1 == expected1
