@@ -52,6 +52,7 @@ __all__ = [
     "DynamicShapesType",
     "PassConfig",
     "Range",
+    "compilation_config_adapter",
 ]
 
 logger = init_logger(__name__)
