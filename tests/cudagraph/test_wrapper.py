@@ -9,6 +9,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
+from forwardkit.compilation.counters import compilation_counter
 from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.cudagraph import monitor
 from forwardkit.cudagraph.wrapper import (
@@ -118,7 +119,7 @@ def make(mode=M.FULL, options=None, **kw):
 def test_e36_sequence(fake_cuda):
     wrapper, fn, backend = make(options=CUDAGraphOptions(weak_ref_output=False))
     x = torch.ones(4)
-    before = monitor.num_cudagraph_captured
+    before = compilation_counter.num_cudagraph_captured
 
     with ctx(M.NONE):  # 1. NONE: fall through
         assert torch.equal(wrapper(x), x * 2)
@@ -147,7 +148,7 @@ def test_e36_sequence(fake_cuda):
     with ctx(M.FULL, d(4, 4, True)):  # 5. new descriptor: new entry and capture
         wrapper(x)
     assert len(wrapper.concrete_cudagraph_entries) == 2
-    assert monitor.num_cudagraph_captured - before == 2
+    assert compilation_counter.num_cudagraph_captured - before == 2
     assert backend.pools == [POOL, POOL]
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from forwardkit.compilation.counters import compilation_counter
 from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.cudagraph import monitor
 from forwardkit.cudagraph.wrapper import CUDAGraphOptions, CUDAGraphWrapper, weak_ref_tensors
@@ -69,9 +70,9 @@ def test_full_graph_mlp_replay_matches_eager(cuda_graphs):
     model = CountingMLP().cuda().eval()
     wrapper = CUDAGraphWrapper(model, CFG, M.FULL)
     buf = torch.zeros(max(SIZES), HIDDEN, device="cuda")
-    before = monitor.num_cudagraph_captured
+    before = compilation_counter.num_cudagraph_captured
     capture_all(model, wrapper, buf, M.FULL, [d(n) for n in reversed(SIZES)])
-    assert monitor.num_cudagraph_captured - before == len(SIZES)
+    assert compilation_counter.num_cudagraph_captured - before == len(SIZES)
     assert monitor.cudagraph_capturing_enabled is False
     assert all(e.cudagraph is not None for e in wrapper.concrete_cudagraph_entries.values())
 

@@ -3,7 +3,8 @@
 * ``cudagraph_capturing_enabled`` (spec/runtime.md §5.6): the runner enables capture only
   around ``capture_model``; a capture triggered later by an unexpected descriptor raises
   instead of silently stalling a step.
-* ``num_cudagraph_captured``: total graphs captured in this process.
+* :func:`record_capture`: counts captures in
+  ``forwardkit.compilation.counters.compilation_counter.num_cudagraph_captured``.
 * :func:`capture_session`: what the runner wraps its capture loop in (§6.2/§5.7): capture
   enabled, ``gc.collect()`` + ``gc.freeze()`` (unless ``FORWARDKIT_ENABLE_CUDAGRAPH_GC=1``),
   and everything restored afterwards.
@@ -16,18 +17,18 @@ import gc
 from collections.abc import Iterator
 
 from forwardkit import envs
+from forwardkit.compilation.counters import compilation_counter
 
 __all__ = [
     "capture_session",
     "cudagraph_capturing_enabled",
     "freeze_gc_for_capture",
-    "num_cudagraph_captured",
+    "record_capture",
     "set_cudagraph_capturing_enabled",
     "validate_cudagraph_capturing_enabled",
 ]
 
 cudagraph_capturing_enabled: bool = True
-num_cudagraph_captured: int = 0
 
 
 def set_cudagraph_capturing_enabled(enabled: bool) -> None:
@@ -46,10 +47,9 @@ def validate_cudagraph_capturing_enabled() -> None:
 
 
 def record_capture() -> int:
-    """Count one finished capture; returns the new total."""
-    global num_cudagraph_captured
-    num_cudagraph_captured += 1
-    return num_cudagraph_captured
+    """Count one finished capture; returns the process total."""
+    compilation_counter.num_cudagraph_captured += 1
+    return compilation_counter.num_cudagraph_captured
 
 
 @contextlib.contextmanager
