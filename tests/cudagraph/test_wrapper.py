@@ -17,6 +17,7 @@ from forwardkit.cudagraph.wrapper import (
     CUDAGraphOptions,
     CUDAGraphWrapper,
     GraphBackend,
+    piecewise_cudagraph_options,
     weak_ref_tensors,
 )
 from forwardkit.forward_context import BatchDescriptor as d
@@ -343,3 +344,16 @@ def test_gc_freeze_off_with_env(monkeypatch):
     monkeypatch.setenv("FORWARDKIT_ENABLE_CUDAGRAPH_GC", "1")
     with monitor.freeze_gc_for_capture() as froze:
         assert froze is False and gc.get_freeze_count() == 0
+
+
+def test_piecewise_options_by_position():
+    assert [piecewise_cudagraph_options(i, 3) for i in range(3)] == [
+        CUDAGraphOptions(debug_log_enable=True, gc_disable=False, weak_ref_output=False),
+        CUDAGraphOptions(debug_log_enable=False, gc_disable=True, weak_ref_output=False),
+        CUDAGraphOptions(debug_log_enable=False, gc_disable=True, weak_ref_output=True),
+    ]
+    assert piecewise_cudagraph_options(0, 1) == CUDAGraphOptions(True, False, True)
+    with pytest.raises(ValueError, match=r"piece index must be an int in \[0, 2\), got 2"):
+        piecewise_cudagraph_options(2, 2)
+    with pytest.raises(ValueError, match="num_pieces must be a positive int, got 0"):
+        piecewise_cudagraph_options(0, 0)

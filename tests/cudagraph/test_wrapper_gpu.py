@@ -11,7 +11,11 @@ from torch import nn
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.cudagraph import monitor
-from forwardkit.cudagraph.wrapper import CUDAGraphOptions, CUDAGraphWrapper, weak_ref_tensors
+from forwardkit.cudagraph.wrapper import (
+    CUDAGraphWrapper,
+    piecewise_cudagraph_options,
+    weak_ref_tensors,
+)
 from forwardkit.forward_context import BatchDescriptor as d
 from forwardkit.forward_context import set_forward_context
 from forwardkit.platforms import CudaPlatform, use_platform
@@ -100,10 +104,7 @@ def test_piecewise_pieces_chain_through_the_pool(cuda_graphs, monkeypatch):
     last = nn.Linear(4 * HIDDEN, HIDDEN).cuda().eval()
     pieces = [first, last]
     wrapped = [
-        CUDAGraphWrapper(
-            p, CFG, M.PIECEWISE,
-            CUDAGraphOptions(debug_log_enable=i == 0, gc_disable=i != 0, weak_ref_output=i == len(pieces) - 1),
-        )
+        CUDAGraphWrapper(p, CFG, M.PIECEWISE, piecewise_cudagraph_options(i, len(pieces)))
         for i, p in enumerate(pieces)
     ]
 

@@ -23,6 +23,7 @@ _EXPORTS = {
     "CUDAGraphOptions": "wrapper",
     "CUDAGraphEntry": "wrapper",
     "GraphBackend": "wrapper",
+    "piecewise_cudagraph_options": "wrapper",
     "weak_ref_tensors": "wrapper",
     "CUDAGraphStat": "metrics",
     "CUDAGraphLogging": "metrics",

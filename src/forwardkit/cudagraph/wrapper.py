@@ -40,6 +40,7 @@ __all__ = [
     "CUDAGraphOptions",
     "CUDAGraphWrapper",
     "GraphBackend",
+    "piecewise_cudagraph_options",
     "weak_ref_tensor",
     "weak_ref_tensors",
 ]
@@ -64,6 +65,23 @@ class CUDAGraphEntry:
     cudagraph: Any | None = None
     output: Any | None = None
     input_addresses: list[int] | None = None
+
+
+def piecewise_cudagraph_options(index: int, num_pieces: int) -> CUDAGraphOptions:
+    """Options for compiled piece ``index`` of ``num_pieces`` (spec §5.8).
+
+    Only the first piece logs captures and keeps gc/empty_cache during capture; only the last
+    piece turns its output into weak references inside the capture (no later graph reads it).
+    """
+    if isinstance(num_pieces, bool) or not isinstance(num_pieces, int) or num_pieces < 1:
+        raise ValueError(f"num_pieces must be a positive int, got {num_pieces!r}")
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_pieces:
+        raise ValueError(f"piece index must be an int in [0, {num_pieces}), got {index!r}")
+    return CUDAGraphOptions(
+        debug_log_enable=index == 0,
+        gc_disable=index != 0,
+        weak_ref_output=index == num_pieces - 1,
+    )
 
 
 def weak_ref_tensor(tensor: Any) -> Any:
