@@ -48,6 +48,7 @@ class FakeBackend(GraphBackend):
         self.pools: list = []
         self.in_capture = False
         self.gc_collect_inside = None
+        self.patched_inside: tuple = ()
 
     def new_graph(self):
         return FakeGraph()
@@ -58,6 +59,7 @@ class FakeBackend(GraphBackend):
         self.events.append("enter")
         self.gc_collect_inside = gc.collect()  # the real capture context calls this on entry
         torch.cuda.empty_cache()  # ... and this (a no-op on CPU, patched when gc_disable)
+        self.patched_inside = (gc.collect, torch.cuda.empty_cache)
         self.in_capture = True
         try:
             yield
@@ -255,12 +257,13 @@ def test_strong_output_without_weak_ref_option(fake_cuda):
 def test_gc_disable_patches_collect_during_capture(fake_cuda, gc_disable):
     real_collect, real_empty = gc.collect, torch.cuda.empty_cache
     wrapper, _, backend = make(M.PIECEWISE, CUDAGraphOptions(gc_disable=gc_disable))
-    garbage = []
-    garbage.append(garbage)  # a reference cycle: a real gc.collect() finds >= 1 object
-    del garbage
     with ctx(M.PIECEWISE, d(2)):
         wrapper(torch.ones(2))
-    assert (backend.gc_collect_inside == 0) if gc_disable else (backend.gc_collect_inside >= 1)
+    collect, empty = backend.patched_inside
+    assert (collect is real_collect) is not gc_disable
+    assert (empty is real_empty) is not gc_disable
+    if gc_disable:
+        assert backend.gc_collect_inside == 0
     assert gc.collect is real_collect and torch.cuda.empty_cache is real_empty  # restored
 
 
