@@ -7,10 +7,10 @@ device group (NCCL on CUDA, the gloo group on CPU). Every collective issued thro
 makes the waiting ranks raise :class:`DPCollectiveError` instead of hanging. vLLM's
 collectives have no such bound; this is a deliberate fix (DESIGN.md, "Distributed").
 
-Rendezvous settings are taken, in this order, from the explicit arguments, the
-parallel config (``data_parallel_size``, ``data_parallel_rank``, ``data_parallel_master_ip``,
-``data_parallel_master_port``), the torchrun variables (``WORLD_SIZE``, ``RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``) and finally ``FORWARDKIT_DP_*``.
+Rendezvous settings: under torchrun (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``,
+``MASTER_PORT`` set) the launcher's values are used; otherwise, in this order, the explicit
+arguments, the parallel config (``data_parallel_size``, ``data_parallel_rank``,
+``data_parallel_master_ip``, ``data_parallel_master_port``) and ``FORWARDKIT_DP_*``.
 """
 
 from __future__ import annotations
@@ -239,10 +239,17 @@ def init_dp_group(
         world, me, addr, port = _resolve_rendezvous(
             parallel_config, world_size, rank, master_addr, master_port
         )
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://{addr}:{port}",
-            world_size=world, rank=me, timeout=timeout,
-        )
+        try:
+            dist.init_process_group(
+                backend=backend, init_method=f"tcp://{addr}:{port}",
+                world_size=world, rank=me, timeout=timeout,
+            )
+        except Exception as exc:
+            raise DPCollectiveError(
+                f"DP rendezvous at tcp://{addr}:{port} failed for rank {me} of {world} "
+                f"(timeout {timeout_s:g} s, FORWARDKIT_DP_TIMEOUT_S): not every rank arrived, "
+                f"or the address is unreachable. Cause: {exc}"
+            ) from exc
     else:
         world, me = dist.get_world_size(), dist.get_rank()
         want = _pick(world_size, getattr(parallel_config, "data_parallel_size", None), world)
