@@ -1,14 +1,110 @@
-"""CPU fusions placeholder (filled in below)."""
+"""CPU fusions: let Inductor fuse residual-add + RMSNorm and SiLU-and-mul into one kernel each.
+
+With ``custom_ops`` enabled (``+rms_norm``, ``+silu_and_mul``, or ``all``), the model emits
+opaque ``forwardkit::fused_add_rms_norm`` / ``forwardkit::rms_norm`` / ``forwardkit::silu_and_mul``
+calls. Inside a compiled piece Inductor cannot fuse through them: each runs as several eager
+ATen kernels with full-size intermediates. On CPU there are no hand-written kernels behind these
+ops, so the fusion that pays off is to replace each call by the op's own Python implementation,
+traced to ATen in place; Inductor then emits one C++ kernel for add + reduction + normalise +
+scale (and one for SiLU * up), fused with neighbouring pointwise work.
+
+The replacement is exact (it is the op's own implementation). A pass never fires on a graph that
+does not call its ops (e.g. the native forms that ``custom_ops=["none"]`` produces, which Inductor
+already fuses), and when an op is not registered in this process it is skipped with a warning.
+"""
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
+from typing import Any
+
 import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from forwardkit.compilation.passes import InductorPass
+from forwardkit.logger import init_logger
+
+__all__ = ["FusedAddRMSNormPass", "InlineOpaqueOpPass", "SiluAndMulFusionPass"]
+
+logger = init_logger(__name__)
 
 
-class FusedAddRMSNormPass(InductorPass):
-    """Placeholder."""
+def _op_impl(qualname: str) -> tuple[Any, Callable[..., Any]] | None:
+    """(OpOverload, Python implementation) of a ``torch.library.custom_op``, or None if absent."""
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(qualname)
+    if opdef is None:
+        return None
+    return opdef._opoverload, opdef._init_fn
+
+
+class InlineOpaqueOpPass(InductorPass):
+    """Replace calls to the given functional custom ops by their traced Python implementation."""
+
+    OPS: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.fired = 0
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        return None
+        impls = {}
+        for name in self.OPS:
+            found = _op_impl(name)
+            if found is None:
+                logger.debug_once("%s: op %s is not registered; skipping it", type(self).__name__, name)
+                continue
+            impls[found[0]] = found[1]
+        if not impls:
+            return
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target in impls:
+                self._inline(graph, node, impls[node.target])
+                self.fired += 1
+
+    @staticmethod
+    def _inline(graph: torch.fx.Graph, node: torch.fx.Node, impl: Callable[..., Any]) -> None:
+        schema = node.target._schema  # type: ignore[union-attr]
+        args = list(node.args) + [
+            node.kwargs[a.name] for a in schema.arguments[len(node.args):] if a.name in node.kwargs
+        ]
+        tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.fx.Node)]
+        fakes = [args[i].meta["val"] for i in tensor_pos]
+
+        def body(*tensors: torch.Tensor) -> Any:
+            full = list(args)
+            for i, t in zip(tensor_pos, tensors):
+                full[i] = t
+            return impl(*full)
+
+        fake_mode = torch._guards.detect_fake_mode(fakes)
+        from torch._inductor.decomposition import select_decomp_table
+
+        with fake_mode:
+            sub = make_fx(body, decomposition_table=select_decomp_table())(*fakes)
+        val_map = {ph: args[i] for ph, i in zip(sub.graph.find_nodes(op="placeholder"), tensor_pos)}
+        with graph.inserting_before(node):
+            out = graph.graph_copy(sub.graph, val_map)
+        if isinstance(out, (tuple, list)):
+            for user in list(node.users):
+                if user.op == "call_function" and user.target is operator.getitem:
+                    user.replace_all_uses_with(out[user.args[1]])
+                    graph.erase_node(user)
+        else:
+            node.replace_all_uses_with(out)
+        if not node.users:
+            graph.erase_node(node)
+
+
+class FusedAddRMSNormPass(InlineOpaqueOpPass):
+    """Residual-add + RMSNorm (``forwardkit::fused_add_rms_norm`` / ``rms_norm``) as one kernel."""
+
+    OPS = ("forwardkit::fused_add_rms_norm", "forwardkit::rms_norm")
+
+
+class SiluAndMulFusionPass(InlineOpaqueOpPass):
+    """SiLU-and-mul (``forwardkit::silu_and_mul``) fused with its neighbours."""
+
+    OPS = ("forwardkit::silu_and_mul",)

@@ -103,13 +103,14 @@ class PostGradPassManager(InductorPass):
     """Runs forwardkit's post-grad passes chosen by ``PassConfig`` plus the user's passes."""
 
     def __init__(self, pass_config: Any = None, user_passes: Sequence[Any] = ()) -> None:
-        from forwardkit.compilation.fusion import FusedAddRMSNormPass
+        from forwardkit.compilation.fusion import FusedAddRMSNormPass, SiluAndMulFusionPass
 
         self.pass_config = pass_config
         self.passes: list[Any] = []
         if pass_config is not None and getattr(pass_config, "eliminate_noops", False):
             self.passes.append(NoOpEliminationPass())
             self.passes.append(FusedAddRMSNormPass())
+            self.passes.append(SiluAndMulFusionPass())
         self.passes.extend(user_passes)
 
     def add(self, user_pass: Any) -> None:
