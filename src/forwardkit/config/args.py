@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from forwardkit.config.cache import CacheConfig
+from forwardkit.config.compilation import CompilationConfig, CompilationMode
 from forwardkit.config.engine import EngineConfig, OptimizationLevel
 from forwardkit.config.model import ModelConfig
 from forwardkit.config.parallel import ALL2ALL_BACKENDS, ParallelConfig
@@ -34,7 +35,7 @@ from forwardkit.config.scheduler import (
     DEFAULT_MAX_NUM_SEQS,
     SchedulerConfig,
 )
-from forwardkit.platforms import platform_by_name
+from forwardkit.platforms import current_platform, platform_by_name, use_platform
 
 __all__ = [
     "add_engine_args",
@@ -156,12 +157,16 @@ def compilation_overrides_from_args(ns: argparse.Namespace) -> tuple[int | None,
     config: dict[str, Any] = {}
     raw = getattr(ns, "compilation_config", None)
     if raw is not None:
-        try:
-            config = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--compilation-config is not valid JSON ({exc}): {raw!r}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"--compilation-config must be a JSON object, got {raw!r}")
+        text = raw.strip()
+        if text.isdigit() or (text.isidentifier() and text.upper() in CompilationMode.__members__):
+            config = {"mode": int(text) if text.isdigit() else text.upper()}  # -cc 3, -cc VLLM_COMPILE
+        else:
+            try:
+                config = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--compilation-config is not valid JSON ({exc}): {raw!r}") from None
+            if not isinstance(config, dict):
+                raise ValueError(f"--compilation-config must be a JSON object or a mode, got {raw!r}")
     for item in getattr(ns, "engine_O", None) or []:
         text = item.strip()
         if text.startswith("."):
@@ -183,21 +188,20 @@ def compilation_overrides_from_args(ns: argparse.Namespace) -> tuple[int | None,
 
 
 def _check_compilation_keys(config: dict[str, Any]) -> None:
-    from forwardkit.config.compilation import CompilationConfig
-
     accepted = sorted(f.name for f in dataclasses.fields(CompilationConfig) if f.init)
     for key in config:
         if key not in accepted:
             raise ValueError(f"unknown compilation-config key {key!r}; accepted: {', '.join(accepted)}")
 
 
-def one_line_error(exc: ValidationError) -> str:
+def one_line_error(exc: ValidationError, prefix: str | None = None) -> str:
     """Condense a pydantic ``ValidationError`` into one line naming each bad field."""
+    title = prefix or exc.title
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err.get("loc", ()))
         msg = err.get("msg", "").removeprefix("Value error, ").removeprefix("Assertion failed, ")
-        parts.append(f"{exc.title}.{loc}: {msg}" if loc else f"{exc.title}: {msg}")
+        parts.append(f"{title}.{loc}: {msg}" if loc else f"{title}: {msg}")
     return "; ".join(parts) or str(exc).splitlines()[0]
 
 
@@ -262,6 +266,11 @@ def _build(ns: argparse.Namespace, default_hf_config: dict[str, Any] | None) -> 
     }
     if level is not None:
         kwargs["optimization_level"] = level
-    if ns.platform is not None:
-        kwargs["platform"] = platform_by_name(ns.platform)
+    platform = platform_by_name(ns.platform) if ns.platform is not None else current_platform._get()
+    kwargs["platform"] = platform
+    try:
+        with use_platform(platform):  # CompilationConfig reads the platform while it is built
+            CompilationConfig(**compilation)
+    except ValidationError as exc:  # name the bad key relative to the compilation config
+        raise ValueError(one_line_error(exc, prefix="compilation-config")) from None
     return EngineConfig(**kwargs)
