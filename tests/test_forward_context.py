@@ -323,3 +323,16 @@ def test_with_real_engine_config():
         assert ctx.no_compile_layers is cfg.compilation_config.static_forward_context
         assert ctx.batch_descriptor == BatchDescriptor(4)
         assert ctx.dp_metadata is None
+
+
+def test_platform_subclass_hook_is_called():
+    from forwardkit.platforms import CpuPlatform, use_platform
+
+    class ExtrasPlatform(CpuPlatform):
+        def set_additional_forward_context(self, **kwargs):
+            return {"batch": kwargs["batch_descriptor"]}
+
+    with use_platform(ExtrasPlatform()), set_forward_context(
+        {}, make_cfg(), num_tokens=5, cudagraph_runtime_mode=CUDAGraphMode.FULL
+    ):
+        assert get_forward_context().additional_kwargs == {"batch": BatchDescriptor(5)}

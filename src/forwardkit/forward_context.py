@@ -29,7 +29,7 @@ from forwardkit import envs, telemetry
 from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.distributed.dp_utils import coordinate_batch_across_dp
 from forwardkit.logger import init_logger
-from forwardkit.platforms import current_platform
+from forwardkit.platforms import Platform, current_platform
 from forwardkit.ubatch import UBatchSlices
 
 __all__ = [
@@ -59,6 +59,7 @@ batchsize_forward_time: defaultdict[Any, list[float]] = defaultdict(list)
 forward_start_time: float = 0
 last_logging_time: float = 0
 
+_DEFAULT_PLATFORM_HOOK = Platform.set_additional_forward_context
 _NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 _NOT_SET_MSG = (
     "Forward context is not set. Please use `set_forward_context` to set the forward context."
@@ -355,13 +356,18 @@ class _ForwardStepScope:
                 and batch_descriptor is None):
             batch_descriptor = BatchDescriptor(num_tokens)
 
-        additional_kwargs = current_platform.set_additional_forward_context(
-            attn_metadata=attn_metadata, vllm_config=vllm_config,
-            virtual_engine=virtual_engine, dp_metadata=dp_metadata, num_tokens=num_tokens,
-            num_tokens_across_dp=num_tokens_across_dp,
-            cudagraph_runtime_mode=cudagraph_runtime_mode, batch_descriptor=batch_descriptor,
-            ubatch_slices=ubatch_slices,
-        )
+        hook = current_platform._get().set_additional_forward_context
+        if getattr(hook, "__func__", None) is _DEFAULT_PLATFORM_HOOK:
+            # NOTE: the base hook always returns {}; skipping the keyword call saves ~1 us/step.
+            additional_kwargs = None
+        else:
+            additional_kwargs = hook(
+                attn_metadata=attn_metadata, vllm_config=vllm_config,
+                virtual_engine=virtual_engine, dp_metadata=dp_metadata, num_tokens=num_tokens,
+                num_tokens_across_dp=num_tokens_across_dp,
+                cudagraph_runtime_mode=cudagraph_runtime_mode,
+                batch_descriptor=batch_descriptor, ubatch_slices=ubatch_slices,
+            )
         ctx = ForwardContext(
             vllm_config.compilation_config.static_forward_context, attn_metadata,
             virtual_engine, dp_metadata, cudagraph_runtime_mode, batch_descriptor,
