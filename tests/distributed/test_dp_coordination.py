@@ -191,3 +191,90 @@ def test_rank_missing_at_rendezvous_times_out():
     assert out[1] == "never joined"
     assert out[0].startswith("DPCollectiveError: DP rendezvous at tcp://127.0.0.1:")
     assert "rank 0 of 2" in out[0]
+
+
+# --- in-process, world size 1 (no spawn): group helpers, torchrun env, adopting a world -------
+
+
+@pytest.fixture
+def world_of_one():
+    from forwardkit.distributed.launch import find_free_port
+
+    yield find_free_port()
+    destroy_dp_group()
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["gloo", pytest.param("nccl", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ])],
+)
+def test_group_helpers_world_of_one(world_of_one, backend):
+    group = init_dp_group(world_size=1, rank=0, master_port=world_of_one, backend=backend,
+                          timeout_s=30)
+    assert get_dp_group() is group
+    assert group.device.type == ("cuda" if backend == "nccl" else "cpu")
+    t = torch.arange(4, dtype=torch.int32, device=group.device)
+    assert group.all_reduce(t).tolist() == [0, 1, 2, 3]
+    gathered = group.all_gather(torch.tensor([7], device=group.device))
+    assert gathered.shape == (1, 1) and gathered.item() == 7
+    cpu = group.all_reduce(torch.ones(2, dtype=torch.int32), use_cpu=True)
+    assert cpu.tolist() == [1, 1]
+    group.barrier()
+    with pytest.raises(RuntimeError, match="already initialized"):
+        init_dp_group(world_size=1, rank=0, master_port=world_of_one)
+
+
+def test_torchrun_environment_is_used(world_of_one, monkeypatch):
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(world_of_one)}.items():
+        monkeypatch.setenv(name, value)
+    # A config built earlier (rank 0 of 1) does not override the launcher's values.
+    group = init_dp_group(NS(data_parallel_size=1, data_parallel_rank=0,
+                             data_parallel_master_ip="10.9.9.9", data_parallel_master_port=1))
+    assert (group.rank, group.world_size) == (0, 1)
+
+
+def test_torchrun_world_must_match_dp_size(monkeypatch):
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="torchrun started 2 processes but data_parallel_size is 4"):
+        init_dp_group(NS(data_parallel_size=4))
+
+
+def test_forwardkit_dp_env_is_used(world_of_one, monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FORWARDKIT_DP_SIZE", "1")
+    monkeypatch.setenv("FORWARDKIT_DP_RANK", "0")
+    monkeypatch.setenv("FORWARDKIT_DP_MASTER_PORT", str(world_of_one))
+    group = init_dp_group(timeout_s=30)
+    assert (group.rank, group.world_size, group.timeout_s) == (0, 1, 30)
+
+
+def test_adopts_existing_world(world_of_one):
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{world_of_one}", world_size=1,
+                            rank=0, timeout=datetime.timedelta(seconds=30))
+    try:
+        with pytest.raises(ValueError, match="world size 1, but the DP size is 2"):
+            init_dp_group(NS(data_parallel_size=2))
+        group = init_dp_group(NS(data_parallel_size=1))
+        assert group.owns_default_group is False
+        destroy_dp_group()
+        assert dist.is_initialized()  # the user's world is left alone
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_mismatch_between_config_and_group(world_of_one):
+    init_dp_group(world_size=1, rank=0, master_port=world_of_one, timeout_s=30)
+    with pytest.raises(ValueError, match="parallel_config says DP rank 1 of 2"):
+        coordinate_batch_across_dp(5, False, True, parallel_config(2, 1))
