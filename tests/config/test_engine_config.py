@@ -362,3 +362,48 @@ def test_chunked_prefill_check_against_model():
         EngineConfig(model_config=ModelConfig(hf_config=LLAMA),
                      scheduler_config=SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=2048,
                                                       max_model_len=2048))
+
+
+def test_current_engine_config_context():
+    import threading
+
+    from forwardkit.config import (
+        get_current_engine_config,
+        get_current_engine_config_or_none,
+        get_layers_from_engine_config,
+        set_current_engine_config,
+    )
+
+    outer, inner = build(hf=None), build(hf=None)
+    assert get_current_engine_config_or_none() is None
+    fallback = get_current_engine_config()
+    assert isinstance(fallback, EngineConfig) and fallback is not get_current_engine_config()
+    seen_in_thread = []
+    with set_current_engine_config(outer):
+        assert get_current_engine_config() is outer
+        with set_current_engine_config(inner):
+            assert get_current_engine_config() is inner
+            thread = threading.Thread(target=lambda: seen_in_thread.append(get_current_engine_config_or_none()))
+            thread.start()
+            thread.join()
+        assert get_current_engine_config() is outer
+        with pytest.raises(RuntimeError), set_current_engine_config(inner):
+            raise RuntimeError("boom")
+        assert get_current_engine_config() is outer
+    assert get_current_engine_config_or_none() is None
+    assert seen_in_thread == [None]  # a new thread starts with an empty context
+    outer.compilation_config.static_forward_context.update({"a": 1, "b": "x"})
+    assert get_layers_from_engine_config(outer, int) == {"a": 1}
+    assert get_layers_from_engine_config(outer, str, ["b"]) == {"b": "x"}
+    with set_current_engine_config(outer, check_compile=True):
+        pass  # runs custom_op_log_check() without raising
+
+
+def test_engine_hash():
+    base = build().compute_hash()
+    assert len(base) == 10 and build().compute_hash() == base
+    assert build(seqs=4).compute_hash() != base
+    assert build(tokens=4096).compute_hash() != base
+    assert build(static=False).compute_hash() != base
+    assert build(hf=None).compute_hash() != base
+    assert build(tp=2).compute_hash() != base
