@@ -12,7 +12,14 @@ mode), so it is kept exactly. Deliberate differences from the reference:
 * micro-batching without a model no longer crashes with ``AttributeError``;
 * ``pad_for_cudagraph`` rejects negative batch sizes and explains a missing table;
 * quantisation (blocked-weight ``+quant_fp8``), LoRA and KV-transfer steps are absent
-  because forwardkit has none of those features.
+  because forwardkit has none of those features;
+* the platform hook ``check_and_update_config`` runs only when the platform defines one
+  (forwardkit's CPU platform does not, so CPU keeps VLLM_COMPILE instead of the reference
+  CPU platform's DYNAMO_TRACE_ONCE).
+
+Resolution runs under ``use_platform(self.platform)`` because ``CompilationConfig`` reads
+``current_platform``; that briefly swaps the process-wide platform, so build engine configs
+for different platforms from one thread at a time.
 
 The current config lives in a ``contextvars.ContextVar`` (not a process global), so
 threads and asyncio tasks building models concurrently each see their own.
