@@ -116,7 +116,7 @@ def support_torch_compile(
         if "forward" not in dir(klass):
             raise TypeError(f"{klass.__name__} has no forward(); support_torch_compile needs one")
         if klass.__dict__.get("_forwardkit_compile_decorated", False):
-            return klass
+            return klass  # decorating twice is a no-op
         dims = dynamic_arg_dims
         if dims is None:
             dims = infer_dynamic_arg_dims(klass.forward)
@@ -140,6 +140,20 @@ def support_torch_compile(
 
 def _install(klass: type, dims: dict[str, Any], unbacked: dict[str, Any],
              enable_if: Callable[[Any], bool] | None) -> None:
+    """Record the per-class settings; wrap ``__init__``/``__call__`` unless a base already is.
+
+    The wrappers look everything up on ``type(self)``, so a subclass of a decorated class (or a
+    decorated subclass, e.g. ``MixtralModel(LlamaModel)``) compiles its own ``forward`` with
+    its own dims, and is never wrapped twice.
+    """
+    inherited = getattr(klass, "_forwardkit_compile_decorated", False)
+    klass._fk_dims = dims
+    klass._fk_unbacked = unbacked
+    klass._fk_enable_if = enable_if
+    klass._forwardkit_ignore_compile = False
+    klass._forwardkit_compile_decorated = True
+    if inherited:
+        return
     original_init = klass.__init__
     original_call = klass.__call__
     init_params = inspect.signature(original_init).parameters
@@ -158,21 +172,22 @@ def _install(klass: type, dims: dict[str, Any], unbacked: dict[str, Any],
         if "prefix" in init_params:
             kwargs["prefix"] = prefix
         original_init(self, *args, **kwargs)
+        cls = type(self)
         mode = _mode_of(cfg)
+        gate = cls._fk_enable_if
         skip = (
-            mode in (0,)
+            mode == 0
             or _enforce_eager(cfg)
-            or getattr(type(self), "_forwardkit_ignore_compile", False)
-            or (enable_if is not None and not enable_if(cfg))
+            or getattr(cls, "_forwardkit_ignore_compile", False)
+            or (gate is not None and not gate(cfg))
         )
         self._fk_engine_config = cfg
         self._fk_do_not_compile = skip
         self._fk_compiler = None
-        if skip:
-            return
-        compilation_counter.num_models_seen += 1
         self._fk_mode = mode
         self._fk_prefix = prefix
+        if not skip:
+            compilation_counter.num_models_seen += 1
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._fk_do_not_compile or torch.compiler.is_compiling():
@@ -180,12 +195,10 @@ def _install(klass: type, dims: dict[str, Any], unbacked: dict[str, Any],
         compiler = self._fk_compiler
         if compiler is not None:
             return compiler(*args, **kwargs)
-        return _first_call(self, klass, dims, unbacked, args, kwargs)
+        return _first_call(self, args, kwargs)
 
     klass.__init__ = __init__
     klass.__call__ = __call__
-    klass._forwardkit_compile_decorated = True
-    klass._forwardkit_ignore_compile = False
 
 
 def _make_backend(module: Any, cfg: Any, mode: int) -> Any:
@@ -217,8 +230,9 @@ def _make_backend(module: Any, cfg: Any, mode: int) -> Any:
     return name
 
 
-def _first_call(module: Any, klass: type, dims: dict[str, Any], unbacked: dict[str, Any],
-                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _first_call(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    klass = type(module)
+    dims, unbacked = klass._fk_dims, klass._fk_unbacked
     cfg = module._fk_engine_config
     cc = cfg.compilation_config
     mode = module._fk_mode

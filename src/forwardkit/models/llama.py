@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from forwardkit.compilation.decorators import support_torch_compile
 from forwardkit.layers.activation import get_act_and_mul_fn
 from forwardkit.layers.attention import Attention
 from forwardkit.layers.layernorm import RMSNorm
@@ -115,6 +116,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+@support_torch_compile
 class LlamaModel(nn.Module):
     """The decoder stack: ``forward(input_ids[T], positions[T]) -> hidden_states[T, H]``."""
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from forwardkit.compilation.decorators import support_torch_compile
 from forwardkit.layers.fused_moe import FusedMoE
 from forwardkit.layers.linear import Linear
 from forwardkit.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -53,6 +54,7 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
         return self.mlp
 
 
+@support_torch_compile
 class MixtralModel(LlamaModel):
     """The Mixtral decoder stack: ``forward(input_ids[T], positions[T]) -> hidden_states[T, H]``."""
 
