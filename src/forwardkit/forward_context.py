@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -27,7 +25,13 @@ import torch
 
 from forwardkit import envs, telemetry
 from forwardkit.config.compilation import CUDAGraphMode
-from forwardkit.distributed.dp_utils import coordinate_batch_across_dp
+from forwardkit.distributed.dp_utils import DPMetadata, coordinate_batch_across_dp
+
+# The SP helpers live with DPMetadata; re-exported here under vLLM's names.
+from forwardkit.distributed.dp_utils import (
+    _compute_chunked_local_num_tokens as _compute_chunked_local_num_tokens,
+)
+from forwardkit.distributed.dp_utils import _compute_sp_num_tokens as _compute_sp_num_tokens
 from forwardkit.logger import init_logger
 from forwardkit.platforms import Platform, current_platform
 from forwardkit.ubatch import UBatchSlices
@@ -90,114 +94,6 @@ class BatchDescriptor(NamedTuple):
     def relax_for_mixed_batch_cudagraphs(self) -> BatchDescriptor:
         """The same descriptor with ``num_reqs=None`` and ``uniform=False`` (mixed-batch key)."""
         return BatchDescriptor(self.num_tokens, None, False, self.has_lora)
-
-
-def _compute_sp_num_tokens(
-    num_tokens_across_dp_cpu: torch.Tensor, sequence_parallel_size: int
-) -> list[int]:
-    """Each DP rank's ``ceil(n / sp)``, repeated ``sp`` times (length ``dp_size * sp``)."""
-    sp = sequence_parallel_size
-    if sp < 1:
-        raise ValueError(f"sequence_parallel_size must be >= 1, got {sp}")
-    return [(int(n) + sp - 1) // sp for n in num_tokens_across_dp_cpu.tolist() for _ in range(sp)]
-
-
-def _compute_chunked_local_num_tokens(
-    num_tokens_across_dp_cpu: torch.Tensor,
-    sequence_parallel_size: int,
-    max_num_tokens: int,
-    chunk_idx: int,
-) -> list[int]:
-    """Tokens per (DP, SP) rank in chunk ``chunk_idx`` of at most ``max_num_tokens`` each.
-
-    A rank that has run out of tokens reports 1, so it still joins that chunk's collective
-    (with one dummy row) and all ranks stay in lockstep.
-    """
-    out = []
-    for total in _compute_sp_num_tokens(num_tokens_across_dp_cpu, sequence_parallel_size):
-        local = min(max_num_tokens, total - max_num_tokens * chunk_idx)
-        out.append(local if local > 0 else 1)
-    return out
-
-
-@dataclass
-class DPMetadata:
-    """Token counts of every DP rank for the current step.
-
-    ``num_tokens_across_dp_cpu`` (1-d CPU tensor, one entry per DP rank, after DP padding),
-    ``max_tokens_across_dp_cpu`` (its maximum as a 0-d tensor of the same dtype), and
-    ``local_sizes`` (per-rank chunk sizes; set only inside :meth:`chunked_sizes` /
-    :meth:`sp_local_sizes`).
-    """
-
-    max_tokens_across_dp_cpu: torch.Tensor
-    num_tokens_across_dp_cpu: torch.Tensor
-    local_sizes: list[int] | None = None
-
-    @staticmethod
-    def make(
-        parallel_config: Any, num_tokens: int, num_tokens_across_dp_cpu: torch.Tensor
-    ) -> DPMetadata:
-        """Build the metadata from the agreed per-rank counts (no communication).
-
-        Asserts that DP is on (``data_parallel_size > 1``), the model is not known to be
-        dense (``is_moe_model`` is not False) and this rank's entry equals ``num_tokens``
-        (message: ``"<entry> <num_tokens>"``).
-        """
-        assert num_tokens_across_dp_cpu is not None
-        assert parallel_config.data_parallel_size > 1
-        assert getattr(parallel_config, "is_moe_model", None) is not False
-        if not isinstance(num_tokens_across_dp_cpu, torch.Tensor):
-            num_tokens_across_dp_cpu = torch.tensor(num_tokens_across_dp_cpu, dtype=torch.int32)
-        dp_rank = parallel_config.data_parallel_rank
-        mine = int(num_tokens_across_dp_cpu[dp_rank])
-        assert mine == num_tokens, f"{mine} {num_tokens}"
-        return DPMetadata(torch.max(num_tokens_across_dp_cpu), num_tokens_across_dp_cpu)
-
-    @contextmanager
-    def chunked_sizes(
-        self, sequence_parallel_size: int, max_chunk_size_per_rank: int, chunk_idx: int
-    ) -> Iterator[list[int]]:
-        """Set ``local_sizes`` to every rank's token count in chunk ``chunk_idx``; yields it.
-
-        Chunked MoE splits each rank's tokens into chunks of at most
-        ``max_chunk_size_per_rank``; ranks that are done report 1 so collectives stay in
-        lockstep. ``local_sizes`` is reset to None on exit (also on exceptions).
-        """
-        self.local_sizes = _compute_chunked_local_num_tokens(
-            self.num_tokens_across_dp_cpu, sequence_parallel_size, max_chunk_size_per_rank,
-            chunk_idx,
-        )
-        try:
-            yield self.local_sizes
-        finally:
-            self.local_sizes = None
-
-    @contextmanager
-    def sp_local_sizes(self, sequence_parallel_size: int) -> Iterator[list[int]]:
-        """Like :meth:`chunked_sizes` without chunking: ``ceil(n / sp)`` per (DP, SP) rank."""
-        self.local_sizes = _compute_sp_num_tokens(
-            self.num_tokens_across_dp_cpu, sequence_parallel_size
-        )
-        try:
-            yield self.local_sizes
-        finally:
-            self.local_sizes = None
-
-    def get_chunk_sizes_across_dp_rank(self) -> list[int] | None:
-        """``local_sizes``; only valid inside :meth:`chunked_sizes` / :meth:`sp_local_sizes`."""
-        assert self.local_sizes is not None
-        return self.local_sizes
-
-    def cu_tokens_across_sp(self, sp_size: int) -> torch.Tensor:
-        """Inclusive cumulative sum of ``ceil(n / sp_size)`` repeated ``sp_size`` times (int64).
-
-        Rank ``r``'s rows in a gathered buffer are ``[cu[r-1], cu[r])`` (0 for ``r == 0``).
-        """
-        if sp_size < 1:
-            raise ValueError(f"sp_size must be >= 1, got {sp_size}")
-        per_rank = (self.num_tokens_across_dp_cpu - 1 + sp_size) // sp_size
-        return torch.cumsum(per_rank.repeat_interleave(sp_size), dim=0)
 
 
 @dataclass

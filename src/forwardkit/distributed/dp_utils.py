@@ -4,7 +4,9 @@ Implements vLLM 0.14.0's ``vllm.v1.worker.dp_utils`` protocol (spec/runtime.md ย
 rank writes its column of a ``(5, dp_size)`` int32 tensor (unpadded tokens, padded tokens,
 micro-batch vote, DP-padding vote, CUDA-graph mode), one SUM all-reduce fills every column
 on every rank, and identical post-processing derives the micro-batch decision, each rank's
-token count and the synchronised (minimum) CUDA-graph mode.
+token count and the synchronised (minimum) CUDA-graph mode. :class:`DPMetadata` (re-exported
+by :mod:`forwardkit.forward_context`, where vLLM defines it) carries the agreed counts into
+the forward context.
 
 Unlike vLLM, the all-reduce is bounded by the DP group's timeout (a dead peer gives a
 :class:`~forwardkit.distributed.parallel_state.DPCollectiveError`, not a hang).
@@ -12,6 +14,9 @@ Unlike vLLM, the all-reduce is bounded by the DP group's timeout (a dead peer gi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,13 +26,121 @@ from forwardkit.distributed.parallel_state import get_dp_group
 from forwardkit.logger import init_logger
 from forwardkit.ubatch import check_ubatch_thresholds, is_last_ubatch_empty
 
-__all__ = ["coordinate_batch_across_dp"]
+__all__ = ["DPMetadata", "coordinate_batch_across_dp"]
 
 logger = init_logger(__name__)
 
 # Rows of the coordination tensor (spec ยง2.3).
 _ROW_UNPADDED, _ROW_PADDED, _ROW_UBATCH, _ROW_DP_PAD, _ROW_MODE = range(5)
 _NUM_ROWS = 5
+
+
+def _compute_sp_num_tokens(
+    num_tokens_across_dp_cpu: torch.Tensor, sequence_parallel_size: int
+) -> list[int]:
+    """Each DP rank's ``ceil(n / sp)``, repeated ``sp`` times (length ``dp_size * sp``)."""
+    sp = sequence_parallel_size
+    if sp < 1:
+        raise ValueError(f"sequence_parallel_size must be >= 1, got {sp}")
+    return [(int(n) + sp - 1) // sp for n in num_tokens_across_dp_cpu.tolist() for _ in range(sp)]
+
+
+def _compute_chunked_local_num_tokens(
+    num_tokens_across_dp_cpu: torch.Tensor,
+    sequence_parallel_size: int,
+    max_num_tokens: int,
+    chunk_idx: int,
+) -> list[int]:
+    """Tokens per (DP, SP) rank in chunk ``chunk_idx`` of at most ``max_num_tokens`` each.
+
+    A rank that has run out of tokens reports 1, so it still joins that chunk's collective
+    (with one dummy row) and all ranks stay in lockstep.
+    """
+    out = []
+    for total in _compute_sp_num_tokens(num_tokens_across_dp_cpu, sequence_parallel_size):
+        local = min(max_num_tokens, total - max_num_tokens * chunk_idx)
+        out.append(local if local > 0 else 1)
+    return out
+
+
+@dataclass
+class DPMetadata:
+    """Token counts of every DP rank for the current step.
+
+    ``num_tokens_across_dp_cpu`` (1-d CPU tensor, one entry per DP rank, after DP padding),
+    ``max_tokens_across_dp_cpu`` (its maximum as a 0-d tensor of the same dtype), and
+    ``local_sizes`` (per-rank chunk sizes; set only inside :meth:`chunked_sizes` /
+    :meth:`sp_local_sizes`).
+    """
+
+    max_tokens_across_dp_cpu: torch.Tensor
+    num_tokens_across_dp_cpu: torch.Tensor
+    local_sizes: list[int] | None = None
+
+    @staticmethod
+    def make(
+        parallel_config: Any, num_tokens: int, num_tokens_across_dp_cpu: torch.Tensor
+    ) -> DPMetadata:
+        """Build the metadata from the agreed per-rank counts (no communication).
+
+        Asserts that DP is on (``data_parallel_size > 1``), the model is not known to be
+        dense (``is_moe_model`` is not False) and this rank's entry equals ``num_tokens``
+        (message: ``"<entry> <num_tokens>"``).
+        """
+        assert num_tokens_across_dp_cpu is not None
+        assert parallel_config.data_parallel_size > 1
+        assert getattr(parallel_config, "is_moe_model", None) is not False
+        if not isinstance(num_tokens_across_dp_cpu, torch.Tensor):
+            num_tokens_across_dp_cpu = torch.tensor(num_tokens_across_dp_cpu, dtype=torch.int32)
+        dp_rank = parallel_config.data_parallel_rank
+        mine = int(num_tokens_across_dp_cpu[dp_rank])
+        assert mine == num_tokens, f"{mine} {num_tokens}"
+        return DPMetadata(torch.max(num_tokens_across_dp_cpu), num_tokens_across_dp_cpu)
+
+    @contextmanager
+    def chunked_sizes(
+        self, sequence_parallel_size: int, max_chunk_size_per_rank: int, chunk_idx: int
+    ) -> Iterator[list[int]]:
+        """Set ``local_sizes`` to every rank's token count in chunk ``chunk_idx``; yields it.
+
+        Chunked MoE splits each rank's tokens into chunks of at most
+        ``max_chunk_size_per_rank``; ranks that are done report 1 so collectives stay in
+        lockstep. ``local_sizes`` is reset to None on exit (also on exceptions).
+        """
+        self.local_sizes = _compute_chunked_local_num_tokens(
+            self.num_tokens_across_dp_cpu, sequence_parallel_size, max_chunk_size_per_rank,
+            chunk_idx,
+        )
+        try:
+            yield self.local_sizes
+        finally:
+            self.local_sizes = None
+
+    @contextmanager
+    def sp_local_sizes(self, sequence_parallel_size: int) -> Iterator[list[int]]:
+        """Like :meth:`chunked_sizes` without chunking: ``ceil(n / sp)`` per (DP, SP) rank."""
+        self.local_sizes = _compute_sp_num_tokens(
+            self.num_tokens_across_dp_cpu, sequence_parallel_size
+        )
+        try:
+            yield self.local_sizes
+        finally:
+            self.local_sizes = None
+
+    def get_chunk_sizes_across_dp_rank(self) -> list[int] | None:
+        """``local_sizes``; only valid inside :meth:`chunked_sizes` / :meth:`sp_local_sizes`."""
+        assert self.local_sizes is not None
+        return self.local_sizes
+
+    def cu_tokens_across_sp(self, sp_size: int) -> torch.Tensor:
+        """Inclusive cumulative sum of ``ceil(n / sp_size)`` repeated ``sp_size`` times (int64).
+
+        Rank ``r``'s rows in a gathered buffer are ``[cu[r-1], cu[r])`` (0 for ``r == 0``).
+        """
+        if sp_size < 1:
+            raise ValueError(f"sp_size must be >= 1, got {sp_size}")
+        per_rank = (self.num_tokens_across_dp_cpu - 1 + sp_size) // sp_size
+        return torch.cumsum(per_rank.repeat_interleave(sp_size), dim=0)
 
 
 def _get_device_and_group(parallel_config: Any) -> tuple[Any, Any, bool]:
