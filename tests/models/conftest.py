@@ -139,12 +139,14 @@ class PagedDriver:
         return out
 
 
-def make_engine_config(model_dir: str | None, **kwargs):
-    """An EngineConfig for ``model_dir`` (float32)."""
+def make_engine_config(model_dir: str | None, dtype: str = "float32", **kwargs):
+    """An EngineConfig for ``model_dir``; eager (compilation mode NONE) unless told otherwise."""
     from forwardkit.config.engine import EngineConfig
     from forwardkit.config.model import ModelConfig
 
-    model_config = ModelConfig.from_pretrained(model_dir, dtype="float32") if model_dir else None
+    kwargs.setdefault("compilation_config", {})
+    kwargs["compilation_config"] = {"mode": 0, **kwargs["compilation_config"]}
+    model_config = ModelConfig.from_pretrained(model_dir, dtype=dtype) if model_dir else None
     return EngineConfig(model_config=model_config, **kwargs)
 
 

@@ -94,10 +94,7 @@ def test_sharded_checkpoint_loads_the_same(llama_dir, tmp_path):
 
 
 def test_dtype_override(llama_dir):
-    from forwardkit.config.engine import EngineConfig
-    from forwardkit.config.model import ModelConfig
-
-    model = load_model(EngineConfig(model_config=ModelConfig.from_pretrained(llama_dir, dtype="bfloat16")))
+    model = load_model(make_engine_config(llama_dir, dtype="bfloat16"))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
@@ -110,7 +107,7 @@ def test_default_model_is_seeded_and_runs():
 
     cfg = default_hf_config()
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (256, 4, 4096)
-    configs = [EngineConfig(), EngineConfig()]
+    configs = [EngineConfig(compilation_config={"mode": 0}) for _ in range(2)]
     models = [load_model(c) for c in configs]
     assert type(models[0]).__name__ == "LlamaForCausalLM"
     assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
