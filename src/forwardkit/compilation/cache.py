@@ -76,13 +76,15 @@ def check_private_dir(path: str) -> None:
 
 
 def _make_private_dirs(root: str, leaf: str) -> None:
-    """Create ``leaf`` (below ``root``) with mode 0o700 and check every level from ``root`` down."""
-    os.makedirs(leaf, mode=0o700, exist_ok=True)
+    """Create ``leaf`` below ``root`` level by level (mode 0o700), checking each level first."""
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    check_private_dir(root)
     rel = os.path.relpath(leaf, root)
     path = root
-    check_private_dir(path)
     for part in [] if rel == "." else rel.split(os.sep):
         path = os.path.join(path, part)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
         check_private_dir(path)
 
 

@@ -1,0 +1,197 @@
+"""Compile cache: round trips, every fault recompiles instead of crashing, concurrency, permissions."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from forwardkit.compilation.cache import CompileCache, UnsafeCacheDirError, cache_enabled
+from forwardkit.compilation.counters import compilation_counter
+
+
+def _write(data: bytes):
+    def saver(path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+
+    return saver
+
+
+def _put(path: str, data: str | bytes) -> None:
+    with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+
+
+def _json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@pytest.fixture
+def cache(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    return CompileCache(str(root), str(root / "torch_compile_cache" / "abc" / "rank_0_0" / "backbone"))
+
+
+def test_round_trip_counts_a_hit(cache):
+    assert cache.load("a", _read) is None
+    cache.save("a", _write(b"artifact-a"))
+    with compilation_counter.expect(num_cache_hits=1, num_cache_errors=0):
+        assert cache.load("a", _read) == b"artifact-a"
+    index = _json(os.path.join(cache.local_dir, "index.json"))
+    assert index["entries"]["a"]["path"] == "a"  # relative: the tree can move
+
+
+@pytest.mark.parametrize("fault", ["truncate", "flip", "delete", "unloadable"])
+def test_faults_are_detected_and_recompiled(cache, fault, caplog):
+    cache.save("a", _write(b"0123456789" * 10))
+    path = os.path.join(cache.local_dir, "a")
+    loader = _read
+    if fault == "truncate":
+        os.truncate(path, 37)
+    elif fault == "flip":
+        data = bytearray(_read(path))
+        data[5] ^= 0xFF
+        _put(path, bytes(data))
+    elif fault == "delete":
+        os.remove(path)
+    else:
+        def loader(p):
+            raise RuntimeError("torch key mismatch")
+
+    with compilation_counter.expect(num_cache_errors=1, num_cache_misses=1, num_cache_hits=0):
+        assert cache.load("a", loader) is None
+    cache.save("a", _write(b"fresh"))  # what the compiler does next
+    assert cache.load("a", _read) == b"fresh"
+
+
+def test_moved_tree_still_loads_and_moved_entry_recompiles(cache, tmp_path):
+    cache.save("a", _write(b"A"))
+    cache.save("b", _write(b"B"))
+    new_root = tmp_path / "moved"
+    shutil.move(cache.root, new_root)
+    local = os.path.join(new_root, os.path.relpath(cache.local_dir, cache.root))
+    moved = CompileCache(str(new_root), local)
+    assert moved.load("a", _read) == b"A"
+    os.rename(os.path.join(local, "b"), os.path.join(local, "b.elsewhere"))
+    with compilation_counter.expect(num_cache_errors=1):
+        assert moved.load("b", _read) is None
+
+
+def test_unpacked_directories_are_checksummed(tmp_path):
+    root = tmp_path / "r"
+    root.mkdir(mode=0o700)
+    c = CompileCache(str(root), str(root / "x"), "unpacked")
+
+    def saver(path):
+        os.makedirs(os.path.join(path, "fxgraph"))
+        _put(os.path.join(path, "fxgraph", "g.py"), "print(1)")
+
+    c.save("d", saver)
+    assert c.load("d", lambda p: sorted(os.listdir(p))) == ["fxgraph"]
+    _put(os.path.join(c.local_dir, "d", "fxgraph", "g.py"), "print(2)")
+    assert c.load("d", lambda p: "loaded") is None
+    with pytest.raises(ValueError, match="'zip'"):
+        CompileCache(str(root), str(root / "y"), "zip")
+
+
+def test_group_writable_dir_is_refused(tmp_path):
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    with pytest.raises(UnsafeCacheDirError, match="writable by other users|another user could write"):
+        CompileCache(str(root), str(root / "sub"))
+    os.chmod(root, 0o700)
+    leaf = root / "sub"
+    leaf.mkdir(mode=0o700)
+    os.chmod(leaf, 0o775)
+    with pytest.raises(UnsafeCacheDirError, match="chmod go-w"):
+        CompileCache(str(root), str(leaf))
+
+
+def test_disable_env(monkeypatch):
+    assert cache_enabled()
+    monkeypatch.setenv("FORWARDKIT_DISABLE_COMPILE_CACHE", "1")
+    assert not cache_enabled()
+    monkeypatch.setenv("FORWARDKIT_DISABLE_COMPILE_CACHE", "0")
+    assert not cache_enabled({"force_disable_caches": True})
+
+
+def _hammer(root: str, local: str, tag: bytes, barrier) -> None:
+    c = CompileCache(root, local)
+    barrier.wait()
+    for i in range(30):
+        c.save("shared", _write(tag * (1000 + i)))
+        assert c.load("shared", _read) is not None or True
+
+
+def test_concurrent_writers_leave_one_consistent_entry(cache):
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_hammer, args=(cache.root, cache.local_dir, t, barrier)) for t in (b"x", b"y")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    with compilation_counter.expect(num_cache_errors=0, num_cache_hits=1):
+        data = cache.load("shared", _read)
+    assert data in (b"x" * 1029, b"y" * 1029)
+    assert not [f for f in os.listdir(cache.local_dir) if f.startswith(".tmp-")]
+
+
+# ---------------------------------------------------------------- real Inductor artifacts
+WORKER = os.path.join(os.path.dirname(__file__), "cache_worker.py")
+
+
+def _run(*args: str, env=None) -> dict:
+    out = subprocess.run([sys.executable, WORKER, *args], capture_output=True, text=True,
+                         timeout=600, env=env or os.environ.copy())
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_second_process_loads_without_compiling_and_survives_corruption():
+    first = _run("5", "1001")
+    assert first["max_err"] < 1e-5
+    second = _run("6", "1001")
+    c = second["counters"]
+    assert c["num_inductor_compiles"] == 0 and c["num_cache_hits"] == 2, c
+    assert second["max_err"] < 1e-5
+    # corrupt one artifact: detected, recompiled, right answer
+    local = second["local_cache_dir"]
+    index = _json(os.path.join(local, "index.json"))["entries"]
+    victim = os.path.join(local, sorted(index)[0])
+    os.truncate(victim, os.path.getsize(victim) // 2)
+    third = _run("7", "1001")
+    c = third["counters"]
+    assert c["num_cache_errors"] == 1 and c["num_inductor_compiles"] == 1 and c["num_cache_hits"] == 1, c
+    assert third["max_err"] < 1e-5
+
+
+@pytest.mark.slow
+def test_two_processes_on_a_cold_cache_both_succeed():
+    procs = [subprocess.Popen([sys.executable, WORKER, str(n), "1002"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for n in (5, 6)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["max_err"] < 1e-5 for r in results)
+    after = _run("9", "1002")
+    c = after["counters"]
+    assert c["num_inductor_compiles"] == 0 and c["num_cache_hits"] == 2 and c["num_cache_errors"] == 0, c
