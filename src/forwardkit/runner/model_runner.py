@@ -135,7 +135,7 @@ class ModelRunner:
         eager = self.model_config is not None and self.model_config.enforce_eager
         if configured == CUDAGraphMode.NONE or eager:
             return
-        if not cudagraphs_available() or self.device.type != "cuda":
+        if not self._graphs_supported():
             logger.info_once("CUDA graphs are off on %s: every step runs eagerly (mode NONE).",
                              self.device)
             return
@@ -149,6 +149,10 @@ class ModelRunner:
             from forwardkit.cudagraph.wrapper import CUDAGraphWrapper  # graphs layer
 
             self.model = CUDAGraphWrapper(self.model, self.engine_config, CUDAGraphMode.FULL)
+
+    def _graphs_supported(self) -> bool:
+        """Whether this runner's device can capture CUDA graphs."""
+        return self.device.type == "cuda" and cudagraphs_available()
 
     # ------------------------------------------------------------------ one step
     @property
@@ -291,7 +295,7 @@ class ModelRunner:
                         self.dummy_run(desc.num_tokens, CUDAGraphMode.NONE, desc.uniform,
                                        force_attention=mode == CUDAGraphMode.FULL)
                     self.dummy_run(desc.num_tokens, mode, desc.uniform)
-        sync = current_platform.synchronize()
+        sync = current_platform.synchronize
         if sync is not None:
             sync()
         elapsed = time.perf_counter() - start
