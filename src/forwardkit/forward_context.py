@@ -307,7 +307,8 @@ def set_forward_context(
 def _record_forward_time(num_tokens: int | None, start: float) -> None:
     """Telemetry exit step (spec §7.1): sync, record, and log at most once per interval."""
     global last_logging_time
-    synchronize = current_platform.synchronize
+    # NOTE: _get() skips the proxy's __getattr__ fallback (an AttributeError per lookup, ~1 us).
+    synchronize = current_platform._get().synchronize
     if synchronize is not None:
         synchronize()
     now = time.perf_counter()
