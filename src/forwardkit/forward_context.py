@@ -11,6 +11,12 @@ process global, so every thread (micro-batch threads) and asyncio task sees its 
 A new thread starts with no context; an asyncio task starts with its creator's.
 ``_forward_context`` is still readable as a module attribute (it returns the caller's current
 context), but assigning to it has no effect; use :func:`override_forward_context`.
+
+Batch-size telemetry (``FORWARDKIT_LOG_BATCHSIZE_INTERVAL >= 0``) follows vLLM, except that
+each scope times itself (vLLM's single ``forward_start_time`` breaks under nesting or
+threads), the log line also gives the p99 per size, and :func:`get_batchsize_stats` /
+:func:`reset_batchsize_stats` expose the numbers without parsing logs. ``DPMetadata`` and the
+SP helpers are defined in :mod:`forwardkit.distributed.dp_utils` and re-exported here.
 """
 
 from __future__ import annotations
