@@ -168,3 +168,36 @@ def test_metadata_slots_and_split():
     assert md.slot_mapping.tolist() == [19, 36, 37, 32, -1, -1]
     assert md.prefill_reqs == [0] and md.decode_token_idx.tolist() == [3]
     assert md.query_start_loc.tolist() == [0, 3, 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_step_replays_from_a_cuda_graph(engine_config):
+    """The decode path has fixed shapes and no host syncs: capture once, replay with new values."""
+    dev = "cuda"
+    layer = Attention(HQ, D, D**-0.5, HK, prefix="gpu.attn")
+    cache = bind_kv_cache(engine_config.compilation_config.static_forward_context, 16, BS, torch.float32, dev)["gpu.attn"]
+    cache.normal_()
+    tables = [[3, 5], [7, 1], [0, 2]]
+    q, k, v = (torch.randn(3, n * D, device=dev) for n in (HQ, HK, HK))
+    md = build_attention_metadata([1, 1, 1], [6, 8, 3], tables, 3, BS, dev, max_num_blocks_per_req=4)
+    with set_forward_context({"gpu.attn": md}, engine_config):
+        layer(q, k, v)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(q, k, v)
+    md2 = build_attention_metadata([1, 1, 1], [7, 5, 4], tables, 3, BS, dev, max_num_blocks_per_req=4)
+    for name in ("slot_mapping", "decode_key_mask", "decode_block_table", "decode_token_idx"):
+        getattr(md, name).copy_(getattr(md2, name))
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t))
+    before = cache.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed, after_replay = out.clone(), cache.clone()
+    cache.copy_(before)
+    with set_forward_context({"gpu.attn": md2}, engine_config):
+        eager = layer(q, k, v)
+    torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after_replay, cache)

@@ -77,6 +77,18 @@ def test_single_process_matches_naive():
     torch.testing.assert_close(got, _naive(x, logits, w13, w2), atol=1e-5, rtol=1e-5)
 
 
+def test_dense_form_matches_sparse():
+    """The fixed-shape form used under CUDA-graph capture gives the same result."""
+    _, layer = _make_layer(data_parallel_size=2, data_parallel_rank=1, enable_expert_parallel=True)
+    _load_per_expert(layer, *_weights())
+    gen = torch.Generator().manual_seed(3)
+    x, logits = torch.randn(11, H, generator=gen), torch.randn(11, E, generator=gen)
+    sparse = layer.compute_local(x, logits, dense=False)
+    dense = layer.compute_local(x, logits, dense=True)
+    assert sparse.abs().sum() > 0
+    torch.testing.assert_close(dense, sparse, atol=1e-5, rtol=1e-5)
+
+
 def test_expert_parallel_rank_loads_only_its_slice():
     _, layer = _make_layer(data_parallel_size=2, data_parallel_rank=1, enable_expert_parallel=True)
     w13, w2 = _weights()

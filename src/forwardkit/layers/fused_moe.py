@@ -134,9 +134,20 @@ class FusedMoE(nn.Module):
         """Run the opaque MoE op for this layer (needs a forward context)."""
         return torch.ops.forwardkit.moe_forward(hidden_states, router_logits, self.layer_name)
 
-    def compute_local(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """Sum over this rank's experts of ``weight * expert(x)`` for every row (float32)."""
+    def compute_local(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor, dense: bool | None = None
+    ) -> torch.Tensor:
+        """Sum over this rank's experts of ``weight * expert(x)`` for every row (float32).
+
+        The sparse form gathers each expert's rows (data-dependent shapes, a host sync); the
+        dense form runs every local expert on every row with fixed shapes, which is what a
+        CUDA-graph capture needs. ``dense=None`` picks dense only while a capture is running.
+        """
         weights, ids = route_topk(router_logits, self.top_k, self.renormalize)
+        if dense is None:
+            dense = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+        if dense:
+            return self._compute_dense(hidden_states, weights, ids)
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         local_ids = ids - self.expert_start
         for e in range(self.num_local_experts):
@@ -148,6 +159,14 @@ class FusedMoE(nn.Module):
             y = F.linear(h, self.w2_weight[e])
             out.index_add_(0, token_idx, y.float() * weights[token_idx, k_pos, None])
         return out
+
+    def _compute_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        combine = torch.zeros((x.shape[0], self.num_experts), dtype=torch.float32, device=x.device)
+        combine.scatter_(1, ids, weights)  # [T, E]: routing weight of each (row, expert), 0 if unused
+        combine = combine[:, self.expert_start : self.expert_start + self.num_local_experts]
+        h = silu_and_mul_native(torch.einsum("th,eih->eti", x, self.w13_weight))
+        y = torch.einsum("eti,ehi->eth", h, self.w2_weight)
+        return torch.einsum("eth,te->th", y.float(), combine)
 
     def forward_impl(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The op body: local experts only, or the DP expert-parallel exchange."""
