@@ -97,6 +97,7 @@ def test_text_prompt_without_tokenizer_is_an_error(capsys):
     (("--prompt-token-ids", "1,x"), "comma-separated integer token ids"),
     (("--prompt-token-ids", "1", "--top-p", "0"), "top_p"),
     (("--prompt-token-ids", "1", "--temperature", "-1"), "expected a number >= 0"),
+    (("--prompt-token-ids", "1", "-dp", "2"), "needs one process per rank"),
 ])
 def test_bad_arguments(capsys, argv, match):
     code, _, err = _run(capsys, *argv)

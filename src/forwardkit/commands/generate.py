@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from forwardkit.config.args import add_engine_args, engine_config_from_args
@@ -83,6 +84,13 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
     )
     config = engine_config_from_args(args, default_hf_config=default_hf_config())
+    dp = config.parallel_config.data_parallel_size
+    if dp > 1 and "WORLD_SIZE" not in os.environ:
+        raise ValueError(
+            f"--data-parallel-size {dp} needs one process per rank; launch with "
+            f"torchrun --nproc-per-node {dp} -m forwardkit.cli generate ... (every rank runs "
+            "the given prompts)"
+        )
     llm = LLM.from_engine_config(config, seed=0 if args.seed is None else args.seed)
     prompts: list[Any] = list(args.prompt) + [{"prompt_token_ids": ids} for ids in args.prompt_token_ids]
     if args.prompt and llm.get_tokenizer() is None:

@@ -49,7 +49,8 @@ class LLM:
         data_parallel_size: DP ranks; > 1 needs one ``LLM`` per rank (the DP group is created
             from the parallel config when not already initialised).
         block_size: tokens per KV block.
-        seed: seeds the model's random init (built-in model) and every request without a seed.
+        seed: seeds the sampling of every request without its own ``SamplingParams.seed``
+            (the built-in model's random weights are always the same).
         platform: "cpu", "cuda", a ``Platform`` or None (detected).
         engine_config: a ready ``EngineConfig`` (then the other config arguments must be left alone).
         **kwargs: more config fields (``max_model_len``, ``num_gpu_blocks``,
@@ -83,7 +84,6 @@ class LLM:
         self.engine_config = cfg = engine_config
         self.seed = seed
         self._dp_group = self._init_dp(cfg)
-        torch.manual_seed(seed)  # NOTE: makes the built-in model's random weights reproducible
         from forwardkit.platforms import use_platform
 
         with use_platform(cfg.platform):

@@ -85,7 +85,15 @@ class ModelRunner:
         self.model = self._place(model)
         self.dtype = (self.model_config.dtype if self.model_config is not None
                       else next(self.model.parameters()).dtype)
-        self.max_model_len = int(self.model_config.max_model_len) if self.model_config else 2048
+        if self.model_config is not None:
+            self.vocab_size = self.model_config.get_vocab_size()
+            self.max_model_len = int(self.model_config.max_model_len)
+        else:  # no model config: load_model built the built-in default model
+            from forwardkit.models.default import default_hf_config
+
+            hf = default_hf_config()
+            self.vocab_size = int(hf["vocab_size"])
+            self.max_model_len = int(hf["max_position_embeddings"])
         self.block_size = int(cfg.cache_config.block_size)
         self.max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
         self._init_kv_cache()
@@ -155,13 +163,6 @@ class ModelRunner:
         return self.device.type == "cuda" and cudagraphs_available()
 
     # ------------------------------------------------------------------ one step
-    @property
-    def vocab_size(self) -> int:
-        """Logits width."""
-        if self.model_config is not None:
-            return self.model_config.get_vocab_size()
-        return int(self.model.compute_logits.__self__.config["vocab_size"])  # pragma: no cover
-
     @torch.inference_mode()
     def execute(self, batch: StepBatch, pad_to: int | None = None) -> torch.Tensor:
         """Run one step; return float32 logits ``[num sampled requests, vocab]``.
