@@ -1,0 +1,86 @@
+"""The contenders of ``forwardkit bench``: one :class:`ModelRunner` each, same model and weights.
+
+- ``eager``: plain PyTorch (forwardkit mode NONE, no CUDA graphs).
+- ``torch.compile``: what a user would write by hand: the eager runner with its inner model
+  wrapped in stock ``torch.compile(dynamic=True)`` (Inductor, guards kept).
+- ``forwardkit``: the configuration resolved from the command line (``-O`` / ``-cc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from forwardkit.compilation.counters import compilation_counter
+from forwardkit.config.args import engine_config_from_args
+from forwardkit.config.engine import EngineConfig
+from forwardkit.runner.model_runner import ModelRunner
+
+__all__ = ["CONTENDER_NAMES", "Contender", "build_contender"]
+
+CONTENDER_NAMES = ("eager", "torch.compile", "forwardkit")
+
+
+@dataclass
+class Contender:
+    """A runner plus how to count its recompilations."""
+
+    name: str
+    runner: ModelRunner
+    engine_config: EngineConfig
+    build_s: float
+    _traces: list[int] = field(default_factory=lambda: [0])
+
+    def traces(self) -> int:
+        """Dynamo traces (graphs handed to a compiler) so far."""
+        if self.name == "forwardkit":
+            return compilation_counter.num_dynamo_traces + compilation_counter.stock_torch_compile_count
+        return self._traces[0]
+
+
+def _counting_inductor(calls: list[int]) -> Any:
+    """Inductor as ``torch.compile(backend="inductor")`` uses it, counting each graph it gets."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        calls[0] += 1
+        return compile_fx(gm, example_inputs)
+
+    return backend
+
+
+def engine_config_for(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
+                      num_blocks: int) -> EngineConfig:
+    """The engine config a contender runs with (eager ones force ``--enforce-eager``)."""
+    ns = copy.copy(args)
+    if name != "forwardkit":
+        ns.enforce_eager = True
+        ns.engine_O = []
+        ns.compilation_config = None
+    cfg = engine_config_from_args(ns, default_hf_config=hf_config)
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    return cfg
+
+
+def build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
+                    num_blocks: int) -> Contender:
+    """Build the runner of contender ``name`` (model load, compile set-up and graph capture)."""
+    if name not in CONTENDER_NAMES:
+        raise ValueError(f"unknown contender {name!r}; expected some of {list(CONTENDER_NAMES)}")
+    start = time.perf_counter()
+    cfg = engine_config_for(name, args, hf_config, num_blocks)
+    runner = ModelRunner(cfg)
+    contender = Contender(name, runner, cfg, 0.0)
+    if name == "torch.compile":
+        inner = runner.model.model
+        runner.model.model = torch.compile(inner, dynamic=True,
+                                           backend=_counting_inductor(contender._traces))
+    runner.capture_model()
+    contender.build_s = time.perf_counter() - start
+    return contender
