@@ -171,3 +171,25 @@ def test_step_batch_views():
     assert b.logits_indices() == [0, 3, 4]
     assert not b.is_uniform_decode()
     assert StepBatch(["x", "y"], [[1], [2]], [3, 4], [[0], [1]]).is_uniform_decode()
+
+
+def test_warm_up_compile_sizes_runs_dummy_steps(monkeypatch):
+    runner = _runner(LLAMA)
+    assert runner.warm_up_compile_sizes() == []  # enforce_eager: nothing to compile
+    runner.model_config.enforce_eager = False
+    monkeypatch.setattr(runner.compilation_config, "compile_sizes", [8, 2, 100, 8])
+    seen = []
+    monkeypatch.setattr(runner, "dummy_run", lambda n, mode=None: seen.append((n, mode)))
+    assert runner.warm_up_compile_sizes() == [8, 2]  # 100 exceeds the 64-token buffers
+    assert seen == [(8, CUDAGraphMode.NONE), (2, CUDAGraphMode.NONE)]
+
+
+def test_dummy_run_goes_through_the_model():
+    runner = _runner(MIXTRAL)
+    runner.dummy_run(5)
+    assert runner.last_step.num_padded_tokens == 5 and runner.last_step.num_tokens == 0
+    runner.dummy_run(3, CUDAGraphMode.NONE, uniform_decode=True, force_attention=True)
+    with pytest.raises(AssertionError, match="Cudagraph runtime mode mismatch"):
+        runner.dummy_run(4, CUDAGraphMode.FULL)
+    with pytest.raises(ValueError, match="exceeds max_num_tokens"):
+        runner.dummy_run(65)

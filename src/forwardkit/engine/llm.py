@@ -88,6 +88,7 @@ class LLM:
 
         with use_platform(cfg.platform):
             self.runner = ModelRunner(cfg)
+            self.runner.warm_up_compile_sizes()
             self.runner.capture_model()
         model_config = cfg.model_config
         self.tokenizer = load_tokenizer(model_config.model if model_config else None)

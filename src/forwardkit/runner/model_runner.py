@@ -278,6 +278,21 @@ class ModelRunner:
             self.model(input_ids, positions)
         self.last_step = StepInfo(mode, desc, 0, across_dp)
 
+    def warm_up_compile_sizes(self) -> list[int]:
+        """Run one eager dummy step per ``compile_sizes`` entry that is not a capture size,
+        largest first, so those specialised compiles happen at start-up (spec §6.1 step 4).
+
+        Returns the sizes run.
+        """
+        if self.model_config is not None and self.model_config.enforce_eager:
+            return []
+        capture = set(getattr(self.compilation_config, "cudagraph_capture_sizes", None) or [])
+        sizes = [s for s in (getattr(self.compilation_config, "compile_sizes", None) or [])
+                 if isinstance(s, int) and s not in capture and s <= self.max_num_tokens]
+        for size in sorted(set(sizes), reverse=True):
+            self.dummy_run(size, CUDAGraphMode.NONE)
+        return sorted(set(sizes), reverse=True)
+
     def capture_model(self) -> float:
         """Capture every CUDA graph the dispatcher has keys for (spec §6.2); returns seconds.
 
