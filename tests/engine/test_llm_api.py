@@ -64,6 +64,8 @@ def test_prompt_forms_agree(llm):
     with pytest.raises(ValueError, match="got 2 SamplingParams for 1 prompts"):
         llm.generate(prompt_token_ids=[[1]], sampling_params=[greedy, greedy])
     assert llm.generate([], use_tqdm=False) == []
+    with pytest.raises(ValueError, match="prompt 0 is int 5; expected text, a list of token ids"):
+        llm.generate([5, 6], use_tqdm=False)
 
 
 def test_seeded_sampling_is_reproducible(llm):

@@ -162,6 +162,11 @@ class LLM:
                 item = item["prompt"]
             else:
                 raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if not isinstance(item, (str, list, tuple)):
+            raise ValueError(
+                f"prompt {index} is {type(item).__name__} {item!r}; expected text, a list of token "
+                "ids, or a dict with 'prompt_token_ids' (token ids go in prompt_token_ids=[[...]])"
+            )
         if isinstance(item, str):
             if self.tokenizer is None:
                 raise ValueError(
