@@ -182,15 +182,14 @@ def _decode(
     num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
     q = query.index_select(0, rows)  # [Rd, Hq, D]
     rd, hq = q.shape[0], q.shape[1]
-    group = hq // num_kv_heads
-    k = kv_cache[0][md.decode_block_table].reshape(rd, -1, num_kv_heads, head_size)
-    v = kv_cache[1][md.decode_block_table].reshape(rd, -1, num_kv_heads, head_size)
-    q = q.view(rd, num_kv_heads, group, head_size).float()
-    scores = torch.einsum("rkgd,rskd->rkgs", q, k.float()) * scale
-    scores = scores.masked_fill(~md.decode_key_mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("rkgs,rskd->rkgd", probs, v.float()).reshape(rd, hq, head_size)
-    output.index_copy_(0, rows, out.to(output.dtype))
+    k = kv_cache[0][md.decode_block_table].reshape(rd, -1, num_kv_heads, head_size).transpose(1, 2)
+    v = kv_cache[1][md.decode_block_table].reshape(rd, -1, num_kv_heads, head_size).transpose(1, 2)
+    # NOTE: one query token per request, so the query heads that share a KV head can stand in
+    # the "sequence" dim: [Rd, Hk, group, D] against [Rd, Hk, S, D], no K/V repeat needed.
+    q = q.view(rd, num_kv_heads, hq // num_kv_heads, head_size)
+    mask = md.decode_key_mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    output.index_copy_(0, rows, out.reshape(rd, hq, head_size).to(output.dtype))
 
 
 def _prefill(

@@ -168,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         cfg = hf_config_of(engine_config)
         self.config = cfg
-        self.model = self.model_cls(engine_config=engine_config, prefix=f"{prefix}model" if not prefix else f"{prefix}.model")
+        self.model = self.model_cls(engine_config=engine_config, prefix=f"{prefix}.model" if prefix else "model")
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = LMHead(
             cfg["vocab_size"], cfg["hidden_size"], model_dtype_of(engine_config),
