@@ -16,7 +16,6 @@ __all__ = ["get_model_class", "supported_architectures"]
 # architecture -> (module, class); imported lazily so importing the registry stays cheap.
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("forwardkit.models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("forwardkit.models.llama", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("forwardkit.models.mixtral", "MixtralForCausalLM"),
 }
 
