@@ -19,13 +19,45 @@ ROUNDS = [
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, enforce_eager=True, max_model_len=128)
 
 
-def _rank_main(rank: int, nprocs: int, port: int, path: str) -> list[list[list[int]]]:
+def _engine_config(path: str, nprocs: int, dp_padding: bool):
+    from forwardkit.config.compilation import CUDAGraphMode
+    from forwardkit.engine.config_builder import build_engine_config
+
+    if not dp_padding:
+        return build_engine_config(path, data_parallel_size=nprocs, enable_expert_parallel=True,
+                                   **ENGINE)
+    # Graphs configured (CPU resolution turns them off, so set the mode afterwards): every
+    # rank is padded to the largest token count across ranks, even eager (spec §2.6, §9.2).
+    engine = {**ENGINE, "enforce_eager": False}
+    cfg = build_engine_config(path, data_parallel_size=nprocs, enable_expert_parallel=True,
+                              compilation_config={"mode": 0}, **engine)
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    return cfg
+
+
+def _rank_main(rank: int, nprocs: int, port: int, path: str,
+               dp_padding: bool) -> tuple[list[list[list[int]]], int]:
     os.environ["FORWARDKIT_MOE_DP_CHUNK_SIZE"] = "4"  # several all-gather chunks per step
     from forwardkit.distributed import destroy_dp_group, init_dp_group
 
     init_dp_group(world_size=nprocs, rank=rank, master_port=port, backend="gloo", timeout_s=60)
     try:
-        llm = LLM(path, data_parallel_size=nprocs, enable_expert_parallel=True, **ENGINE)
+        llm = LLM(engine_config=_engine_config(path, nprocs, dp_padding))
+        padded_steps = 0
+        step = llm.runner.execute
+
+        def execute(batch, pad_to=None):
+            nonlocal padded_steps
+            logits = step(batch, pad_to)
+            info = llm.runner.last_step
+            if batch.num_reqs:  # (an idle rank's dummy step always pads 0 -> >= 1 tokens)
+                padded_steps += info.num_padded_tokens > batch.num_tokens
+            across = info.num_tokens_across_dp.tolist()
+            assert across[rank] == info.num_padded_tokens
+            assert (len(set(across)) == 1) or not dp_padding
+            return logits
+
+        llm.runner.execute = execute
         experts = [m for m in llm.runner.model.modules() if type(m).__name__ == "FusedMoE"]
         assert experts and all(m.use_ep for m in experts)
         results = []
@@ -33,19 +65,21 @@ def _rank_main(rank: int, nprocs: int, port: int, path: str) -> list[list[list[i
             outs = llm.generate(prompt_token_ids=per_rank[rank], sampling_params=GREEDY,
                                 use_tqdm=False)
             results.append([o.outputs[0].token_ids for o in outs])
-        return results
+        return results, padded_steps
     finally:
         destroy_dp_group()
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-def test_dp2_expert_parallel_matches_single_process(make_checkpoint):
+@pytest.mark.parametrize("dp_padding", [False, True], ids=["unpadded", "dp-padded"])
+def test_dp2_expert_parallel_matches_single_process(make_checkpoint, dp_padding):
     from forwardkit.distributed.launch import spawn
 
     path = make_checkpoint("mixtral")
     single = LLM(path, **ENGINE)
-    results = spawn(_rank_main, 2, args=(path,), timeout_s=300)
+    results, padded_steps = zip(*spawn(_rank_main, 2, args=(path, dp_padding), timeout_s=300))
+    assert (sum(padded_steps) > 0) == dp_padding
     for round_index, per_rank in enumerate(ROUNDS):
         for rank in range(2):
             prompts = per_rank[rank]
