@@ -193,3 +193,34 @@ def test_dummy_run_goes_through_the_model():
         runner.dummy_run(4, CUDAGraphMode.FULL)
     with pytest.raises(ValueError, match="exceeds max_num_tokens"):
         runner.dummy_run(65)
+
+
+@pytest.mark.parametrize("configured, support, split, expected", [
+    ("FULL", 1, True, CUDAGraphMode.FULL_AND_PIECEWISE),
+    ("FULL", 1, False, CUDAGraphMode.FULL_DECODE_ONLY),
+    ("FULL", 3, True, CUDAGraphMode.FULL),
+    ("FULL_AND_PIECEWISE", 1, True, CUDAGraphMode.FULL_AND_PIECEWISE),
+    ("FULL_AND_PIECEWISE", 0, True, CUDAGraphMode.PIECEWISE),
+    ("FULL_DECODE_ONLY", 0, False, CUDAGraphMode.NONE),
+    ("PIECEWISE", 0, True, CUDAGraphMode.PIECEWISE),
+])
+def test_resolve_cudagraph_mode(configured, support, split, expected):
+    """Spec §4.5: lower the configured mode to what the attention backend supports."""
+    from types import SimpleNamespace
+
+    from forwardkit.runner.setup import resolve_cudagraph_mode
+
+    cc = SimpleNamespace(cudagraph_mode=configured, is_attention_compiled_piecewise=lambda: split,
+                         splitting_ops_contain_attention=lambda: split)
+    assert resolve_cudagraph_mode(cc, support) == expected
+
+
+def test_resolve_full_without_any_support_is_an_error():
+    from types import SimpleNamespace
+
+    from forwardkit.runner.setup import resolve_cudagraph_mode
+
+    cc = SimpleNamespace(cudagraph_mode="FULL", is_attention_compiled_piecewise=lambda: True,
+                         splitting_ops_contain_attention=lambda: True)
+    with pytest.raises(ValueError, match="supports none"):
+        resolve_cudagraph_mode(cc, 0)
