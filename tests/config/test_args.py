@@ -168,3 +168,13 @@ def test_works_as_subcommand_parser():
     add_engine_args(sub.add_parser("x"))
     ns = top.parse_args(["x", "-cc.mode=1", "-O", "2"])
     assert compilation_overrides_from_args(ns) == (2, {"mode": 1})
+
+
+def test_chunked_prefill_flag():
+    assert resolve().scheduler_config.enable_chunked_prefill
+    off = resolve("--no-enable-chunked-prefill").scheduler_config
+    assert not off.enable_chunked_prefill and off.max_num_batched_tokens == 4096  # >= max_model_len
+    assert resolve("--enable-chunked-prefill").scheduler_config.max_num_batched_tokens == 2048
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) is smaller") as info:
+        resolve("--no-enable-chunked-prefill", "--max-num-batched-tokens", "64")
+    assert "\n" not in str(info.value)

@@ -20,8 +20,8 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, enforce_eager=True, max
 
 
 def _engine_config(path: str, nprocs: int, dp_padding: bool):
+    from forwardkit.config.builder import build_engine_config
     from forwardkit.config.compilation import CUDAGraphMode
-    from forwardkit.engine.config_builder import build_engine_config
 
     if not dp_padding:
         return build_engine_config(path, data_parallel_size=nprocs, enable_expert_parallel=True,

@@ -1,10 +1,12 @@
 """Configuration: compilation, parallel, scheduler, model, cache and the engine config.
 
 ``EngineConfig`` (vLLM's ``VllmConfig``) resolves them together; see
-``forwardkit.config.engine``. vLLM-style CLI arguments live in ``forwardkit.config.args``
-(imported on demand, not re-exported here).
+``forwardkit.config.engine``. ``build_engine_config`` (``forwardkit.config.builder``) builds
+one from flat arguments (``LLM(...)`` keywords and CLI flags share it). vLLM-style CLI
+arguments live in ``forwardkit.config.args`` (imported on demand, not re-exported here).
 """
 
+from forwardkit.config.builder import build_engine_config
 from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import (
     CompilationConfig,
@@ -43,6 +45,7 @@ __all__ = [
     "Range",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "build_engine_config",
     "get_current_engine_config",
     "get_current_engine_config_or_none",
     "get_layers_from_engine_config",

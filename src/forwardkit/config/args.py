@@ -22,20 +22,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import ValidationError
-
-from forwardkit.config.cache import CacheConfig
+from forwardkit.config.builder import build_engine_config, one_line_error
 from forwardkit.config.compilation import CompilationConfig, CompilationMode
 from forwardkit.config.engine import EngineConfig, OptimizationLevel
-from forwardkit.config.model import ModelConfig
-from forwardkit.config.parallel import ALL2ALL_BACKENDS, ParallelConfig
-from forwardkit.config.scheduler import (
-    DEFAULT_MAX_MODEL_LEN,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    SchedulerConfig,
-)
-from forwardkit.platforms import current_platform, platform_by_name, use_platform
+from forwardkit.config.parallel import ALL2ALL_BACKENDS
+from forwardkit.config.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 __all__ = [
     "add_engine_args",
@@ -101,6 +92,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, metavar="N",
                    help=f"most tokens per step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, at least "
                         "max-num-seqs)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts over several steps (default on); with "
+                        "--no-enable-chunked-prefill max-num-batched-tokens defaults to at least "
+                        "max-model-len")
     g.add_argument("--block-size", type=_positive_int, default=None, metavar="N",
                    help="tokens per KV-cache block (default 16)")
     g.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=None, metavar="N",
@@ -194,83 +189,45 @@ def _check_compilation_keys(config: dict[str, Any]) -> None:
             raise ValueError(f"unknown compilation-config key {key!r}; accepted: {', '.join(accepted)}")
 
 
-def one_line_error(exc: ValidationError, prefix: str | None = None) -> str:
-    """Condense a pydantic ``ValidationError`` into one line naming each bad field."""
-    title = prefix or exc.title
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()))
-        msg = err.get("msg", "").removeprefix("Value error, ").removeprefix("Assertion failed, ")
-        parts.append(f"{title}.{loc}: {msg}" if loc else f"{title}: {msg}")
-    return "; ".join(parts) or str(exc).splitlines()[0]
+# How the CLI spells build_engine_config's arguments, for its error messages.
+_FLAG_NAMES = {
+    "model": "--model DIR",
+    "dtype": "--dtype",
+    "max_model_len": "--max-model-len",
+    "enforce_eager": "--enforce-eager",
+    "compilation_config": "compilation-config",
+}
 
 
 def engine_config_from_args(ns: argparse.Namespace, *,
                             default_hf_config: dict[str, Any] | None = None) -> EngineConfig:
     """Build and resolve an :class:`EngineConfig` from :func:`add_engine_args` arguments.
 
+    A thin adapter over :func:`forwardkit.config.builder.build_engine_config` (same defaults
+    as ``LLM(...)``): ``-O`` / ``-cc`` are parsed here, everything else is passed on.
     ``default_hf_config`` describes the model used when ``--model`` is absent (the tools pass
     the built-in model's config so capture sizes are worked out for it); without it and
     without ``--model`` the engine has no model config.
     """
-    try:
-        return _build(ns, default_hf_config)
-    except ValidationError as exc:
-        raise ValueError(one_line_error(exc)) from None
-
-
-def _build(ns: argparse.Namespace, default_hf_config: dict[str, Any] | None) -> EngineConfig:
     level, compilation = compilation_overrides_from_args(ns)
-    model_kwargs: dict[str, Any] = {}
-    if ns.max_model_len is not None:
-        model_kwargs["max_model_len"] = ns.max_model_len
-    if ns.enforce_eager:
-        model_kwargs["enforce_eager"] = True
-    dtype = ns.dtype
-    model: ModelConfig | None
-    if ns.model is not None:
-        model = ModelConfig.from_pretrained(ns.model, dtype=dtype, **model_kwargs)
-    elif default_hf_config is not None:
-        model = ModelConfig(hf_config=dict(default_hf_config), dtype=dtype or "auto", **model_kwargs)
-    else:
-        given = [flag for flag, on in (("--dtype", dtype is not None), ("--enforce-eager", ns.enforce_eager),
-                                       ("--max-model-len", ns.max_model_len is not None)) if on]
-        if given:
-            raise ValueError(f"{', '.join(given)} need a model: pass --model DIR")
-        model = None
-
-    seqs, tokens = ns.max_num_seqs, ns.max_num_batched_tokens
-    if tokens is None:
-        tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, seqs or 0)
-    if seqs is None:
-        seqs = min(DEFAULT_MAX_NUM_SEQS, tokens)
-    scheduler = SchedulerConfig(
-        max_num_seqs=seqs,
-        max_num_batched_tokens=tokens,
-        max_model_len=model.max_model_len if model is not None else DEFAULT_MAX_MODEL_LEN,
-        is_encoder_decoder=model.is_encoder_decoder if model is not None else False,
+    chunked = getattr(ns, "enable_chunked_prefill", None)
+    return build_engine_config(
+        getattr(ns, "model", None),
+        default_hf_config=default_hf_config,
+        dtype=getattr(ns, "dtype", None),
+        max_model_len=getattr(ns, "max_model_len", None),
+        max_num_seqs=getattr(ns, "max_num_seqs", None),
+        max_num_batched_tokens=getattr(ns, "max_num_batched_tokens", None),
+        enable_chunked_prefill=True if chunked is None else chunked,
+        enforce_eager=bool(getattr(ns, "enforce_eager", False)),
+        compilation_config=compilation,
+        optimization_level=level,
+        block_size=getattr(ns, "block_size", None),
+        platform=getattr(ns, "platform", None),
+        arg_names=_FLAG_NAMES,
+        data_parallel_size=getattr(ns, "data_parallel_size", None),
+        data_parallel_rank=getattr(ns, "data_parallel_rank", None),
+        tensor_parallel_size=getattr(ns, "tensor_parallel_size", None),
+        all2all_backend=getattr(ns, "all2all_backend", None),
+        enable_expert_parallel=bool(getattr(ns, "enable_expert_parallel", False)),
     )
-    parallel_kwargs: dict[str, Any] = {}
-    for name in ("data_parallel_size", "data_parallel_rank", "tensor_parallel_size", "all2all_backend"):
-        value = getattr(ns, name, None)
-        if value is not None:
-            parallel_kwargs[name] = value
-    if ns.enable_expert_parallel:
-        parallel_kwargs["enable_expert_parallel"] = True
-    kwargs: dict[str, Any] = {
-        "model_config": model,
-        "parallel_config": ParallelConfig(**parallel_kwargs),
-        "scheduler_config": scheduler,
-        "cache_config": CacheConfig(block_size=ns.block_size) if ns.block_size else CacheConfig(),
-        "compilation_config": compilation,
-    }
-    if level is not None:
-        kwargs["optimization_level"] = level
-    platform = platform_by_name(ns.platform) if ns.platform is not None else current_platform._get()
-    kwargs["platform"] = platform
-    try:
-        with use_platform(platform):  # CompilationConfig reads the platform while it is built
-            CompilationConfig(**compilation)
-    except ValidationError as exc:  # name the bad key relative to the compilation config
-        raise ValueError(one_line_error(exc, prefix="compilation-config")) from None
-    return EngineConfig(**kwargs)

@@ -1,7 +1,7 @@
 """The reference engine: ``LLM`` (offline generation) and ``SamplingParams``.
 
-Modules: ``llm`` (the ``LLM`` front end and its step loop), ``config_builder`` (``LLM``
-arguments -> ``EngineConfig``), ``scheduler`` (continuous batching, chunked prefill),
+Modules: ``llm`` (the ``LLM`` front end and its step loop; its arguments become an
+``EngineConfig`` through ``forwardkit.config.builder``), ``scheduler`` (continuous batching, chunked prefill),
 ``block_manager`` (KV block free list), ``sampler``, ``sampling_params``, ``request``,
 ``outputs``, ``tokenizer``.
 """

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from forwardkit.config.builder import build_engine_config
 from forwardkit.config.engine import EngineConfig
 from forwardkit.engine.block_manager import BlockManager
-from forwardkit.engine.config_builder import build_engine_config
 from forwardkit.engine.outputs import CompletionOutput, RequestOutput
 from forwardkit.engine.request import Request
 from forwardkit.engine.sampler import Sampler
@@ -28,6 +28,7 @@ from forwardkit.engine.sampling_params import SamplingParams, as_params_list
 from forwardkit.engine.scheduler import Scheduler
 from forwardkit.engine.tokenizer import load_tokenizer
 from forwardkit.logger import init_logger
+from forwardkit.models.default import default_hf_config
 from forwardkit.runner.model_runner import ModelRunner
 
 __all__ = ["LLM"]
@@ -74,7 +75,7 @@ class LLM:
     ) -> None:
         if engine_config is None:
             engine_config = build_engine_config(
-                model, dtype=dtype, max_num_seqs=max_num_seqs,
+                model, default_hf_config=default_hf_config(), dtype=dtype, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
                 compilation_config=compilation_config, data_parallel_size=data_parallel_size,
                 block_size=block_size, platform=platform, **kwargs,

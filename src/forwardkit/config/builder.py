@@ -1,0 +1,224 @@
+"""``build_engine_config``: flat user arguments -> a resolved :class:`EngineConfig`.
+
+The one place that turns the arguments a user types (``LLM(...)`` keywords, or the
+``forwardkit config/generate/bench`` flags via :func:`forwardkit.config.args.engine_config_from_args`)
+into the nested configs, so both paths configure the same engine. Rules:
+
+* ``model`` (a local Hugging Face directory) wins; else ``default_hf_config`` describes the
+  model; with neither there is no model config, and model-only arguments (``dtype``,
+  ``max_model_len``, ``enforce_eager``) are an error.
+* ``max_num_batched_tokens`` defaults to ``max(2048, max_num_seqs)``, raised to
+  ``max_model_len`` when chunked prefill is off (so every prompt fits one step);
+  ``max_num_seqs`` defaults to ``min(128, max_num_batched_tokens)``.
+* Other keyword arguments go to ``ParallelConfig`` or ``SchedulerConfig`` by field name
+  (a None value means the field's default); any other name is a ``TypeError`` listing what
+  is accepted.
+* Every invalid value is a one-line ``ValueError`` naming the argument (pydantic's
+  multi-line ``ValidationError`` is condensed by :func:`one_line_error`).
+
+The config layer knows no model: callers that want the built-in default model pass its HF
+config (``forwardkit.models.default.default_hf_config()``) as ``default_hf_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from forwardkit.config.cache import CacheConfig
+from forwardkit.config.compilation import CompilationConfig
+from forwardkit.config.engine import EngineConfig
+from forwardkit.config.model import ModelConfig
+from forwardkit.config.parallel import ParallelConfig
+from forwardkit.config.scheduler import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    SchedulerConfig,
+)
+from forwardkit.platforms import Platform, current_platform, platform_by_name, use_platform
+
+__all__ = ["build_engine_config", "default_batch_limits", "engine_kwarg_names", "one_line_error"]
+
+# Named arguments of build_engine_config that are also config fields (not routed by name).
+_NAMED_PARALLEL = frozenset({"data_parallel_size"})
+_NAMED_SCHEDULER = frozenset({"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"})
+
+
+def one_line_error(exc: ValidationError, prefix: str | None = None) -> str:
+    """Condense a pydantic ``ValidationError`` into one line naming each bad field."""
+    title = prefix or exc.title
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        msg = err.get("msg", "").removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        parts.append(f"{title}.{loc}: {msg}" if loc else f"{title}: {msg}")
+    return "; ".join(parts) or str(exc).splitlines()[0]
+
+
+def _init_fields(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.init)
+
+
+def engine_kwarg_names() -> tuple[frozenset[str], frozenset[str]]:
+    """(ParallelConfig, SchedulerConfig) field names ``build_engine_config`` takes as ``**kwargs``."""
+    return (_init_fields(ParallelConfig) - _NAMED_PARALLEL,
+            _init_fields(SchedulerConfig) - _NAMED_SCHEDULER)
+
+
+def default_batch_limits(max_num_seqs: int | None, max_num_batched_tokens: int | None, *,
+                         max_model_len: int, enable_chunked_prefill: bool = True) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) with the defaults filled in (module docstring)."""
+    seqs, tokens = max_num_seqs, max_num_batched_tokens
+    if tokens is None:
+        tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, seqs or 0)
+        if not enable_chunked_prefill:
+            tokens = max(tokens, max_model_len)
+    if seqs is None:
+        seqs = min(DEFAULT_MAX_NUM_SEQS, tokens)
+    return seqs, tokens
+
+
+def _resolve_platform(platform: str | Platform | None) -> Platform:
+    if platform is None:
+        return current_platform._get()
+    if isinstance(platform, str):
+        return platform_by_name(platform)
+    if not isinstance(platform, Platform):
+        raise ValueError(f"platform must be a Platform, 'cuda', 'cpu' or None, got {platform!r}")
+    return platform
+
+
+def _compilation(value: Any, platform: Platform, label: str) -> CompilationConfig:
+    """``value`` (None, dict, JSON/mode string or CompilationConfig) as a CompilationConfig."""
+    if isinstance(value, CompilationConfig):
+        return value
+    try:
+        with use_platform(platform):  # CompilationConfig reads the platform while it is built
+            if value is None:
+                return CompilationConfig()
+            if isinstance(value, Mapping):
+                return CompilationConfig(**value)
+            if isinstance(value, str):
+                return CompilationConfig.from_cli(value)
+    except ValidationError as exc:  # name the bad key relative to the compilation config
+        raise ValueError(one_line_error(exc, prefix=label)) from None
+    raise ValueError(f"{label} must be a CompilationConfig, a dict of its fields, a JSON object "
+                     f"string or None, got {type(value).__name__}")
+
+
+def build_engine_config(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    default_hf_config: Mapping[str, Any] | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    enable_chunked_prefill: bool = True,
+    enforce_eager: bool = False,
+    compilation_config: CompilationConfig | Mapping[str, Any] | str | None = None,
+    optimization_level: int | None = None,
+    data_parallel_size: int | None = None,
+    block_size: int | None = None,
+    num_gpu_blocks: int | None = None,
+    platform: str | Platform | None = None,
+    arg_names: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> EngineConfig:
+    """Build and resolve an :class:`EngineConfig` from flat arguments (rules: module docstring).
+
+    Args:
+        model: local Hugging Face checkpoint directory (config.json + safetensors), or None.
+        default_hf_config: HF config dict of the model used when ``model`` is None.
+        dtype: "auto"/None (from config.json), "float32", "bfloat16", "float16" or a torch dtype.
+        max_model_len: longest sequence; None = ``max_position_embeddings``.
+        max_num_seqs / max_num_batched_tokens / enable_chunked_prefill: scheduler limits.
+        enforce_eager: no compilation and no CUDA graphs (forces O0).
+        compilation_config: a ``CompilationConfig``, a dict of its fields, a JSON string or None.
+        optimization_level: 0-3; None = O2.
+        data_parallel_size: DP replicas; None = 1 (or ``FORWARDKIT_DP_SIZE`` on the offline path).
+        block_size / num_gpu_blocks: KV cache layout; None = defaults (16 / decided later).
+        platform: "cpu", "cuda", a ``Platform`` or None (the current one).
+        arg_names: how the caller's users spell each argument, used in error messages
+            (the CLI maps ``dtype`` to ``--dtype``); unmapped names are used as they are.
+        **kwargs: ``ParallelConfig`` / ``SchedulerConfig`` fields (see :func:`engine_kwarg_names`).
+
+    Raises:
+        TypeError: an unknown keyword argument (the message lists the accepted ones).
+        ValueError: any invalid value, as one line naming the argument or field.
+    """
+    names = dict(arg_names or {})
+
+    def label(name: str) -> str:
+        return names.get(name, name)
+
+    parallel_fields, scheduler_fields = engine_kwarg_names()
+    unknown = sorted(set(kwargs) - parallel_fields - scheduler_fields)
+    if unknown:
+        raise TypeError(
+            f"unknown keyword argument(s) {unknown} for the engine config; besides the named "
+            f"arguments it accepts ParallelConfig fields {sorted(parallel_fields)} and "
+            f"SchedulerConfig fields {sorted(scheduler_fields)}"
+        )
+    parallel_kwargs = {k: v for k, v in kwargs.items() if k in parallel_fields and v is not None}
+    scheduler_kwargs = {k: v for k, v in kwargs.items() if k in scheduler_fields and v is not None}
+    if data_parallel_size is not None:
+        parallel_kwargs["data_parallel_size"] = data_parallel_size
+
+    resolved_platform = _resolve_platform(platform)
+    compilation = _compilation(compilation_config, resolved_platform, label("compilation_config"))
+    try:
+        model_config = _model_config(model, default_hf_config, dtype, max_model_len, enforce_eager, label)
+        model_len = model_config.max_model_len if model_config is not None else DEFAULT_MAX_MODEL_LEN
+        seqs, tokens = default_batch_limits(max_num_seqs, max_num_batched_tokens, max_model_len=model_len,
+                                            enable_chunked_prefill=enable_chunked_prefill)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=seqs,
+            max_num_batched_tokens=tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            max_model_len=model_len,
+            is_encoder_decoder=model_config.is_encoder_decoder if model_config is not None else False,
+            **scheduler_kwargs,
+        )
+        cache_config = CacheConfig(num_gpu_blocks=num_gpu_blocks,
+                                   **({} if block_size is None else {"block_size": block_size}))
+        config_kwargs: dict[str, Any] = {
+            "model_config": model_config,
+            "parallel_config": ParallelConfig(**parallel_kwargs),
+            "scheduler_config": scheduler_config,
+            "cache_config": cache_config,
+            "compilation_config": compilation,
+            "platform": resolved_platform,
+        }
+        if optimization_level is not None:
+            config_kwargs["optimization_level"] = optimization_level
+        return EngineConfig(**config_kwargs)
+    except ValidationError as exc:
+        raise ValueError(one_line_error(exc)) from None
+
+
+def _model_config(model: str | os.PathLike[str] | None, default_hf_config: Mapping[str, Any] | None,
+                  dtype: str | torch.dtype | None, max_model_len: int | None, enforce_eager: bool,
+                  label: Any) -> ModelConfig | None:
+    overrides: dict[str, Any] = {"enforce_eager": bool(enforce_eager)}
+    if max_model_len is not None:
+        overrides["max_model_len"] = max_model_len
+    if model is not None:
+        return ModelConfig.from_pretrained(model, dtype=dtype, **overrides)
+    if default_hf_config is not None:
+        return ModelConfig(hf_config=dict(default_hf_config), dtype="auto" if dtype is None else dtype,
+                           **overrides)
+    given = [label(name) for name, on in (
+        ("dtype", not (dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto"))),
+        ("enforce_eager", bool(enforce_eager)),
+        ("max_model_len", max_model_len is not None),
+    ) if on]
+    if given:
+        raise ValueError(f"{', '.join(given)} need a model: pass {label('model')}")
+    return None

@@ -1,0 +1,188 @@
+"""build_engine_config: the one builder behind LLM(...) and the CLI flags (forwardkit.config.builder)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from forwardkit.config import (
+    CompilationConfig,
+    CompilationMode,
+    CUDAGraphMode,
+    OptimizationLevel,
+    build_engine_config,
+)
+from forwardkit.config.args import add_engine_args, engine_config_from_args
+from forwardkit.config.builder import default_batch_limits, engine_kwarg_names
+from forwardkit.platforms import CpuPlatform, CudaPlatform
+
+HF = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+      "num_hidden_layers": 2, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ("FORWARDKIT_DP_SIZE", "FORWARDKIT_DP_RANK", "FORWARDKIT_ALL2ALL_BACKEND",
+                 "FORWARDKIT_DEBUG_DUMP_PATH"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def limits(cfg):
+    return cfg.scheduler_config.max_num_seqs, cfg.scheduler_config.max_num_batched_tokens
+
+
+@pytest.mark.parametrize(
+    "seqs, tokens, chunked, model_len, expected",
+    [
+        (None, None, True, 4096, (128, 2048)),
+        (4096, None, True, 4096, (4096, 4096)),
+        (None, 64, True, 4096, (64, 64)),
+        (8, 16, True, 4096, (8, 16)),
+        (None, None, False, 4096, (128, 4096)),  # chunked prefill off: a whole prompt fits a step
+        (None, None, False, 1024, (128, 2048)),
+        (None, 8192, False, 4096, (128, 8192)),
+        (8, None, False, 100, (8, 2048)),
+    ],
+)
+def test_default_batch_limits(seqs, tokens, chunked, model_len, expected):
+    assert default_batch_limits(seqs, tokens, max_model_len=model_len,
+                                enable_chunked_prefill=chunked) == expected
+
+
+def test_defaults_with_and_without_a_model():
+    cfg = build_engine_config(default_hf_config=HF, platform="cpu")
+    assert limits(cfg) == (128, 2048) and cfg.scheduler_config.enable_chunked_prefill
+    assert cfg.model_config.model is None and cfg.model_config.dtype is torch.bfloat16
+    assert cfg.cache_config.block_size == 16 and cfg.cache_config.num_gpu_blocks is None
+    assert cfg.optimization_level == OptimizationLevel.O2 and cfg.platform.name == "cpu"
+    bare = build_engine_config(platform="cpu", dtype="auto")
+    assert bare.model_config is None and limits(bare) == (128, 2048)
+
+
+def test_chunked_prefill_off_raises_the_token_budget():
+    cfg = build_engine_config(default_hf_config=HF, enable_chunked_prefill=False, platform="cpu")
+    assert limits(cfg) == (128, 4096) and not cfg.scheduler_config.enable_chunked_prefill
+    short = build_engine_config(default_hf_config=HF, enable_chunked_prefill=False, max_model_len=512)
+    assert limits(short) == (128, 2048)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\).*max_model_len \(4096\)") as info:
+        build_engine_config(default_hf_config=HF, enable_chunked_prefill=False, max_num_batched_tokens=64)
+    assert "\n" not in str(info.value)
+
+
+def test_model_dir_wins_over_default(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**HF, "max_position_embeddings": 512}))
+    cfg = build_engine_config(tmp_path, default_hf_config=HF, dtype=torch.float16, max_model_len=256,
+                              block_size=32, num_gpu_blocks=7, platform=CudaPlatform())
+    assert cfg.model_config.model == str(tmp_path) and cfg.model_config.max_model_len == 256
+    assert cfg.model_config.dtype is torch.float16
+    assert (cfg.cache_config.block_size, cfg.cache_config.num_gpu_blocks) == (32, 7)
+    assert cfg.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+
+
+def test_routed_keyword_arguments():
+    cfg = build_engine_config(default_hf_config=HF, data_parallel_size=2, data_parallel_rank=1,
+                              enable_expert_parallel=True, all2all_backend="naive",
+                              max_num_partial_prefills=2, async_scheduling=False,
+                              tensor_parallel_size=None)
+    p = cfg.parallel_config
+    assert (p.data_parallel_size, p.data_parallel_rank, p.enable_expert_parallel) == (2, 1, True)
+    assert p.all2all_backend == "naive" and p.tensor_parallel_size == 1  # None = the default
+    assert cfg.scheduler_config.max_num_partial_prefills == 2
+    parallel, scheduler = engine_kwarg_names()
+    assert "enable_expert_parallel" in parallel and "data_parallel_size" not in parallel
+    assert "async_scheduling" in scheduler and "max_num_seqs" not in scheduler
+
+
+def test_unknown_keyword_is_a_type_error_listing_accepted():
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['bogus'\]") as info:
+        build_engine_config(default_hf_config=HF, bogus=1)
+    assert "enable_expert_parallel" in str(info.value) and "max_num_partial_prefills" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [{"mode": 1, "backend": "eager"}, '{"mode": 1, "backend": "eager"}'])
+def test_compilation_config_dict_and_json(value):
+    cc = build_engine_config(default_hf_config=HF, compilation_config=value, platform="cpu").compilation_config
+    assert cc.mode == CompilationMode.STOCK_TORCH_COMPILE and cc.backend == "eager"
+
+
+def test_compilation_config_instance_is_used():
+    given = CompilationConfig(mode=0)
+    cfg = build_engine_config(default_hf_config=HF, compilation_config=given, platform="cpu")
+    assert cfg.compilation_config is given and given.mode == CompilationMode.NONE
+
+
+@pytest.mark.parametrize(
+    "value, names, message",
+    [
+        ({"mode": 9}, None, r"^compilation_config\.mode"),
+        ({"pass_config": {"foo": 1}}, None, r"compilation_config\.pass_config\.foo"),
+        ({"mode": 9}, {"compilation_config": "-cc"}, r"^-cc\.mode"),
+        ([1, 2], None, "compilation_config must be a CompilationConfig, a dict"),
+    ],
+)
+def test_compilation_config_errors_name_the_key(value, names, message):
+    with pytest.raises(ValueError, match=message) as info:
+        build_engine_config(default_hf_config=HF, compilation_config=value, arg_names=names)
+    assert "\n" not in str(info.value)
+
+
+def test_model_only_arguments_need_a_model():
+    with pytest.raises(ValueError, match="^dtype, enforce_eager, max_model_len need a model: pass model$"):
+        build_engine_config(dtype="float16", enforce_eager=True, max_model_len=64)
+    with pytest.raises(ValueError, match="^--dtype need a model: pass --model DIR$"):
+        build_engine_config(dtype="float16", arg_names={"dtype": "--dtype", "model": "--model DIR"})
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_seqs": 4096, "max_num_batched_tokens": 2048}, "max_num_batched_tokens"),
+        ({"block_size": 0}, "block_size"),
+        ({"dtype": "int3"}, "unknown dtype 'int3'"),
+        ({"max_model_len": 10**6}, "max_position_embeddings"),
+        ({"optimization_level": 7}, "optimization_level"),
+        ({"platform": "tpu"}, "unknown platform 'tpu'"),
+        ({"platform": 3}, "platform must be a Platform"),
+        ({"data_parallel_size": 2, "data_parallel_rank": 5}, r"data_parallel_rank \(5\)"),
+    ],
+)
+def test_invalid_values_are_one_line_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message) as info:
+        build_engine_config(default_hf_config=HF, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_enforce_eager_forces_o0():
+    cfg = build_engine_config(default_hf_config=HF, enforce_eager=True, optimization_level=3,
+                              platform=CpuPlatform())
+    assert cfg.optimization_level == OptimizationLevel.O0
+    assert cfg.compilation_config.mode == CompilationMode.NONE
+
+
+@pytest.mark.parametrize(
+    "argv, kwargs",
+    [
+        ([], {}),
+        (["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--block-size", "32"],
+         {"max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 32}),
+        (["--no-enable-chunked-prefill"], {"enable_chunked_prefill": False}),
+        (["-O3", "-O.cudagraph_mode=FULL"], {"optimization_level": 3, "compilation_config": {"cudagraph_mode": "FULL"}}),
+        (["--enforce-eager", "-dp", "2", "--enable-expert-parallel"],
+         {"enforce_eager": True, "data_parallel_size": 2, "enable_expert_parallel": True}),
+    ],
+)
+def test_cli_and_keyword_paths_agree(argv, kwargs):
+    ns = add_engine_args(argparse.ArgumentParser(prog="t")).parse_args([*argv, "--platform", "cuda"])
+    cli = engine_config_from_args(ns, default_hf_config=HF)
+    api = build_engine_config(default_hf_config=HF, platform="cuda", **kwargs)
+    assert limits(cli) == limits(api)
+    assert cli.scheduler_config.enable_chunked_prefill == api.scheduler_config.enable_chunked_prefill
+    assert cli.cache_config == api.cache_config and cli.optimization_level == api.optimization_level
+    assert cli.compilation_config.compute_hash() == api.compilation_config.compute_hash()
+    assert cli.compilation_config.cudagraph_capture_sizes == api.compilation_config.cudagraph_capture_sizes
+    assert cli.parallel_config.compute_hash() == api.parallel_config.compute_hash()
+    assert cli.model_config.compute_hash() == api.model_config.compute_hash()
