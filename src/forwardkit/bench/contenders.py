@@ -57,11 +57,12 @@ def _counting_inductor(calls: list[int]) -> Any:
 
 def engine_config_for(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
                       num_blocks: int) -> EngineConfig:
-    """The engine config a contender runs with (eager ones force ``--enforce-eager``)."""
+    """The engine config a contender runs with (the eager ones run at ``-O0``: no compile, no
+    CUDA graphs)."""
     ns = copy.copy(args)
     if name != "forwardkit":
-        ns.enforce_eager = True
-        ns.engine_O = []
+        ns.enforce_eager = False
+        ns.engine_O = ["0"]
         ns.compilation_config = None
     cfg = engine_config_from_args(ns, default_hf_config=hf_config)
     cfg.cache_config.num_gpu_blocks = num_blocks

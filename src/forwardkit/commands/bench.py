@@ -18,6 +18,57 @@ __all__ = ["register", "run"]
 
 DEFAULT_STEPS, QUICK_STEPS = 160, 32
 DEFAULT_WARMUP, QUICK_WARMUP = 16, 8
+DP_TIMEOUT_S = 3600.0
+
+
+def _under_torchrun(dp: int) -> bool:
+    """Whether this process is one rank of a torchrun launch of ``dp`` ranks."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is None or "RANK" not in os.environ:
+        return False
+    if int(world) != dp:
+        raise ValueError(f"--data-parallel-size {dp} but torchrun started WORLD_SIZE={world} ranks")
+    return True
+
+
+def _prepare_dp(args: argparse.Namespace, hf_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """DP needs a mixture-of-experts model (ranks meet in the MoE layers); pick or check it."""
+    if args.model is None:
+        from forwardkit.models.default import default_moe_hf_config
+
+        print("forwardkit bench: data parallel runs use the built-in MoE model "
+              "(8 experts, top-2, experts split over the ranks)", file=sys.stderr)
+        args.enable_expert_parallel = True
+        return default_moe_hf_config()
+    from forwardkit.config.model import ModelConfig
+
+    if not ModelConfig.from_pretrained(args.model).is_moe:
+        raise ValueError(f"--data-parallel-size > 1 needs a mixture-of-experts model; {args.model} "
+                         "is dense (run it with one rank, or pass a Mixtral-family checkpoint)")
+    return hf_config
+
+
+def _bench_rank(rank: int, nprocs: int, port: int | None, args: argparse.Namespace,
+                names: list[str], steps_n: int, warmup: int, hf_config: dict[str, Any] | None) -> Any:
+    """One DP rank of the benchmark: its own share of traffic (seed + rank), lockstep steps."""
+    from forwardkit.bench.harness import run_bench
+    from forwardkit.bench.trace import load_trace
+    from forwardkit.distributed import destroy_dp_group, init_dp_group
+
+    args.data_parallel_rank = rank
+    if port is not None:
+        init_dp_group(world_size=nprocs, rank=rank, master_addr="127.0.0.1", master_port=port)
+    else:
+        init_dp_group(world_size=nprocs, rank=rank)
+    try:
+        steps = load_trace(args.trace, steps_n, seed=args.seed + rank,
+                           max_tokens=args.max_num_batched_tokens)
+        report = run_bench(args, names, steps, trace_name=f"{args.trace} (rank {rank} of {nprocs})",
+                           hf_config=hf_config, warmup_steps=warmup, seed=args.seed + rank,
+                           progress=rank == 0 and not args.no_progress)
+    finally:
+        destroy_dp_group()
+    return report if rank == 0 else None
 
 
 def _contender_list(text: str) -> list[str]:
@@ -93,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     from forwardkit.bench.contenders import CONTENDER_NAMES
     from forwardkit.bench.harness import run_bench
     from forwardkit.bench.trace import load_trace
+    from forwardkit.config.args import engine_config_from_args
 
     _check(args)
     steps_n = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
@@ -103,14 +155,31 @@ def run(args: argparse.Namespace) -> int:
         from forwardkit.models.default import default_hf_config
 
         hf_config = default_hf_config()
-    steps = load_trace(args.trace, steps_n, seed=args.seed, max_tokens=args.max_num_batched_tokens)
     names = args.contenders or list(CONTENDER_NAMES)
-    report = run_bench(args, names, steps, trace_name=args.trace, hf_config=hf_config,
-                       warmup_steps=warmup, seed=args.seed, progress=not args.no_progress)
+    steps = load_trace(args.trace, steps_n, seed=args.seed, max_tokens=args.max_num_batched_tokens)
+    dp = int(args.data_parallel_size or 1)
+    if dp > 1:
+        hf_config = _prepare_dp(args, hf_config)
+        engine_config_from_args(args, default_hf_config=hf_config)  # bad flags fail before spawning
+        job = (args, names, steps_n, warmup, hf_config)
+        if _under_torchrun(dp):
+            report = _bench_rank(int(os.environ["RANK"]), dp, None, *job)
+            if report is None:
+                return 0  # only rank 0 reports
+        else:
+            from forwardkit.distributed.launch import spawn
+
+            print(f"forwardkit bench: spawning {dp} local data-parallel ranks (gloo)", file=sys.stderr)
+            report = spawn(_bench_rank, dp, args=job, timeout_s=DP_TIMEOUT_S)[0]
+    else:
+        engine_config_from_args(args, default_hf_config=hf_config)  # bad flags fail before any build
+        report = run_bench(args, names, steps, trace_name=args.trace, hf_config=hf_config,
+                           warmup_steps=warmup, seed=args.seed, progress=not args.no_progress)
     out = sys.stdout
     print(f"\nforwardkit bench: {len(steps)} steps of the {args.trace} trace "
           f"({sum(s.num_tokens for s in steps)} tokens), model "
-          f"{args.model or 'built-in default'}, platform {report.platform}, "
+          f"{args.model or ('built-in MoE' if dp > 1 else 'built-in default')}"
+          f"{f', {dp} DP ranks (figures of rank 0)' if dp > 1 else ''}, platform {report.platform}, "
           f"config hash {report.config_hash}", file=out)
     print(f"machine: {report.machine}\n", file=out)
     print(report.format_table(), file=out)

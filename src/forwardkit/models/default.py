@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["DEFAULT_SEED", "default_hf_config", "init_random_weights"]
+__all__ = ["DEFAULT_SEED", "default_hf_config", "default_moe_hf_config", "init_random_weights"]
 
 DEFAULT_SEED = 0
 
@@ -39,6 +39,24 @@ def default_hf_config() -> dict[str, Any]:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+
+
+def default_moe_hf_config() -> dict[str, Any]:
+    """The built-in mixture-of-experts model: the default model's shape with a Mixtral MoE
+    (8 experts, top-2) in place of each MLP. Used for data-parallel / expert-parallel demos."""
+    config = default_hf_config()
+    for key in ("mlp_bias", "attention_bias"):
+        config.pop(key)
+    config.update(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        intermediate_size=344,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+        output_router_logits=False,
+    )
+    return config
 
 
 def init_random_weights(model: nn.Module, seed: int = DEFAULT_SEED, std: float = 0.02) -> None:

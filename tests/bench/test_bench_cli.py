@@ -1,0 +1,93 @@
+"""``forwardkit bench`` end to end on the built-in model, and its error paths."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from forwardkit.cli import main
+
+KEYS = {"median_step_ms", "p99_step_ms", "tokens_per_s", "speedup_vs_eager", "startup_s",
+        "recompiles", "padded_fraction"}
+
+
+def _check_report(data: dict, contenders: list[str]) -> None:
+    assert set(data) >= {"contenders", "platform", "config_hash", "trace"}
+    assert data["platform"] == "cpu"
+    assert list(data["contenders"]) == contenders
+    eager = data["contenders"].get("eager")
+    for name, figures in data["contenders"].items():
+        assert set(figures) >= KEYS, name
+        assert figures["median_step_ms"] > 0 and figures["p99_step_ms"] >= figures["median_step_ms"]
+        assert figures["tokens_per_s"] > 0 and figures["startup_s"] > 0
+        assert 0.0 <= figures["padded_fraction"] < 1.0
+        if eager is not None:
+            ratio = eager["median_step_ms"] / figures["median_step_ms"]
+            assert figures["speedup_vs_eager"] == pytest.approx(ratio)
+    if "forwardkit" in data["contenders"]:
+        assert data["contenders"]["forwardkit"]["recompiles"] == 0
+
+
+@pytest.mark.slow
+def test_bench_quick_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--quick", "--no-progress", "--json", str(out)]
+    try:
+        import matplotlib  # noqa: F401
+
+        argv += ["--plot", str(tmp_path / "bench.png")]
+    except ImportError:
+        pass
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    _check_report(data, ["eager", "torch.compile", "forwardkit"])
+    assert data["trace"] == "decode-heavy"
+    printed = capsys.readouterr().out
+    assert "vs eager" in printed and "forward time by padded batch size (forwardkit" in printed
+    if "--plot" in argv:
+        assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+@pytest.mark.distributed
+def test_bench_two_dp_ranks(tmp_path):
+    out = tmp_path / "dp.json"
+    assert main(["bench", "--quick", "--no-progress", "-dp", "2", "--steps", "6",
+                 "--warmup-steps", "1", "--contenders", "eager,forwardkit", "-O.mode=0",
+                 "--trace", "mixed", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    _check_report(data, ["eager", "forwardkit"])
+    assert data["trace"] == "mixed (rank 0 of 2)"
+
+
+def test_bench_json_trace_file(tmp_path):
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps([1, 8, {"query_lens": [40, 1], "context_lens": [0, 30]}]))
+    out = tmp_path / "r.json"
+    assert main(["bench", "--no-progress", "--trace", str(trace), "--contenders", "eager",
+                 "--warmup-steps", "0", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    _check_report(data, ["eager"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+        (["bench", "-cc", "{not json"], "--compilation-config is not valid JSON"),
+        (["bench", "--model", "/nonexistent/model/dir"], "/nonexistent/model/dir"),
+        (["bench", "--contenders", "eager,fast"], "unknown contender"),
+        (["bench", "--trace", "bursty"], "neither a built-in trace"),
+        (["bench", "--steps", "0"], "--steps must be >= 1"),
+    ],
+)
+def test_bench_errors_are_one_line(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "forwardkit.cli", *argv], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.strip().splitlines() if line]
+    assert len(lines) == 1, proc.stderr
+    assert message in lines[0]
+    assert "Traceback" not in proc.stderr
