@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -170,14 +171,15 @@ def step(model: TinyTransformer, cfg: EngineConfig, ids: torch.Tensor) -> torch.
         return model(ids, positions)
 
 
-def median_ms(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` in milliseconds."""
-    times = []
+def median_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time in ms of each ``fn()``, runs interleaved so load changes hit both."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1000)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=["inductor", "eager"], default="inductor",
                         help="compiler for the pieces between attention ops (default inductor)")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per token count")
+    parser.add_argument("--repeats", type=int, default=20, help="timed runs per token count")
     args = parser.parse_args(argv)
 
     eager, eager_cfg = build(CompilationMode.NONE, args.backend, args.layers)
@@ -204,10 +206,12 @@ def main(argv: list[str] | None = None) -> int:
             err = (out - ref).abs().max().item()
             match = torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
             all_match &= match
-            t_eager = median_ms(lambda: step(eager, eager_cfg, ids), args.repeats)  # noqa: B023
-            t_comp = median_ms(lambda: step(compiled, compiled_cfg, ids), args.repeats)  # noqa: B023
+            ms = median_ms({
+                "eager": lambda: step(eager, eager_cfg, ids),  # noqa: B023
+                "compiled": lambda: step(compiled, compiled_cfg, ids),  # noqa: B023
+            }, args.repeats)
             print(f"tokens={n:3d} seqs={split_into_sequences(n)!s:13} max|diff|={err:.1e} "
-                  f"match={match}  eager {t_eager:6.2f} ms  compiled {t_comp:6.2f} ms  "
+                  f"match={match}  eager {ms['eager']:6.2f} ms  compiled {ms['compiled']:6.2f} ms  "
                   f"(first call {first_s:.2f} s)")
     delta = compilation_counter.delta(before)
     traces, recompiles = delta.get("num_dynamo_traces", 0), delta.get("num_recompiles", 0)
@@ -215,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{delta.get('num_piecewise_graphs_seen', 0)} ({delta.get('num_splits', 0)} attention "
           f"splits), piece compiles: {delta.get('num_backend_compilations', 0)} "
           f"(shared {delta.get('num_shared_artifacts', 0)}, cache hits {delta.get('num_cache_hits', 0)})")
+    print(f"(timings: median of {args.repeats} interleaved runs, {torch.get_num_threads()} torch "
+          "threads; tiny models on a busy CPU are noisy and overhead-bound)")
     if not all_match:
         raise SystemExit("FAILED: compiled outputs differ from eager")
     if traces != 1 or recompiles:

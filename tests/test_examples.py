@@ -32,7 +32,7 @@ def run_example(name: str, *args: str, timeout: float = 240) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_own_model_compile_matches_eager_and_traces_once():
-    out = run_example("own_model_compile.py", "--repeats", "2")
+    out = run_example("own_model_compile.py")
     rows = re.findall(r"tokens=\s*(\d+) .* match=(True|False)", out)
     assert [int(n) for n, _ in rows] == [1, 3, 17, 64], out[-3000:]
     assert all(m == "True" for _, m in rows), out[-3000:]
