@@ -121,7 +121,7 @@ def run_rank(model: str | None, compile_backend: str, world_size: int | None = N
         dist.all_gather_object(reports, report, group=group.cpu_group)
         if group.rank == 0:
             for r in reports:
-                print(f"rank {r['rank']}: experts {r['experts'][0]}..{r['experts'][1] - 1} of "
+                print(f"rank {r['rank']}: experts {list(range(*r['experts']))} of "
                       f"{NUM_EXPERTS}, {len(r['prompts'])} prompt(s)", flush=True)
                 for p, t in zip(r["prompts"], r["tokens"]):
                     print(f"  {p} -> {t}", flush=True)

@@ -58,7 +58,7 @@ def test_offline_generation_greedy_and_sampled():
 @pytest.mark.timeout(360)
 def test_dp_moe_two_ranks_match_single_process():
     out = run_example("dp_moe.py", timeout=330)
-    assert "rank 0: experts 0..1 of 4, 3 prompt(s)" in out, out[-3000:]
-    assert "rank 1: experts 2..3 of 4, 1 prompt(s)" in out, out[-3000:]
+    assert "rank 0: experts [0, 1] of 4, 3 prompt(s)" in out, out[-3000:]
+    assert "rank 1: experts [2, 3] of 4, 1 prompt(s)" in out, out[-3000:]
     assert "OK: DP tokens match the single-process run on all 2 ranks" in out
     assert "spawned 2 ranks; all returned matching tokens: True" in out
