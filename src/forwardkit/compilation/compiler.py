@@ -17,6 +17,7 @@ import torch.fx
 
 from forwardkit.compilation.cache import CompileCache, inductor_cache_dir
 from forwardkit.compilation.counters import compilation_counter
+from forwardkit.compilation.vec_isa import prime_vec_isa_list
 from forwardkit.config.compilation_enums import Range
 from forwardkit.logger import init_logger
 
@@ -81,6 +82,17 @@ class PieceCompiler:
         self.inductor_config = inductor_config
         self.cache = cache
         self.compilation_config = compilation_config
+        self._isa_state: str | None = None  # see vec_isa.prime_vec_isa_list
+
+    def _prime_isa(self) -> None:
+        """Settle Inductor's CPU ISA list once, from the cache's probe record when it applies."""
+        if self._isa_state is not None or self.cache is None:
+            return
+        try:
+            self._isa_state = prime_vec_isa_list(self.cache.root)
+        except Exception as e:  # Inductor probes by itself later; never fail a step over this
+            self._isa_state = "failed"
+            logger.warning_once("vector-ISA priming failed (%s); Inductor will probe", str(e))
 
     def add_compilation_time(self, seconds: float) -> None:
         """Accumulate into ``compilation_config.compilation_time`` when the config has it."""
@@ -106,6 +118,7 @@ class PieceCompiler:
         returns_tuple = graph_returns_tuple(graph)
         name = _artifact_name(fingerprint, entry)
         fmt = self.cache.save_format if self.cache is not None else "binary"
+        self._prime_isa()
         if self.cache is not None:
             loaded = self.cache.load(name, lambda p: CompiledArtifact.load(path=p, format=fmt))
             if loaded is not None:
