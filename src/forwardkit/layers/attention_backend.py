@@ -74,16 +74,14 @@ def _decode_call(query: torch.Tensor, kv_cache: torch.Tensor, rows: torch.Tensor
     num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
     q = query.index_select(0, rows)  # [n, Hq, D]
     n, hq = q.shape[0], q.shape[1]
-    k = kv_cache[0].index_select(0, block_ids).view(n, -1, num_kv_heads, head_size)
-    v = kv_cache[1].index_select(0, block_ids).view(n, -1, num_kv_heads, head_size)
-    if key_len is not None and key_len < k.shape[1]:
-        k, v = k[:, :key_len], v[:, :key_len]
+    kv = kv_cache.index_select(1, block_ids).view(2, n, -1, num_kv_heads, head_size)
+    if key_len is not None and key_len < kv.shape[2]:
+        kv = kv[:, :, :key_len]
     # NOTE: one query token per request, so the query heads that share a KV head can stand in
     # the "sequence" dim: [n, Hk, group, D] against [n, Hk, S, D], no K/V repeat needed.
     q = q.view(n, num_kv_heads, hq // num_kv_heads, head_size)
-    k = k.transpose(1, 2).to(q.dtype)
-    v = v.transpose(1, 2).to(q.dtype)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    kv = kv.transpose(2, 3).to(q.dtype)
+    out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale)
     output.index_copy_(0, rows, out.reshape(n, hq, head_size).to(output.dtype))
 
 
@@ -96,7 +94,7 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, 
     bucket: DecodeBucket
     for bucket in md.decode_buckets:
         _decode_call(query, kv_cache, bucket.rows, bucket.block_ids, bucket.key_len,
-                     bucket.key_mask, scale, output)
+                     bucket.additive_mask(query.dtype), scale, output)
 
 
 def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

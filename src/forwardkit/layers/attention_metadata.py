@@ -8,6 +8,7 @@ each multi-token request its block ids and (when it has a cached prefix) its cau
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,21 @@ class DecodeBucket:
     width: int
     key_len: int
     key_mask: torch.Tensor | None  # [n, 1, 1, key_len] bool
+    _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """``key_mask`` as an additive mask (0 / -inf) of ``dtype``, built once per step.
+
+        SDPA turns a bool mask into this form on every call; the layers of a step share it.
+        """
+        if self.key_mask is None:
+            return None
+        mask = self._additive.get(dtype)
+        if mask is None:
+            mask = torch.zeros(self.key_mask.shape, dtype=dtype, device=self.key_mask.device)
+            mask.masked_fill_(~self.key_mask, float("-inf"))
+            self._additive[dtype] = mask
+        return mask
 
 
 @dataclass
@@ -157,6 +173,15 @@ def _validate(query_lens: list[int], seq_lens: list[int], block_tables: list[lis
     return num_actual
 
 
+def _ints(data: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A CPU tensor of ``data`` through a typed buffer (several times faster than
+    ``torch.tensor`` on a list)."""
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    code = "q" if dtype == torch.int64 else "i"
+    return torch.frombuffer(array.array(code, data), dtype=dtype)
+
+
 def _slots(q: int, s: int, bt: list[int], block_size: int, out: list[int]) -> None:
     """Append the cache slots of positions ``s - q .. s - 1`` (one range per block)."""
     pos = s - q
@@ -204,29 +229,33 @@ def build_attention_metadata(
         starts.append(starts[-1] + q)
     slots.extend([-1] * (num_padded_tokens - num_actual))
 
-    table = torch.tensor([list(bt) + [0] * (width - len(bt)) for bt in block_tables],
-                         dtype=torch.int64).reshape(len(block_tables), width)
-    decode_seq = torch.tensor([seq_lens[i] for i in decode_reqs], dtype=torch.int64)
-    key_pos = torch.arange(width * block_size)
+    flat_table: list[int] = []
+    zeros = [0] * width
+    for bt in block_tables:
+        flat_table += bt
+        flat_table += zeros[: width - len(bt)]
+    table = _ints(flat_table).view(len(block_tables), width)
+    decode_seq = _ints([seq_lens[i] for i in decode_reqs]).unsqueeze(1)
+    all_decode = len(decode_reqs) == len(block_tables)
     cpu = {
-        "query_start_loc": torch.tensor(starts, dtype=torch.int32),
-        "seq_lens": torch.tensor(list(seq_lens), dtype=torch.int32),
+        "query_start_loc": _ints(starts, torch.int32),
+        "seq_lens": _ints(list(seq_lens), torch.int32),
         "block_table": table,
-        "slot_mapping": torch.tensor(slots, dtype=torch.int64),
-        "decode_token_idx": torch.tensor([starts[i] for i in decode_reqs], dtype=torch.int64),
-        "decode_block_table": table[decode_reqs] if decode_reqs else table[:0],
-        "decode_key_mask": key_pos.unsqueeze(0) < decode_seq.unsqueeze(1),
+        "slot_mapping": _ints(slots),
+        "decode_token_idx": _ints([starts[i] for i in decode_reqs]),
+        "decode_block_table": table if all_decode else table[decode_reqs],
+        "decode_key_mask": torch.arange(width * block_size).unsqueeze(0) < decode_seq,
     }
     buckets = None
     if max_num_blocks_per_req is None:
-        buckets = _decode_buckets(decode_reqs, seq_lens, starts, table, block_size, device)
+        buckets = _decode_buckets(decode_reqs, seq_lens, starts, block_tables, block_size, device)
     chunks = []
     for i in prefill_reqs:
         q, s = query_lens[i], seq_lens[i]
         mask = None
         if s > q:
-            q_pos = torch.arange(q).unsqueeze(1) + (s - q)
-            mask = (torch.arange(s).unsqueeze(0) <= q_pos).to(device)
+            # query row r (position s - q + r) sees keys 0 .. s - q + r
+            mask = torch.ones(q, s, dtype=torch.bool).tril_(s - q).to(device)
         blocks = table[i, : -(-s // block_size)].to(device)
         chunks.append(PrefillChunk(starts[i], starts[i + 1], s, blocks, mask))
     tensors = {k: v.to(device) for k, v in cpu.items()} if device.type != "cpu" else cpu
@@ -248,27 +277,43 @@ def build_attention_metadata(
 
 
 def _decode_buckets(decode_reqs: list[int], seq_lens: list[int], starts: list[int],
-                    table: torch.Tensor, block_size: int, device: torch.device) -> list[DecodeBucket]:
-    """Group the decode requests by length (see :func:`plan_decode_buckets`)."""
+                    block_tables: list[list[int]], block_size: int,
+                    device: torch.device) -> list[DecodeBucket]:
+    """Group the decode requests by length (see :func:`plan_decode_buckets`).
+
+    Every per-bucket tensor is a slice of one tensor per kind (rows, flat block ids, masks),
+    so the cost is a handful of tensor constructions per step, not per bucket.
+    """
     if not decode_reqs:
         return []
-    order = sorted(decode_reqs, key=lambda i: seq_lens[i])
-    widths = [-(-seq_lens[i] // block_size) for i in order]
+    order = sorted(decode_reqs, key=seq_lens.__getitem__)
+    seqs = [seq_lens[i] for i in order]
+    widths = [-(-s // block_size) for s in seqs]
     # NOTE: on an accelerator one more kernel launch costs more than gathering padding.
     overhead = _CPU_BUCKET_OVERHEAD_BLOCKS if device.type == "cpu" else 1 << 30
-    buckets, begin = [], 0
-    for end in plan_decode_buckets(widths, overhead):
-        reqs = order[begin:end]
-        w, key_len = widths[end - 1], seq_lens[order[end - 1]]
-        blocks = table[reqs, :w].reshape(-1)
-        mask = None
-        if seq_lens[order[begin]] < key_len:
-            seq = torch.tensor([seq_lens[i] for i in reqs])
-            mask = (torch.arange(key_len).unsqueeze(0) < seq.unsqueeze(1))[:, None, None, :]
-        rows = torch.tensor([starts[i] for i in reqs], dtype=torch.int64)
-        if device.type != "cpu":
-            rows, blocks = rows.to(device), blocks.to(device)
-            mask = None if mask is None else mask.to(device)
-        buckets.append(DecodeBucket(rows, blocks, w, key_len, mask))
+    ends = plan_decode_buckets(widths, overhead)
+    flat: list[int] = []
+    spans, begin = [], 0
+    for end in ends:
+        w = widths[end - 1]
+        first = len(flat)
+        for i in order[begin:end]:
+            bt = block_tables[i]
+            flat.extend(bt[:w] if len(bt) >= w else list(bt) + [0] * (w - len(bt)))
+        spans.append((begin, end, first, len(flat)))
         begin = end
+    rows_all = _ints([starts[i] for i in order]).to(device)
+    blocks_all = _ints(flat).to(device)
+    masks_all = None
+    if seqs[0] < seqs[-1]:
+        seq_t = _ints(seqs).unsqueeze(1)
+        masks_all = (torch.arange(seqs[-1]).unsqueeze(0) < seq_t)[:, None, None, :].to(device)
+    buckets = []
+    for begin, end, first, last in spans:
+        key_len = seqs[end - 1]
+        mask = None
+        if seqs[begin] < key_len and masks_all is not None:
+            mask = masks_all[begin:end, ..., :key_len]
+        buckets.append(DecodeBucket(rows_all[begin:end], blocks_all[first:last],
+                                    widths[end - 1], key_len, mask))
     return buckets
