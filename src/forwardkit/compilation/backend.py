@@ -115,6 +115,7 @@ class ForwardkitBackend:
         options["post_grad_custom_post_pass"] = self.pass_manager
         self.inductor_config = options
         self.traced_files: set[str] = set()
+        self.aot = False  # return a SerializableSplitFunction (AOT precompile)
         self.called = False
         self.split_gm: torch.fx.GraphModule | None = None
         self.pieces: list[SplitItem] = []
@@ -211,6 +212,10 @@ class ForwardkitBackend:
             "split the graph into %d pieces (%d splitting ops: %s)",
             len(items), sum(it.is_splitting_graph for it in items), ops,
         )
+        if self.aot:
+            from forwardkit.compilation.aot import SerializableSplitFunction
+
+            return SerializableSplitFunction(gm, self.prefix, split_gm)
         return split_gm
 
     def _all_compiled(self) -> None:

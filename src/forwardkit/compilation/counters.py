@@ -38,6 +38,8 @@ class CompilationCounter:
     num_compiled_artifacts_saved: int = 0  # artifacts written to the on-disk cache
     num_cache_entries_updated: int = 0  # index entries written
     num_compile_failures: int = 0  # compiles that raised
+    num_aot_saves: int = 0  # Dynamo results saved by the AOT precompile path
+    num_aot_loads: int = 0  # Dynamo results loaded instead of tracing
     num_cudagraph_captured: int = 0  # CUDA graphs captured (written by the graphs layer)
     num_gpu_runner_capture_triggers: int = 0
     stock_torch_compile_count: int = 0  # models compiled with plain torch.compile (mode 1)

@@ -232,9 +232,7 @@ def _make_backend(module: Any, cfg: Any, mode: int) -> Any:
 
 def _first_call(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     klass = type(module)
-    dims, unbacked = klass._fk_dims, klass._fk_unbacked
     cfg = module._fk_engine_config
-    cc = cfg.compilation_config
     mode = module._fk_mode
     forward = klass.forward
     if mode == 1:
@@ -243,17 +241,77 @@ def _first_call(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
         compiled = torch.compile(forward.__get__(module), backend=backend, fullgraph=True, dynamic=True)
         module._fk_compiler = compiled
         return compiled(*args, **kwargs)
+    if mode == 3:
+        from forwardkit.compilation.aot import aot_enabled
+
+        if aot_enabled(cfg):
+            return _first_call_aot(module, forward, args, kwargs)
+    return _trace(module, forward, args, kwargs)
+
+
+def _trace(module: Any, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+           entry: Any = None) -> Any:
+    """Mark the dynamic dims and trace once (through ``entry`` for AOT precompile)."""
+    klass = type(module)
+    cfg = module._fk_engine_config
+    cc = cfg.compilation_config
     bound = inspect.signature(forward).bind(module, *args, **kwargs)
     dyn = getattr(getattr(cc, "dynamic_shapes_config", None), "type", "backed")
-    _mark_dynamic(bound, dims, unbacked, str(getattr(dyn, "value", dyn)))
+    _mark_dynamic(bound, klass._fk_dims, klass._fk_unbacked, str(getattr(dyn, "value", dyn)))
     traced: set[str] = {inspect.getsourcefile(forward) or forward.__code__.co_filename}
-    backend = _make_backend(module, cfg, mode)
+    backend = _make_backend(module, cfg, module._fk_mode)
     compiler = TraceOnceCompiler(module, forward, backend)
     with collect_traced_files(traced):
         if hasattr(backend, "traced_files"):
             backend.traced_files = traced  # hashed into the cache key when the backend runs
-        out = compiler.first_call(*args, **kwargs)
+        if entry is not None:
+            backend.aot = True
+            out = compiler.aot_first_call(entry, *args, **kwargs)
+        else:
+            out = compiler.first_call(*args, **kwargs)
     with contextlib.suppress(AttributeError, TypeError, ValueError):
         cc.traced_files = set(traced)
     module._fk_compiler = compiler
+    if entry is not None:
+        entry.save_after_first_call(traced)
     return out
+
+
+def _first_call_aot(module: Any, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Load the saved Dynamo result if there is a usable one, else trace and save it."""
+    from forwardkit.compilation.aot import AotCompileError, AotEntry
+
+    cfg = module._fk_engine_config
+    try:
+        entry = AotEntry(module, forward, cfg, module._fk_prefix)
+    except Exception as e:  # e.g. an unsafe cache directory: trace as without AOT
+        logger.warning_once("AOT precompile unavailable (%s: %s); tracing", type(e).__name__, str(e))
+        return _trace(module, forward, args, kwargs)
+    files: set[str] = set()
+
+    def make_backend() -> Any:
+        backend = _make_backend(module, cfg, 3)
+        backend.traced_files = files
+        return backend
+
+    loaded = entry.load(make_backend)
+    if loaded is not None:
+        fn, saved_files = loaded
+        files.update(saved_files)
+        try:
+            out = fn(module, *args, **kwargs)
+        except Exception as e:  # a loaded graph that does not run: trace instead
+            compilation_counter.num_cache_errors += 1
+            logger.warning("the AOT-compiled %s failed on its first call (%s: %s); tracing again",
+                           type(module).__name__, type(e).__name__, e)
+        else:
+            with contextlib.suppress(AttributeError, TypeError, ValueError):
+                cfg.compilation_config.traced_files = set(files)
+            module._fk_compiler = lambda *a, **k: fn(module, *a, **k)
+            return out
+    try:
+        return _trace(module, forward, args, kwargs, entry)
+    except AotCompileError as e:
+        logger.warning("AOT compile of %s failed (%s: %s); tracing without it",
+                       type(module).__name__, type(e).__name__, e)
+        return _trace(module, forward, args, kwargs)

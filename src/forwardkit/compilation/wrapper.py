@@ -61,6 +61,7 @@ class TraceOnceCompiler:
         fn.__qualname__ = forward.__qualname__
         self.fn = fn
         self.transformed: Callable[..., Any] | None = None
+        self.aot_fn: Callable[..., Any] | None = None
 
         def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
             self.traces += 1
@@ -70,6 +71,7 @@ class TraceOnceCompiler:
                 logger.warning("%s was traced again (trace #%d)", type(module).__name__, self.traces)
             return backend(gm, example_inputs)
 
+        self.counting_backend = counting_backend
         self.compiled = torch.compile(
             types.MethodType(fn, module),
             fullgraph=True,
@@ -94,7 +96,15 @@ class TraceOnceCompiler:
         finally:
             handle.remove()
 
+    def aot_first_call(self, entry: Any, *args: Any, **kwargs: Any) -> Any:
+        """Trace through ``entry`` (an :class:`~forwardkit.compilation.aot.AotEntry`) so the result
+        can be saved, then run it. Later calls run the AOT function (no Dynamo frame hook)."""
+        self.aot_fn = entry.compile(self.fn, self.counting_backend, args, kwargs)
+        return self.aot_fn(self.module, *args, **kwargs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.aot_fn is not None:
+            return self.aot_fn(self.module, *args, **kwargs)
         if self.transformed is not None:
             return self.transformed(self.module, *args, **kwargs)
         return self.compiled(*args, **kwargs)

@@ -1,0 +1,272 @@
+"""AOT precompile: save Dynamo's result for a model, and load it instead of tracing again.
+
+On a cold start (mode 3, Inductor, cache on, ``FORWARDKIT_USE_AOT_COMPILE=1``) the model's
+``forward`` is traced with ``torch.compile(...).aot_compile`` instead of a plain first call. The
+piecewise backend then returns a :class:`SerializableSplitFunction`: the stitched split module
+for running, plus the Dynamo FX graph for saving. The whole Dynamo result (transformed
+bytecode, signature, graph) is written to the compile cache. A warm start loads it, skips the
+Dynamo trace, and rebuilds the piecewise backend from the saved graph on the first call (its
+pieces then load from the artifact cache as usual).
+
+Safety: the AOT entry lives in a :class:`~forwardkit.compilation.cache.CompileCache` (atomic
+writes, checksums, private directories), keyed by the engine config hash, torch and Python
+versions, the forward's identity and the module prefix. The traced source files are not known
+before tracing, so (as in vLLM) they are recorded in the entry and re-hashed on load: a changed
+file makes the entry stale and the model is traced again (and the entry replaced). Any failure
+to load (corrupt, unreadable, stale, incompatible) falls back to tracing; any failure to save
+only warns. Guards are dropped (as for every trace-once compile).
+
+Deviation from vLLM: vLLM turns this path off on CPU; here it is on by default on every
+platform, since the CPU path is the one this library is tested on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import pickle
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx
+from torch._dynamo.aot_compile_types import SerializableCallable
+
+from forwardkit import envs
+from forwardkit.compilation.cache import CompileCache, cache_enabled, code_hash
+from forwardkit.compilation.counters import compilation_counter
+from forwardkit.logger import init_logger
+
+__all__ = ["AotEntry", "SerializableSplitFunction", "aot_enabled"]
+
+logger = init_logger(__name__)
+
+ENTRY = "dynamo_aot"
+# Node meta kept when pickling: placeholders keep their (symbolic) fake example values, every
+# other node only its stack trace. Fake views do not pickle, stacks and Dynamo's graph args
+# point at live objects (real parameters); the other example values are recomputed on load.
+_KEEP_PLACEHOLDER_META = ("example_value", "val", "tensor_meta", "stack_trace")
+_KEEP_META = ("stack_trace",)
+
+# The backend factory for SerializableSplitFunction.deserialize_compile_artifacts; set only
+# while an entry is being loaded (deserialisation is a classmethod without arguments).
+_loading: list[Callable[[], Any]] = []
+
+
+class AotCompileError(RuntimeError):
+    """``aot_compile`` itself failed (before the model ran); the caller traces without AOT."""
+
+
+def aot_enabled(engine_config: Any) -> bool:
+    """AOT precompile applies: mode 3, Inductor backend, cache on, env switch on."""
+    cc = engine_config.compilation_config
+    if int(getattr(cc, "mode", 0) or 0) != 3 or (getattr(cc, "backend", "") or "inductor") != "inductor":
+        return False
+    if not envs.FORWARDKIT_USE_AOT_COMPILE:
+        return False
+    return cache_enabled(dict(getattr(cc, "inductor_compile_config", None) or {}))
+
+
+@dataclasses.dataclass
+class SerializableSplitFunction(SerializableCallable):
+    """What the piecewise backend returns under AOT compile.
+
+    Holds the Dynamo graph (to save) and the runnable split module (to call). A deserialised one
+    has no runnable yet: the first call builds a fresh piecewise backend (from the loading
+    model's config) on the saved graph, which loads every piece from the artifact cache.
+    """
+
+    graph_module: torch.fx.GraphModule
+    prefix: str
+    runnable: Callable[..., Any] | None = None
+    fake_mode: Any = None
+    make_backend: Callable[[], Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        runnable = self.runnable
+        if runnable is None:
+            runnable = self._materialize()
+        return runnable(*args)
+
+    def _materialize(self) -> Callable[..., Any]:
+        if self.make_backend is None:
+            raise RuntimeError("a loaded AOT function was called without a backend factory")
+        from torch._guards import TracingContext, tracing
+
+        backend = self.make_backend()
+        fakes = [n.meta.get("example_value") for n in self.graph_module.graph.find_nodes(op="placeholder")]
+        with tracing(TracingContext(self.fake_mode)):
+            _ExampleValues(self.graph_module, self.fake_mode).run(*fakes)
+            result = backend(self.graph_module, fakes)
+        self.runnable = result.runnable if isinstance(result, SerializableSplitFunction) else result
+        return self.runnable
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: Any) -> bytes:
+        """Pickle the Dynamo graph (metadata trimmed) and the prefix."""
+        from torch.fx._graph_pickler import GraphPickler, Options
+
+        gm = fn.graph_module
+        saved = {}
+        for node in gm.graph.nodes:
+            saved[node] = node.meta
+            keep = _KEEP_PLACEHOLDER_META if node.op == "placeholder" else _KEEP_META
+            node.meta = {k: v for k, v in node.meta.items() if k in keep}
+        try:
+            graph = GraphPickler.dumps(gm, Options(ops_filter=None))
+        finally:
+            for node, meta in saved.items():
+                node.meta = meta
+        return pickle.dumps({"graph": graph, "prefix": fn.prefix})
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> SerializableSplitFunction:
+        """Unpickle the graph into a new fake mode; the backend is built on first call."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx._graph_pickler import GraphPickler
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        if not _loading:
+            raise RuntimeError("forwardkit AOT entries can only be loaded through AotEntry.load")
+        state = pickle.loads(data)
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+        gm = GraphPickler.loads(state["graph"], fake_mode)
+        gm.recompile()
+        return cls(gm, state["prefix"], None, fake_mode, _loading[-1])
+
+
+class _ExampleValues(torch.fx.Interpreter):
+    """Fake-run a loaded graph to restore every node's ``example_value`` (as Dynamo sets it),
+    which splitting and range compiles read."""
+
+    def __init__(self, gm: torch.fx.GraphModule, fake_mode: Any) -> None:
+        super().__init__(gm)
+        self.fake_mode = fake_mode
+
+    def run(self, *args: Any) -> Any:  # type: ignore[override]
+        """Propagate the placeholders' fakes (symbolic token dim) through the graph."""
+        from torch._dispatch.python import enable_python_dispatcher
+
+        with self.fake_mode, enable_python_dispatcher():
+            return super().run(*args)
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        """Run one node on fakes and record its value."""
+        result = super().run_node(n)
+        if n.op not in ("placeholder", "output"):
+            n.meta["example_value"] = result
+        return result
+
+
+@contextlib.contextmanager
+def _backend_factory(make_backend: Callable[[], Any]) -> Iterator[None]:
+    _loading.append(make_backend)
+    try:
+        yield
+    finally:
+        _loading.pop()
+
+
+def _drop_all_guards(guards: list[Any]) -> list[bool]:
+    return [False] * len(guards)
+
+
+class AotEntry:
+    """The saved Dynamo result of one compiled module instance (one cache entry)."""
+
+    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any], engine_config: Any,
+                 prefix: str) -> None:
+        self.module, self.forward, self.engine_config = module, forward, engine_config
+        self.prefix = prefix or "backbone"
+        cc = engine_config.compilation_config
+        root = getattr(cc, "cache_dir", "") or envs.FORWARDKIT_CACHE_ROOT
+        root = os.path.abspath(os.path.expanduser(root))
+        code = forward.__code__
+        factors = {
+            "config_hash": engine_config.compute_hash() if hasattr(engine_config, "compute_hash")
+            else repr(engine_config),
+            "torch": torch.__version__,
+            "python": sys.version,
+            "forward": f"{forward.__module__}.{forward.__qualname__}:{code.co_filename}:{code.co_firstlineno}",
+            "class": f"{type(module).__module__}.{type(module).__qualname__}",
+            "prefix": self.prefix,
+            "format": 1,
+        }
+        digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:10]
+        pc = getattr(engine_config, "parallel_config", None)
+        rank = getattr(pc, "rank", 0) or 0
+        dp_rank = getattr(pc, "data_parallel_rank", 0) or 0
+        local = os.path.join(root, "torch_aot_compile", digest, f"rank_{rank}_{dp_rank}", self.prefix)
+        self.cache = CompileCache(root, local, "binary")
+        self.cache.write_metadata("cache_key_factors.json", json.dumps(factors, indent=2, sort_keys=True))
+
+    def load(self, make_backend: Callable[[], Any]) -> tuple[Callable[..., Any], set[str]] | None:
+        """The loaded function (call it as ``fn(module, *args, **kwargs)``) and its traced files,
+        or None when there is no usable entry (missing, stale, corrupt: each logged)."""
+        stale: list[str] = []
+
+        def loader(path: str) -> Any:
+            from torch._dynamo.aot_compile import AOTCompiledFunction
+
+            with open(path, "rb") as f:
+                payload = pickle.load(f)
+            files = set(payload["traced_files"])
+            if code_hash(files) != payload["code_hash"]:
+                stale.append(path)
+                return None
+            with _backend_factory(make_backend):
+                fn = AOTCompiledFunction.deserialize(payload["function"], self.forward.__globals__)
+            fn.disable_guard_check()
+            return fn, files
+
+        if not os.path.exists(os.path.join(self.cache.local_dir, CompileCache.INDEX)):
+            return None
+        result = self.cache.load(ENTRY, loader)
+        if stale:
+            compilation_counter.num_cache_hits -= 1  # cache.load counted the read as a hit
+            compilation_counter.num_cache_misses += 1
+            logger.info("traced source files changed since %s was saved; tracing again", stale[0])
+            return None
+        if result is not None:
+            compilation_counter.num_aot_loads += 1
+        return result
+
+    def compile(self, fn: Callable[..., Any], backend: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Callable[..., Any]:
+        """AOT-compile ``fn`` (an unbound forward) for this module; returns the compiled function,
+        called as ``aot_fn(module, *args, **kwargs)``. Raises :class:`AotCompileError`."""
+        try:
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend,
+                                     options={"guard_filter_fn": _drop_all_guards})
+            aot_fn = compiled.aot_compile(((self.module, *args), dict(kwargs)))
+        except Exception as e:
+            raise AotCompileError(f"{type(e).__name__}: {e}") from e
+        aot_fn.disable_guard_check()
+        self._pending = aot_fn
+        return aot_fn
+
+    def save_after_first_call(self, traced_files: set[str]) -> None:
+        """Write the function compiled by :meth:`compile` (after its first call succeeded) with
+        the source files its trace read; only warns on failure."""
+        aot_fn = self._pending
+        try:
+            data = type(aot_fn).serialize(aot_fn).serialized_data
+            payload = pickle.dumps({
+                "traced_files": sorted(traced_files),
+                "code_hash": code_hash(traced_files),
+                "function": data,
+            })
+
+            def saver(path: str) -> None:
+                with open(path, "wb") as f:
+                    f.write(payload)
+
+            self.cache.save(ENTRY, saver)
+            compilation_counter.num_aot_saves += 1
+        except Exception as e:  # the model runs; only the next start is slower
+            logger.warning_once("could not save the AOT-compiled %s: %s: %s",
+                                type(self.module).__name__, type(e).__name__, str(e))
