@@ -171,6 +171,60 @@ def _backend_factory(make_backend: Callable[[], Any]) -> Iterator[None]:
         _loading.pop()
 
 
+_PRIMITIVES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _is_plain(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, _PRIMITIVES):
+        return True
+    if depth > 4:
+        return False
+    if isinstance(value, (tuple, list)):
+        return all(_is_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _plain(value: Any) -> str | None:
+    """A stable text of a value a trace can bake in as constants (numbers, strings, dtypes and
+    lists/dicts of them), else None."""
+    if not _is_plain(value):
+        return None
+    if isinstance(value, dict):
+        return repr(sorted(value.items()))
+    return repr(value)
+
+
+def model_fingerprint(module: torch.nn.Module, arguments: dict[str, Any],
+                      dynamic: dict[str, Any]) -> str:
+    """A hash of what a guard-free trace of ``module`` specialises on beyond the config hash.
+
+    Every submodule's class and plain attributes (numbers, strings, dtypes: the constants a
+    trace bakes in), every parameter's and buffer's name, shape, dtype and device, and the
+    call's arguments by name (tensors: dtype, device, the sizes of the non-dynamic dims). Guards
+    are dropped, so without this a model built differently under the same config (e.g. a
+    changed built-in default) would run a stale graph.
+    """
+    lines = []
+    for name, sub in module.named_modules():
+        attrs = sorted((k, r) for k, v in vars(sub).items()
+                       if not k.startswith("_") and (r := _plain(v)) is not None)
+        lines.append(f"M {name} {type(sub).__module__}.{type(sub).__qualname__} {attrs}")
+    for kind, items in (("P", module.named_parameters()), ("B", module.named_buffers())):
+        for name, t in items:
+            lines.append(f"{kind} {name} {tuple(t.shape)} {t.dtype} {t.device.type} {t.requires_grad}")
+    for name, a in sorted(arguments.items()):
+        if isinstance(a, torch.Tensor):
+            dims = dynamic.get(name)
+            dyn = {d % a.ndim for d in ([dims] if isinstance(dims, int) else list(dims or []))} if a.ndim else set()
+            shape = tuple("*" if i in dyn else n for i, n in enumerate(a.shape))
+            lines.append(f"A {name} {a.dtype} {a.device.type} {shape}")
+        else:
+            lines.append(f"A {name} {_plain(a) or type(a).__qualname__}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
 def _drop_all_guards(guards: list[Any]) -> list[bool]:
     return [False] * len(guards)
 
@@ -179,7 +233,7 @@ class AotEntry:
     """The saved Dynamo result of one compiled module instance (one cache entry)."""
 
     def __init__(self, module: torch.nn.Module, forward: Callable[..., Any], engine_config: Any,
-                 prefix: str) -> None:
+                 prefix: str, fingerprint: str) -> None:
         self.module, self.forward, self.engine_config = module, forward, engine_config
         self.prefix = prefix or "backbone"
         cc = engine_config.compilation_config
@@ -194,6 +248,7 @@ class AotEntry:
             "forward": f"{forward.__module__}.{forward.__qualname__}:{code.co_filename}:{code.co_firstlineno}",
             "class": f"{type(module).__module__}.{type(module).__qualname__}",
             "prefix": self.prefix,
+            "model": fingerprint,
             "format": 1,
         }
         digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:10]

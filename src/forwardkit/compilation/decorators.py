@@ -279,11 +279,15 @@ def _trace(module: Any, forward: Any, args: tuple[Any, ...], kwargs: dict[str, A
 
 def _first_call_aot(module: Any, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Load the saved Dynamo result if there is a usable one, else trace and save it."""
-    from forwardkit.compilation.aot import AotCompileError, AotEntry
+    from forwardkit.compilation.aot import AotCompileError, AotEntry, model_fingerprint
 
     cfg = module._fk_engine_config
+    klass = type(module)
     try:
-        entry = AotEntry(module, forward, cfg, module._fk_prefix)
+        bound = inspect.signature(forward).bind(module, *args, **kwargs)
+        arguments = dict(list(bound.arguments.items())[1:])  # without self
+        fingerprint = model_fingerprint(module, arguments, {**klass._fk_dims, **klass._fk_unbacked})
+        entry = AotEntry(module, forward, cfg, module._fk_prefix, fingerprint)
     except Exception as e:  # e.g. an unsafe cache directory: trace as without AOT
         logger.warning_once("AOT precompile unavailable (%s: %s); tracing", type(e).__name__, str(e))
         return _trace(module, forward, args, kwargs)
