@@ -59,8 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``forwardkit`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug is accepted anywhere on the line (before or after the subcommand).
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.debug = debug
     if args.command is None:
         parser.print_help()
         return 2
