@@ -92,8 +92,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
         "FORWARDKIT_COMPILE_CACHE_SAVE_FORMAT", "binary", ("binary", "unpacked")
     ),
     "FORWARDKIT_DEBUG_DUMP_PATH": _str("FORWARDKIT_DEBUG_DUMP_PATH", None),
-    # save/load Dynamo's result (mode 3, Inductor) so a warm start skips the trace
-    "FORWARDKIT_USE_AOT_COMPILE": _bool("FORWARDKIT_USE_AOT_COMPILE", True),
+    # save/load Dynamo's result (mode 3, Inductor) so a warm start skips the trace (opt-in)
+    "FORWARDKIT_USE_AOT_COMPILE": _bool("FORWARDKIT_USE_AOT_COMPILE", False),
     # CUDA graphs
     "FORWARDKIT_ENABLE_CUDAGRAPH_GC": _bool("FORWARDKIT_ENABLE_CUDAGRAPH_GC", False),
     "FORWARDKIT_DBO_COMM_SMS": _int("FORWARDKIT_DBO_COMM_SMS", 20),

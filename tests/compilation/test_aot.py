@@ -15,11 +15,12 @@ from forwardkit.compilation.aot import ENTRY
 from forwardkit.compilation.cache import CompileCache, code_hash
 
 WORKER = os.path.join(os.path.dirname(__file__), "cache_worker.py")
+_BASE_ENV = {k: v for k, v in os.environ.items() if k != "FORWARDKIT_USE_AOT_COMPILE"}
 
 
 def _run(size: str, tag: str, **env: str) -> dict:
     out = subprocess.run([sys.executable, WORKER, size, tag], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, **env})
+                         timeout=600, env={**_BASE_ENV, **env})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -34,7 +35,7 @@ def _aot_dir(root: str) -> str:
 def test_warm_process_skips_the_trace_and_falls_back_when_stale_or_corrupt(tmp_path):
     root = str(tmp_path / "cache")
     os.mkdir(root, 0o700)
-    env = {"FORWARDKIT_CACHE_ROOT": root}
+    env = {"FORWARDKIT_CACHE_ROOT": root, "FORWARDKIT_USE_AOT_COMPILE": "1"}
     cold = _run("5", "1101", **env)
     c = cold["counters"]
     assert c["num_dynamo_traces"] == 1 and c["num_aot_saves"] == 1 and c["num_aot_loads"] == 0, c
@@ -84,10 +85,10 @@ def test_warm_process_skips_the_trace_and_falls_back_when_stale_or_corrupt(tmp_p
 
 
 @pytest.mark.slow
-def test_switched_off_saves_nothing(tmp_path):
+def test_off_by_default_saves_nothing(tmp_path):
     root = str(tmp_path / "cache")
     os.mkdir(root, 0o700)
-    out = _run("5", "1102", FORWARDKIT_CACHE_ROOT=root, FORWARDKIT_USE_AOT_COMPILE="0")
+    out = _run("5", "1102", FORWARDKIT_CACHE_ROOT=root)  # FORWARDKIT_USE_AOT_COMPILE unset
     c = out["counters"]
     assert c["num_aot_saves"] == 0 and c["num_dynamo_traces"] == 1, c
     assert not os.path.exists(os.path.join(root, "torch_aot_compile"))

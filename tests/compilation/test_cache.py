@@ -169,9 +169,7 @@ def test_second_process_loads_without_compiling_and_survives_corruption():
     assert first["max_err"] < 1e-5
     second = _run("6", "1001")
     c = second["counters"]
-    # two piece artifacts and the AOT-saved Dynamo result (no trace either)
-    assert c["num_inductor_compiles"] == 0 and c["num_cache_hits"] == 3, c
-    assert c["num_aot_loads"] == 1 and c["num_dynamo_traces"] == 0, c
+    assert c["num_inductor_compiles"] == 0 and c["num_cache_hits"] == 2, c
     assert second["max_err"] < 1e-5
     # corrupt one artifact: detected, recompiled, right answer
     local = second["local_cache_dir"]
@@ -180,8 +178,7 @@ def test_second_process_loads_without_compiling_and_survives_corruption():
     os.truncate(victim, os.path.getsize(victim) // 2)
     third = _run("7", "1001")
     c = third["counters"]
-    assert c["num_cache_errors"] == 1 and c["num_inductor_compiles"] == 1 and c["num_cache_hits"] == 2, c
-    assert c["num_aot_loads"] == 1, c
+    assert c["num_cache_errors"] == 1 and c["num_inductor_compiles"] == 1 and c["num_cache_hits"] == 1, c
     assert third["max_err"] < 1e-5
 
 
@@ -197,5 +194,4 @@ def test_two_processes_on_a_cold_cache_both_succeed():
     assert all(r["max_err"] < 1e-5 for r in results)
     after = _run("9", "1002")
     c = after["counters"]
-    assert c["num_inductor_compiles"] == 0 and c["num_cache_hits"] == 3 and c["num_cache_errors"] == 0, c
-    assert c["num_aot_loads"] == 1 and c["num_dynamo_traces"] == 0, c
+    assert c["num_inductor_compiles"] == 0 and c["num_cache_hits"] == 2 and c["num_cache_errors"] == 0, c
