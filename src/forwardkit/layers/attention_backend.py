@@ -8,7 +8,7 @@ the prefix plus its own tokens causally, so one batch mixes prefill, chunked pre
 
 KV cache layout per layer: ``[2, num_blocks + 1, block_size, num_kv_heads, head_size]``; the
 extra last block is a scratch block that absorbs the writes of padding rows, so the write is
-one fixed-shape ``index_copy_`` (no data-dependent masking, CUDA-graph safe).
+one fixed-shape ``index_put_`` (no data-dependent masking, CUDA-graph safe).
 
 Decode requests (query length 1) run as SDPA calls over their gathered blocks, the query
 heads that share a KV head standing in the query-length dim (no K/V repeat). With variable-
@@ -57,14 +57,15 @@ class AttentionCGSupport(enum.IntEnum):
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store ``key``/``value`` [T, Hk, D] at ``slot_mapping`` (slot -1 -> the scratch block)."""
-    num_blocks_total, block_size = kv_cache.shape[1], kv_cache.shape[2]
-    scratch = (num_blocks_total - 1) * block_size
-    slots = torch.where(slot_mapping >= 0, slot_mapping, scratch)
-    n = slots.shape[0]
-    flat = kv_cache.view(2, num_blocks_total * block_size, *kv_cache.shape[3:])
-    flat[0].index_copy_(0, slots, key[:n].to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, value[:n].to(kv_cache.dtype))
+    """Store ``key``/``value`` [T, Hk, D] at ``slot_mapping`` (slot -1 -> the scratch block).
+
+    ``index_put_`` wraps slot -1 to the last slot of the cache, which is in the scratch block,
+    so padding rows need no remapping (which of them lands there last does not matter).
+    """
+    n = slot_mapping.shape[0]
+    flat = kv_cache.view(2, kv_cache.shape[1] * kv_cache.shape[2], *kv_cache.shape[3:])
+    flat[0].index_put_((slot_mapping,), key[:n].to(kv_cache.dtype))
+    flat[1].index_put_((slot_mapping,), value[:n].to(kv_cache.dtype))
 
 
 def _decode_call(query: torch.Tensor, kv_cache: torch.Tensor, rows: torch.Tensor,
