@@ -7,11 +7,21 @@ buffers in place each step instead of building new tensors.
 
 from __future__ import annotations
 
+import array
+
 import torch
 
 from forwardkit.runner.batch import StepBatch
 
-__all__ = ["InputBuffers"]
+__all__ = ["InputBuffers", "int64_tensor"]
+
+
+def int64_tensor(data: list[int]) -> torch.Tensor:
+    """A CPU int64 tensor of ``data`` through a typed buffer (several times faster than
+    ``torch.tensor`` on a Python list)."""
+    if not data:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", data), dtype=torch.int64)
 
 
 class InputBuffers:
@@ -40,8 +50,8 @@ class InputBuffers:
         n = batch.num_tokens
         if n:
             # NOTE: one host->device copy per buffer; pinned staging would make it async.
-            self.input_ids[:n].copy_(torch.tensor(batch.flat_token_ids(), dtype=torch.int64))
-            self.positions[:n].copy_(torch.tensor(batch.flat_positions(), dtype=torch.int64))
+            self.input_ids[:n].copy_(int64_tensor(batch.flat_token_ids()))
+            self.positions[:n].copy_(int64_tensor(batch.flat_positions()))
         if num_padded_tokens > n:
             self.input_ids[n:num_padded_tokens].zero_()
             self.positions[n:num_padded_tokens].zero_()

@@ -31,7 +31,7 @@ from forwardkit.layers.kv_cache import attention_layers, bind_kv_cache, kv_cache
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
 from forwardkit.runner.batch import StepBatch
-from forwardkit.runner.input_buffers import InputBuffers
+from forwardkit.runner.input_buffers import InputBuffers, int64_tensor
 from forwardkit.runner.setup import num_kv_blocks, resolve_cudagraph_mode
 from forwardkit.runner.static_metadata import StaticMetadataPool
 
@@ -188,8 +188,12 @@ class ModelRunner:
                                  batch_descriptor=desc):
             hidden = self.model(input_ids, positions)
         self.last_step = StepInfo(mode, desc, n, across_dp)
-        rows = torch.tensor(batch.logits_indices(), dtype=torch.long, device=hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, rows)).float()
+        rows = batch.logits_indices()
+        if len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1:
+            selected = hidden  # every row is a sampled last token (unpadded decode step)
+        else:
+            selected = hidden.index_select(0, int64_tensor(rows).to(hidden.device))
+        return self.model.compute_logits(selected).float()
 
     def _decide(self, batch: StepBatch, pad_to: int | None) -> tuple[Any, Any, Any]:
         """Runtime mode, padded descriptor and DP token counts (spec §4.4 and §2.6)."""
