@@ -22,8 +22,9 @@ __all__ = [
 ]
 
 # Fixed cost of one more decode bucket (one more gather + SDPA call per layer), in KV blocks
-# of padding it is worth. Measured on CPU: ~30 us per call vs ~4 us per 16-token block.
-_CPU_BUCKET_OVERHEAD_BLOCKS = 8
+# of padding it is worth. Tuned on the bench's decode steps (2 CPU threads; 8 does as well on
+# one): a call costs ~30-60 us, a 16-token block of 4 KV heads x 32 dims ~3 us.
+_CPU_BUCKET_OVERHEAD_BLOCKS = 16
 # Largest number of distinct decode widths the bucket planner considers (quadratic search).
 _MAX_PLAN_WIDTHS = 64
 
