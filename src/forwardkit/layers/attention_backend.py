@@ -75,14 +75,18 @@ def _decode_call(query: torch.Tensor, kv_cache: torch.Tensor, rows: torch.Tensor
     num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
     q = query.index_select(0, rows)  # [n, Hq, D]
     n, hq = q.shape[0], q.shape[1]
-    kv = kv_cache.index_select(1, block_ids).view(2, n, -1, num_kv_heads, head_size)
-    if key_len is not None and key_len < kv.shape[2]:
-        kv = kv[:, :, :key_len]
+    # NOTE: two gathers along dim 0, not one along dim 1 of the whole cache: index_select
+    # only splits the dim-0 form across threads on CPU.
+    k = kv_cache[0].index_select(0, block_ids).view(n, -1, num_kv_heads, head_size)
+    v = kv_cache[1].index_select(0, block_ids).view(n, -1, num_kv_heads, head_size)
+    if key_len is not None and key_len < k.shape[1]:
+        k, v = k[:, :key_len], v[:, :key_len]
     # NOTE: one query token per request, so the query heads that share a KV head can stand in
     # the "sequence" dim: [n, Hk, group, D] against [n, Hk, S, D], no K/V repeat needed.
     q = q.view(n, num_kv_heads, hq // num_kv_heads, head_size)
-    kv = kv.transpose(2, 3).to(q.dtype)
-    out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale)
+    k = k.transpose(1, 2).to(q.dtype)
+    v = v.transpose(1, 2).to(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     output.index_copy_(0, rows, out.reshape(n, hq, head_size).to(output.dtype))
 
 
