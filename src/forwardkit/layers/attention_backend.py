@@ -68,37 +68,41 @@ def write_kv_cache(
     flat[1].index_put_((slot_mapping,), value[:n].to(kv_cache.dtype))
 
 
-def _decode_call(query: torch.Tensor, kv_cache: torch.Tensor, rows: torch.Tensor,
-                 block_ids: torch.Tensor, key_len: int | None, mask: torch.Tensor | None,
-                 scale: float, output: torch.Tensor) -> None:
-    """One SDPA call for the decode requests at ``rows`` over their flat ``block_ids``."""
-    num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
+def _decode_call(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 rows: torch.Tensor, block_ids: torch.Tensor, key_len: int | None,
+                 mask: torch.Tensor | None, scale: float, output: torch.Tensor) -> None:
+    """One SDPA call for the decode requests at ``rows`` over their flat ``block_ids``.
+
+    ``k_cache``/``v_cache`` are one layer's ``[num_blocks + 1, block_size, Hk, D]`` halves.
+    """
+    num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
     q = query.index_select(0, rows)  # [n, Hq, D]
     n, hq = q.shape[0], q.shape[1]
     # NOTE: two gathers along dim 0, not one along dim 1 of the whole cache: index_select
     # only splits the dim-0 form across threads on CPU.
-    k = kv_cache[0].index_select(0, block_ids).view(n, -1, num_kv_heads, head_size)
-    v = kv_cache[1].index_select(0, block_ids).view(n, -1, num_kv_heads, head_size)
+    k = k_cache.index_select(0, block_ids).view(n, -1, num_kv_heads, head_size)
+    v = v_cache.index_select(0, block_ids).view(n, -1, num_kv_heads, head_size)
     if key_len is not None and key_len < k.shape[1]:
         k, v = k[:, :key_len], v[:, :key_len]
     # NOTE: one query token per request, so the query heads that share a KV head can stand in
     # the "sequence" dim: [n, Hk, group, D] against [n, Hk, S, D], no K/V repeat needed.
     q = q.view(n, num_kv_heads, hq // num_kv_heads, head_size)
-    k = k.transpose(1, 2).to(q.dtype)
+    k = k.transpose(1, 2).to(q.dtype)  # no-ops when the cache has the query's dtype
     v = v.transpose(1, 2).to(q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    output.index_copy_(0, rows, out.reshape(n, hq, head_size).to(output.dtype))
+    output.index_copy_(0, rows, out.view(n, hq, head_size).to(output.dtype))
 
 
 def _decode(query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
             output: torch.Tensor) -> None:
+    k_cache, v_cache = kv_cache.unbind(0)
     if md.decode_buckets is None:  # fixed shapes: one call over the full-width block table
-        _decode_call(query, kv_cache, md.decode_token_idx, md.decode_block_table.reshape(-1),
+        _decode_call(query, k_cache, v_cache, md.decode_token_idx, md.decode_block_table.reshape(-1),
                      None, md.decode_key_mask[:, None, None, :], scale, output)
         return
     bucket: DecodeBucket
     for bucket in md.decode_buckets:
-        _decode_call(query, kv_cache, bucket.rows, bucket.block_ids, bucket.key_len,
+        _decode_call(query, k_cache, v_cache, bucket.rows, bucket.block_ids, bucket.key_len,
                      bucket.additive_mask(query.dtype), scale, output)
 
 
