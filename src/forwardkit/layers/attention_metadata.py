@@ -35,28 +35,41 @@ class DecodeBucket:
 
     Each request attends to the first ``key_len`` keys of its ``width`` gathered blocks;
     ``key_mask`` hides keys past a request's own sequence length (None when every request in
-    the bucket has exactly ``key_len`` tokens).
+    the bucket has exactly ``key_len`` tokens). Masks are built on first use, once per step.
     """
 
     rows: torch.Tensor  # [n] int64 token rows
     block_ids: torch.Tensor  # [n * width] int64, 0 past a request's own blocks
     width: int
     key_len: int
-    key_mask: torch.Tensor | None  # [n, 1, 1, key_len] bool
-    _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+    seq_lens: torch.Tensor | None  # [n, 1] int64 when they differ, else None
+    _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def key_mask(self) -> torch.Tensor | None:
+        """[n, 1, 1, key_len] bool: key position < the request's sequence length."""
+        if self.seq_lens is None:
+            return None
+        mask = self._masks.get(torch.bool)
+        if mask is None:
+            pos = torch.arange(self.key_len, device=self.seq_lens.device)
+            mask = self._masks[torch.bool] = (pos < self.seq_lens)[:, None, None, :]
+        return mask
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """``key_mask`` as an additive mask (0 / -inf) of ``dtype``, built once per step.
 
         SDPA turns a bool mask into this form on every call; the layers of a step share it.
         """
-        if self.key_mask is None:
+        if self.seq_lens is None:
             return None
-        mask = self._additive.get(dtype)
+        mask = self._masks.get(dtype)
         if mask is None:
-            mask = torch.zeros(self.key_mask.shape, dtype=dtype, device=self.key_mask.device)
-            mask.masked_fill_(~self.key_mask, float("-inf"))
-            self._additive[dtype] = mask
+            pos = torch.arange(self.key_len, device=self.seq_lens.device)
+            mask = torch.zeros(self.seq_lens.shape[0], self.key_len, dtype=dtype,
+                               device=self.seq_lens.device)
+            mask = self._masks[dtype] = mask.masked_fill_(pos >= self.seq_lens, float("-inf"))[
+                :, None, None, :]
         return mask
 
 
@@ -282,7 +295,7 @@ def _decode_buckets(decode_reqs: list[int], seq_lens: list[int], starts: list[in
                     device: torch.device) -> list[DecodeBucket]:
     """Group the decode requests by length (see :func:`plan_decode_buckets`).
 
-    Every per-bucket tensor is a slice of one tensor per kind (rows, flat block ids, masks),
+    Every per-bucket tensor is a slice of one tensor per kind (rows, flat block ids, lengths),
     so the cost is a handful of tensor constructions per step, not per bucket.
     """
     if not decode_reqs:
@@ -305,16 +318,11 @@ def _decode_buckets(decode_reqs: list[int], seq_lens: list[int], starts: list[in
         begin = end
     rows_all = _ints([starts[i] for i in order]).to(device)
     blocks_all = _ints(flat).to(device)
-    masks_all = None
-    if seqs[0] < seqs[-1]:
-        seq_t = _ints(seqs).unsqueeze(1)
-        masks_all = (torch.arange(seqs[-1]).unsqueeze(0) < seq_t)[:, None, None, :].to(device)
+    seq_all = _ints(seqs).unsqueeze(1).to(device) if seqs[0] < seqs[-1] else None
     buckets = []
     for begin, end, first, last in spans:
         key_len = seqs[end - 1]
-        mask = None
-        if seqs[begin] < key_len and masks_all is not None:
-            mask = masks_all[begin:end, ..., :key_len]
+        seq = seq_all[begin:end] if seq_all is not None and seqs[begin] < key_len else None
         buckets.append(DecodeBucket(rows_all[begin:end], blocks_all[first:last],
-                                    widths[end - 1], key_len, mask))
+                                    widths[end - 1], key_len, seq))
     return buckets
