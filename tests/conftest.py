@@ -43,3 +43,32 @@ def cpu_platform():
 
     with use_platform(CpuPlatform()) as platform:
         yield platform
+
+
+@pytest.fixture
+def fk_log_records():
+    """Log records of the ``forwardkit`` logger tree, seen by a handler attached to it directly
+    (the tree does not propagate to the root logger, so ``caplog`` alone would miss them).
+    The once-only log cache is cleared first so earlier tests do not hide messages."""
+    import logging
+
+    from forwardkit.logger import _log_once, init_logger
+
+    init_logger("forwardkit")  # make sure the tree is configured before we attach
+    records: list[logging.LogRecord] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    _log_once.cache_clear()
+    handler = _Keep(level=logging.DEBUG)
+    root = logging.getLogger("forwardkit")
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)

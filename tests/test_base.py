@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from forwardkit import envs, platforms
@@ -44,17 +42,12 @@ def test_unknown_env_attribute():
         _ = envs.FORWARDKIT_NOT_A_VARIABLE
 
 
-def test_logger_once(caplog):
+def test_logger_once(fk_log_records):
     logger = init_logger("forwardkit.test_once")
-    logging.getLogger("forwardkit").propagate = True
-    try:
-        with caplog.at_level(logging.INFO, logger="forwardkit"):
-            logger.info_once("only once %d", 7)
-            logger.info_once("only once %d", 7)
-            logger.info_once("only once %d", 8)
-    finally:
-        logging.getLogger("forwardkit").propagate = False
-    messages = [r.getMessage() for r in caplog.records if r.name == "forwardkit.test_once"]
+    logger.info_once("only once %d", 7)
+    logger.info_once("only once %d", 7)
+    logger.info_once("only once %d", 8)
+    messages = [r.getMessage() for r in fk_log_records if r.name == "forwardkit.test_once"]
     assert messages == ["only once 7", "only once 8"]
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from types import SimpleNamespace as NS
 
 import pytest
@@ -265,18 +264,10 @@ def test_cudagraphs_available():
     assert cudagraphs_available(CudaPlatform(device_capability=90)) is torch.cuda.is_available()
 
 
-def test_cpu_platform_logs_once_that_graphs_are_off(cpu_platform, caplog):
-    from forwardkit.logger import _log_once
-
-    _log_once.cache_clear()
-    logging.getLogger("forwardkit").propagate = True
-    try:
-        with caplog.at_level(logging.INFO, logger="forwardkit"):
-            CudagraphDispatcher(make_cfg(mode=M.NONE))
-            CudagraphDispatcher(make_cfg(mode=M.NONE))
-    finally:
-        logging.getLogger("forwardkit").propagate = False
-    lines = [r.getMessage() for r in caplog.records if "CUDA graphs are off" in r.getMessage()]
+def test_cpu_platform_logs_once_that_graphs_are_off(cpu_platform, fk_log_records):
+    CudagraphDispatcher(make_cfg(mode=M.NONE))
+    CudagraphDispatcher(make_cfg(mode=M.NONE))
+    lines = [r.getMessage() for r in fk_log_records if "CUDA graphs are off" in r.getMessage()]
     assert len(lines) == 1
     assert "platform cpu" in lines[0]
 
