@@ -89,6 +89,7 @@ class LLM:
 
         with use_platform(cfg.platform):
             self.runner = ModelRunner(cfg)
+            self.runner.warm_up_compile_ranges()
             self.runner.warm_up_compile_sizes()
             self.runner.capture_model()
         model_config = cfg.model_config

@@ -282,6 +282,21 @@ class ModelRunner:
             self.model(input_ids, positions)
         self.last_step = StepInfo(mode, desc, 0, across_dp)
 
+    def warm_up_compile_ranges(self) -> list[int]:
+        """Compile at start-up instead of on the first real step (vLLM's profile run): one
+        eager dummy step at the top of each compile range, largest first.
+
+        A no-op for eager models (mode NONE or ``enforce_eager``). Returns the sizes run.
+        """
+        mode = int(getattr(self.compilation_config, "mode", 0) or 0)
+        if mode == 0 or (self.model_config is not None and self.model_config.enforce_eager):
+            return []
+        ranges = self.compilation_config.get_compile_ranges() or []
+        sizes = sorted({min(int(r.end), self.max_num_tokens) for r in ranges} or {1}, reverse=True)
+        for size in sizes:
+            self.dummy_run(size, CUDAGraphMode.NONE)
+        return sizes
+
     def warm_up_compile_sizes(self) -> list[int]:
         """Run one eager dummy step per ``compile_sizes`` entry that is not a capture size,
         largest first, so those specialised compiles happen at start-up (spec §6.1 step 4).
