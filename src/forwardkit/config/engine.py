@@ -161,8 +161,16 @@ class EngineConfig:
         if callable(hook):
             hook(self)
         effective_dp = parallel.data_parallel_size if model is None or model.is_moe else 1
+        graphs_before = cc.cudagraph_mode
         cc.set_splitting_ops_for_v1(  # step 21
             all2all_backend=parallel.all2all_backend, data_parallel_size=effective_dp)
+        if graphs_before != CUDAGraphMode.NONE and cc.cudagraph_mode == CUDAGraphMode.NONE:
+            # NOTE: the reference keeps the capture sizes it worked out before step 21 turned
+            # graphs off, so resolving its own output again gives a different config; we drop
+            # them, which makes resolution idempotent (found by a hypothesis property test).
+            cc.max_cudagraph_capture_size = 0
+            cc.cudagraph_capture_sizes = []
+            cc.post_init_cudagraph_sizes()
         if pc.enable_sp:  # step 22
             if cc.mode != CompilationMode.VLLM_COMPILE:
                 logger.warning("Sequence parallelism is enabled, but running in mode %s; it "
