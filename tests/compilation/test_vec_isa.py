@@ -107,10 +107,12 @@ def test_nothing_is_done_when_already_known_or_vec_isa_ok_set(tmp_path, isa, mon
     cpu_vec_isa, calls, works = isa
     from torch._inductor import config
 
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", True)
-    assert vec_isa.prime_vec_isa_list(str(tmp_path)) == "computed"
+    # NOTE: torch's own config.patch, not monkeypatch: a config entry that a test deletes or
+    # leaves overridden breaks every later Inductor compile in the process.
+    with config.patch({"cpp.vec_isa_ok": True}):
+        assert vec_isa.prime_vec_isa_list(str(tmp_path)) == "computed"
+    assert config.cpp.vec_isa_ok is None
     assert not os.path.exists(vec_isa.vec_isa_record_path(str(tmp_path)))
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
     cpu_vec_isa.valid_vec_isa_list()
     assert vec_isa.prime_vec_isa_list(str(tmp_path)) == "computed"
     assert not os.path.exists(vec_isa.vec_isa_record_path(str(tmp_path)))
