@@ -91,3 +91,21 @@ def test_bench_errors_are_one_line(argv, message):
     assert len(lines) == 1, proc.stderr
     assert message in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.distributed
+def test_bench_under_torchrun(tmp_path):
+    from forwardkit.distributed.launch import find_free_port
+
+    out = tmp_path / "torchrun.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(find_free_port()), "-m", "forwardkit.cli", "bench", "--no-progress", "-dp", "2",
+         "--steps", "4", "--warmup-steps", "1", "--contenders", "eager", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    _check_report(data, ["eager"])
+    assert data["trace"] == "decode-heavy (rank 0 of 2)"
+    assert proc.stdout.count("forwardkit bench:") == 1  # only rank 0 reports

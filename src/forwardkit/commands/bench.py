@@ -58,8 +58,8 @@ def _bench_rank(rank: int, nprocs: int, port: int | None, args: argparse.Namespa
     args.data_parallel_rank = rank
     if port is not None:
         init_dp_group(world_size=nprocs, rank=rank, master_addr="127.0.0.1", master_port=port)
-    else:
-        init_dp_group(world_size=nprocs, rank=rank)
+    else:  # under torchrun: ranks and rendezvous come from its environment
+        init_dp_group()
     try:
         steps = load_trace(args.trace, steps_n, seed=args.seed + rank,
                            max_tokens=args.max_num_batched_tokens)
