@@ -74,3 +74,11 @@ class CompiledToyModel(ToyModel):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x)
+
+
+PASS_SEEN: list[int] = []
+
+
+def count_nodes_pass(graph: torch.fx.Graph) -> None:
+    """A user post-grad pass for ``inductor_passes``: records the graph size, changes nothing."""
+    PASS_SEEN.append(len(graph.nodes))
