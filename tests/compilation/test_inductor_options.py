@@ -7,10 +7,12 @@ import toy_model
 from toy_model import CompiledToyModel, ToyModel
 
 
-def test_user_inductor_pass_runs_and_compile_time_is_recorded(make_config, monkeypatch):
-    monkeypatch.setenv("FORWARDKIT_DISABLE_COMPILE_CACHE", "1")  # compile for real, here
+def test_user_inductor_pass_runs_and_compile_time_is_recorded(make_config):
     toy_model.PASS_SEEN.clear()
+    # Compile for real: no forwardkit cache and no Inductor FX-graph cache (a graph loaded from
+    # either one ran its passes when it was first compiled, maybe in another process).
     cfg = make_config(mode=3, backend="inductor", compile_ranges_split_points=[],
+                      inductor_compile_config={"force_disable_caches": True},
                       inductor_passes={"post_grad_custom_post_pass": "toy_model.count_nodes_pass"})
     model, ref = CompiledToyModel(engine_config=cfg, num_layers=1), ToyModel(num_layers=1)
     model.load_state_dict(ref.state_dict())
