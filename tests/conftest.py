@@ -17,6 +17,21 @@ def _session_cache_root(tmp_path_factory: pytest.TempPathFactory):
     yield os.environ["FORWARDKIT_CACHE_ROOT"]
 
 
+# Variables that change how configs resolve; a developer's shell must not change test results.
+_CONFIG_ENV = (
+    "FORWARDKIT_DP_SIZE", "FORWARDKIT_DP_RANK", "FORWARDKIT_DP_RANK_LOCAL",
+    "FORWARDKIT_DP_MASTER_IP", "FORWARDKIT_DP_MASTER_PORT", "FORWARDKIT_ALL2ALL_BACKEND",
+    "FORWARDKIT_DEBUG_DUMP_PATH",
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_config_env(monkeypatch: pytest.MonkeyPatch):
+    """Start every test without the environment variables that steer config resolution."""
+    for name in _CONFIG_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(autouse=True)
 def _restore_platform():
     """Tests may swap ``current_platform``; put the real one back afterwards."""

@@ -17,13 +17,6 @@ from forwardkit.commands.config import padding_runs
 S256 = [1, 2, 4, *range(8, 257, 8)]
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in ("FORWARDKIT_DP_SIZE", "FORWARDKIT_DP_RANK", "FORWARDKIT_ALL2ALL_BACKEND",
-                 "FORWARDKIT_DEBUG_DUMP_PATH"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def test_text_output_cuda_o3(capsys):
     assert main(["config", "--platform", "cuda", "-O3"]) == 0
     out = capsys.readouterr().out

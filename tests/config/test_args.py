@@ -20,13 +20,6 @@ HF = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_h
       "num_hidden_layers": 2, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in ("FORWARDKIT_DP_SIZE", "FORWARDKIT_DP_RANK", "FORWARDKIT_ALL2ALL_BACKEND",
-                 "FORWARDKIT_DEBUG_DUMP_PATH"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def parse(*argv: str) -> argparse.Namespace:
     return add_engine_args(argparse.ArgumentParser(prog="t")).parse_args(list(argv))
 

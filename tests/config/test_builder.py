@@ -23,13 +23,6 @@ HF = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_h
       "num_hidden_layers": 2, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in ("FORWARDKIT_DP_SIZE", "FORWARDKIT_DP_RANK", "FORWARDKIT_ALL2ALL_BACKEND",
-                 "FORWARDKIT_DEBUG_DUMP_PATH"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def limits(cfg):
     return cfg.scheduler_config.max_num_seqs, cfg.scheduler_config.max_num_batched_tokens
 

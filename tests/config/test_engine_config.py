@@ -46,17 +46,6 @@ FLAGS = ("eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "fuse_allreduce
 NONE, PW, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 FAP, FDO = CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY
 
-_DP_ENV = ("FORWARDKIT_DP_SIZE", "FORWARDKIT_DP_RANK", "FORWARDKIT_DP_RANK_LOCAL",
-           "FORWARDKIT_DP_MASTER_IP", "FORWARDKIT_DP_MASTER_PORT", "FORWARDKIT_ALL2ALL_BACKEND",
-           "FORWARDKIT_DEBUG_DUMP_PATH")
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in _DP_ENV:
-        monkeypatch.delenv(name, raising=False)
-
-
 def build(hf=LLAMA, *, seqs=128, tokens=2048, level=None, static=True, tp=1, dp=1,
           all2all=None, spec=None, enforce_eager=False, runner="generate", enable_dbo=False,
           **cc) -> EngineConfig:

@@ -24,13 +24,6 @@ CUDA = CudaPlatform(device_capability=90)
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in ("FORWARDKIT_DP_SIZE", "FORWARDKIT_DP_RANK", "FORWARDKIT_ALL2ALL_BACKEND",
-                 "FORWARDKIT_DEBUG_DUMP_PATH"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @st.composite
 def limits(draw):
     seqs = draw(st.integers(1, 1024))

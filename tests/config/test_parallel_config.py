@@ -6,15 +6,6 @@ import pytest
 
 from forwardkit.config.parallel import ParallelConfig
 
-_ENV = ("FORWARDKIT_DP_SIZE", "FORWARDKIT_DP_RANK", "FORWARDKIT_DP_RANK_LOCAL",
-        "FORWARDKIT_DP_MASTER_IP", "FORWARDKIT_DP_MASTER_PORT", "FORWARDKIT_ALL2ALL_BACKEND")
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in _ENV:
-        monkeypatch.delenv(name, raising=False)
-
 
 def test_defaults():  # 48
     p = ParallelConfig()

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from forwardkit.config.args import add_engine_args, engine_config_from_args
+from forwardkit.config.args import add_engine_args, engine_config_from_args, non_negative_float
 
 __all__ = ["register", "run"]
 
@@ -26,16 +26,6 @@ def _token_ids(text: str) -> list[int]:
     if not ids:
         raise argparse.ArgumentTypeError(f"expected at least one token id, got {text!r}")
     return ids
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -54,7 +44,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    metavar="IDS", help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable)")
     g.add_argument("--max-tokens", type=int, default=16, metavar="N",
                    help="most tokens to generate per prompt (default 16)")
-    g.add_argument("--temperature", type=_non_negative_float, default=0.0, metavar="T",
+    g.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
                    help="sampling temperature; 0 = greedy (default 0)")
     g.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="sample among the K most likely tokens; 0 or -1 = all (default 0)")

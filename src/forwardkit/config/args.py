@@ -66,13 +66,25 @@ def _install_normalizer(parser: argparse.ArgumentParser) -> None:
     parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
     return value
 
 
@@ -85,24 +97,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "default: the built-in small model")
     g.add_argument("--dtype", default=None,
                    help="model dtype: auto (from config.json), float32, bfloat16 or float16")
-    g.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
                    help="longest sequence (default: max_position_embeddings of the model)")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--max-num-seqs", type=positive_int, default=None, metavar="N",
                    help=f"most requests per step (default {DEFAULT_MAX_NUM_SEQS})")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
                    help=f"most tokens per step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, at least "
                         "max-num-seqs)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts over several steps (default on); with "
                         "--no-enable-chunked-prefill max-num-batched-tokens defaults to at least "
                         "max-model-len")
-    g.add_argument("--block-size", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--block-size", type=positive_int, default=None, metavar="N",
                    help="tokens per KV-cache block (default 16)")
-    g.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=None, metavar="N",
                    help="data-parallel replicas (default 1)")
     g.add_argument("--data-parallel-rank", type=int, default=None, metavar="R",
                    help="this process's data-parallel rank (default 0)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None, metavar="N",
                    help="tensor-parallel ranks (default 1; used for sequence-parallel sizes)")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="shard MoE experts over data-parallel ranks")
