@@ -94,6 +94,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FORWARDKIT_DEBUG_DUMP_PATH": _str("FORWARDKIT_DEBUG_DUMP_PATH", None),
     # save/load Dynamo's result (mode 3, Inductor) so a warm start skips the trace (opt-in)
     "FORWARDKIT_USE_AOT_COMPILE": _bool("FORWARDKIT_USE_AOT_COMPILE", False),
+    # CPU: give bf16 linear weights a oneDNN-packed copy after loading (faster decode matmuls)
+    "FORWARDKIT_CPU_PREPACK_WEIGHTS": _bool("FORWARDKIT_CPU_PREPACK_WEIGHTS", True),
     # CUDA graphs
     "FORWARDKIT_ENABLE_CUDAGRAPH_GC": _bool("FORWARDKIT_ENABLE_CUDAGRAPH_GC", False),
     "FORWARDKIT_DBO_COMM_SMS": _int("FORWARDKIT_DBO_COMM_SMS", 20),

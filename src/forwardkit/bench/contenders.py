@@ -1,8 +1,10 @@
 """The contenders of ``forwardkit bench``: one :class:`ModelRunner` each, same model and weights.
 
-- ``eager``: plain PyTorch (forwardkit mode NONE, no CUDA graphs).
-- ``torch.compile``: what a user would write by hand: the eager runner with its inner model
-  wrapped in stock ``torch.compile(dynamic=True)`` (Inductor, guards kept).
+- ``eager``: the same model as plain PyTorch would run it: mode NONE, no CUDA graphs, every
+  op native (``custom_ops=["none"]``: no custom-op wrappers) and plain ``F.linear`` weights
+  (no oneDNN prepacking).
+- ``torch.compile``: what a user would write by hand: that eager model wrapped in stock
+  ``torch.compile(dynamic=True)`` (Inductor, guards kept), so Inductor sees every op.
 - ``forwardkit``: the configuration resolved from the command line (``-O`` / ``-cc``).
 """
 
@@ -24,6 +26,9 @@ from forwardkit.runner.model_runner import ModelRunner
 __all__ = ["CONTENDER_NAMES", "Contender", "build_contender"]
 
 CONTENDER_NAMES = ("eager", "torch.compile", "forwardkit")
+# The baselines' compilation config: plain PyTorch, every op native.
+NATIVE_EAGER = '{"mode": 0, "custom_ops": ["none"]}'
+
 
 
 @dataclass
@@ -57,13 +62,13 @@ def _counting_inductor(calls: list[int]) -> Any:
 
 def engine_config_for(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
                       num_blocks: int) -> EngineConfig:
-    """The engine config a contender runs with (the eager ones run at ``-O0``: no compile, no
-    CUDA graphs)."""
+    """The engine config a contender runs with (the baselines run at ``-O0`` with every op
+    native: no compile, no CUDA graphs, no custom-op wrappers)."""
     ns = copy.copy(args)
     if name != "forwardkit":
         ns.enforce_eager = False
         ns.engine_O = ["0"]
-        ns.compilation_config = None
+        ns.compilation_config = NATIVE_EAGER
     cfg = engine_config_from_args(ns, default_hf_config=hf_config)
     cfg.cache_config.num_gpu_blocks = num_blocks
     return cfg
@@ -76,7 +81,14 @@ def build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, An
         raise ValueError(f"unknown contender {name!r}; expected some of {list(CONTENDER_NAMES)}")
     start = time.perf_counter()
     cfg = engine_config_for(name, args, hf_config, num_blocks)
-    runner = ModelRunner(cfg)
+    model = None
+    if name != "forwardkit":  # plain F.linear weights, as a user's model has
+        from forwardkit.config.engine import set_current_engine_config
+        from forwardkit.models.loader import load_model
+
+        with set_current_engine_config(cfg):
+            model = load_model(cfg, prepack=False)
+    runner = ModelRunner(cfg, model=model)
     contender = Contender(name, runner, cfg, 0.0)
     if name == "torch.compile":
         inner = runner.model.model

@@ -3,6 +3,7 @@
     forwardkit bench                         # built-in model, decode-heavy trace, default -O
     forwardkit bench --quick --json out.json --plot out.png
     forwardkit bench --model ./ckpt --trace mixed -O3
+    forwardkit bench --model-shape llama-3.2-1b --generation    # end-to-end generate vs transformers
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import os
 import sys
 from typing import Any
 
+from forwardkit.bench.generation_cli import add_generation_args, run_generation
 from forwardkit.bench.trace import BUILTIN_TRACES
+from forwardkit.config.model_shapes import model_shape_config, model_shape_names
 
 __all__ = ["register", "run"]
 
@@ -33,6 +36,11 @@ def _under_torchrun(dp: int) -> bool:
 
 def _prepare_dp(args: argparse.Namespace, hf_config: dict[str, Any] | None) -> dict[str, Any] | None:
     """DP needs a mixture-of-experts model (ranks meet in the MoE layers); pick or check it."""
+    if args.model_shape is not None:
+        if not hf_config.get("num_local_experts"):
+            raise ValueError(f"--data-parallel-size > 1 needs a mixture-of-experts model; "
+                             f"--model-shape {args.model_shape} has no experts (try mixtral-small)")
+        return hf_config
     if args.model is None:
         from forwardkit.models.default import default_moe_hf_config
 
@@ -72,13 +80,14 @@ def _bench_rank(rank: int, nprocs: int, port: int | None, args: argparse.Namespa
 
 
 def _contender_list(text: str) -> list[str]:
-    from forwardkit.bench.contenders import CONTENDER_NAMES
+    from forwardkit.bench.generation import GENERATION_CONTENDERS
 
     names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in CONTENDER_NAMES]
+    bad = [n for n in names if n not in GENERATION_CONTENDERS]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown contender(s) {bad or text!r}; choose from {','.join(CONTENDER_NAMES)}"
+            f"unknown contender(s) {bad or text!r}; choose from {','.join(GENERATION_CONTENDERS)} "
+            "(transformers with --generation only)"
         )
     return names
 
@@ -99,6 +108,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     add_engine_args(parser)
     parser.set_defaults(max_num_batched_tokens=512, max_num_seqs=64)
     g = parser.add_argument_group("benchmark")
+    g.add_argument("--model-shape", default=None, metavar="NAME",
+                   help=f"a real architecture's shape with seeded random weights, no download: "
+                        f"{', '.join(model_shape_names())} (instead of --model)")
+    add_generation_args(parser)
     g.add_argument("--trace", default="decode-heavy", metavar="NAME|FILE",
                    help=f"step trace: one of {', '.join(BUILTIN_TRACES)} (default decode-heavy), or a "
                         "JSON file with a list of steps (an int = tokens in the step: a decode batch "
@@ -110,7 +123,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=int, default=None, metavar="N",
                    help=f"untimed steps before timing (default {DEFAULT_WARMUP}; {QUICK_WARMUP} with --quick)")
     g.add_argument("--contenders", type=_contender_list, default=None, metavar="LIST",
-                   help="comma-separated subset of eager,torch.compile,forwardkit (default: all)")
+                   help="comma-separated subset of eager,torch.compile,forwardkit (default: all); "
+                        "with --generation also transformers")
     g.add_argument("--quick", action="store_true",
                    help="a short run for smoke tests (fewer steps)")
     g.add_argument("--seed", type=int, default=0, help="seed of the trace and token ids (default 0)")
@@ -147,15 +161,21 @@ def run(args: argparse.Namespace) -> int:
     from forwardkit.config.args import engine_config_from_args
 
     _check(args)
+    if args.model_shape is not None and args.model is not None:
+        raise ValueError(f"give --model or --model-shape, not both (got {args.model!r} and "
+                         f"{args.model_shape!r})")
+    if args.generation:
+        return run_generation(args)
     steps_n = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     warmup = args.warmup_steps if args.warmup_steps is not None else (
         QUICK_WARMUP if args.quick else DEFAULT_WARMUP)
     hf_config = None
     if args.model is None:
-        from forwardkit.models.default import default_hf_config
-
-        hf_config = default_hf_config()
+        hf_config = model_shape_config(args.model_shape or "default")
     names = args.contenders or list(CONTENDER_NAMES)
+    if "transformers" in names:
+        raise ValueError("--contenders transformers needs --generation (the step trace runs "
+                         f"forwardkit's model runner); step-trace contenders: {','.join(CONTENDER_NAMES)}")
     steps = load_trace(args.trace, steps_n, seed=args.seed, max_tokens=args.max_num_batched_tokens)
     dp = int(args.data_parallel_size or 1)
     if dp > 1:
@@ -178,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     print(f"\nforwardkit bench: {len(steps)} steps of the {args.trace} trace "
           f"({sum(s.num_tokens for s in steps)} tokens), model "
-          f"{args.model or ('built-in MoE' if dp > 1 else 'built-in default')}"
+          f"{args.model or args.model_shape or ('built-in MoE' if dp > 1 else 'built-in default')}"
           f"{f', {dp} DP ranks (figures of rank 0)' if dp > 1 else ''}, platform {report.platform}, "
           f"config hash {report.config_hash}", file=out)
     print(f"machine: {report.machine}\n", file=out)

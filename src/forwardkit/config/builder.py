@@ -34,6 +34,7 @@ from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CompilationConfig
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.model import ModelConfig
+from forwardkit.config.model_shapes import model_shape_config
 from forwardkit.config.parallel import ParallelConfig
 from forwardkit.config.scheduler import (
     DEFAULT_MAX_MODEL_LEN,
@@ -116,6 +117,7 @@ def build_engine_config(
     model: str | os.PathLike[str] | None = None,
     *,
     default_hf_config: Mapping[str, Any] | None = None,
+    model_shape: str | None = None,
     dtype: str | torch.dtype | None = None,
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
@@ -136,6 +138,9 @@ def build_engine_config(
     Args:
         model: local Hugging Face checkpoint directory (config.json + safetensors), or None.
         default_hf_config: HF config dict of the model used when ``model`` is None.
+        model_shape: a named real-architecture shape (``config.model_shapes``, e.g.
+            ``"llama-3.2-1b"``) built with seeded random weights; replaces ``default_hf_config``
+            and excludes ``model``.
         dtype: "auto"/None (from config.json), "float32", "bfloat16", "float16" or a torch dtype.
         max_model_len: longest sequence; None = ``max_position_embeddings``.
         max_num_seqs / max_num_batched_tokens / enable_chunked_prefill: scheduler limits.
@@ -171,6 +176,11 @@ def build_engine_config(
     if data_parallel_size is not None:
         parallel_kwargs["data_parallel_size"] = data_parallel_size
 
+    if model_shape is not None:
+        if model is not None:
+            raise ValueError(f"give {label('model')} or {label('model_shape')}, not both "
+                             f"(got {os.fspath(model)!r} and {model_shape!r})")
+        default_hf_config = model_shape_config(model_shape)
     resolved_platform = _resolve_platform(platform)
     compilation = _compilation(compilation_config, resolved_platform, label("compilation_config"))
     try:

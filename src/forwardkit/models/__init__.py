@@ -17,6 +17,8 @@ __all__ = ["get_model_class", "supported_architectures"]
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("forwardkit.models.llama", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("forwardkit.models.mixtral", "MixtralForCausalLM"),
+    # Qwen2 is Llama with biases on q/k/v (see ``llama.attention_biases``).
+    "Qwen2ForCausalLM": ("forwardkit.models.llama", "LlamaForCausalLM"),
 }
 
 

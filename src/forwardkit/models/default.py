@@ -11,67 +11,57 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from forwardkit.config.model_shapes import model_shape_config
+
 __all__ = ["DEFAULT_SEED", "default_hf_config", "default_moe_hf_config", "init_random_weights"]
 
 DEFAULT_SEED = 0
 
 
 def default_hf_config() -> dict[str, Any]:
-    """A fresh HF-style ``config.json`` dict of the default model."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 256,
-        "intermediate_size": 688,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 32,
-        "vocab_size": 4096,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
+    """A fresh HF-style ``config.json`` dict of the default model (the ``default`` shape)."""
+    return model_shape_config("default")
 
 
 def default_moe_hf_config() -> dict[str, Any]:
     """The built-in mixture-of-experts model: the default model's shape with a Mixtral MoE
     (8 experts, top-2) in place of each MLP. Used for data-parallel / expert-parallel demos."""
-    config = default_hf_config()
-    for key in ("mlp_bias", "attention_bias"):
-        config.pop(key)
-    config.update(
-        architectures=["MixtralForCausalLM"],
-        model_type="mixtral",
-        intermediate_size=344,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        router_jitter_noise=0.0,
-        output_router_logits=False,
-    )
-    return config
+    return model_shape_config("default-moe")
+
+
+# Tensors above this many elements are filled from a seeded pool (drawing a billion normal
+# values one by one takes ~10 s on 2 cores; the pool makes a 1B-parameter shape start in ~1 s).
+_POOL_THRESHOLD = 1 << 22
+_POOL_CHUNK = 1 << 20
 
 
 def init_random_weights(model: nn.Module, seed: int = DEFAULT_SEED, std: float = 0.02) -> None:
     """Fill every parameter deterministically: norms with 1, biases with 0, the rest N(0, std).
 
     Values are drawn on the CPU in float32 so the same seed gives the same weights on every
-    device and dtype.
+    device and dtype. A tensor of more than 4M elements is filled in 1M-value chunks, each
+    copied from a random offset of one seeded pool of 4M normal values: still N(0, std)
+    element-wise and deterministic, fast enough for billion-parameter shapes.
     """
     generator = torch.Generator().manual_seed(seed)
+    pool: torch.Tensor | None = None
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
-            else:
+            elif param.numel() <= _POOL_THRESHOLD:
                 values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
                 param.copy_(values)
+            else:
+                if pool is None or pool.dtype != param.dtype:
+                    if pool is None:
+                        pool32 = torch.randn(_POOL_THRESHOLD + _POOL_CHUNK, generator=generator) * std
+                    pool = pool32.to(param.dtype)  # chunk copies are then plain memcpy
+                flat = param.view(-1)
+                offsets = torch.randint(0, _POOL_THRESHOLD, (-(-flat.numel() // _POOL_CHUNK),),
+                                        generator=generator).tolist()
+                for i, offset in enumerate(offsets):
+                    chunk = flat[i * _POOL_CHUNK:(i + 1) * _POOL_CHUNK]
+                    chunk.copy_(pool[offset:offset + chunk.numel()])

@@ -1,4 +1,5 @@
-"""Llama family (``LlamaForCausalLM``): GQA, tied embeddings, explicit ``head_dim``, rope scaling.
+"""Llama family (``LlamaForCausalLM``; ``Qwen2ForCausalLM`` is Llama with q/k/v biases): GQA,
+tied embeddings, explicit ``head_dim``, rope scaling.
 
 ``LlamaForCausalLM(engine_config)`` holds the decoder stack ``self.model = LlamaModel(...)``
 (the unit ``support_torch_compile`` decorates) and the LM head. Layer names follow HF, so the
@@ -45,6 +46,18 @@ def _head_dim(cfg: dict[str, Any]) -> int:
     return int(head_dim) if head_dim else cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
+def attention_biases(cfg: dict[str, Any]) -> tuple[bool, bool]:
+    """``(qkv bias, o_proj bias)``: Llama's ``attention_bias`` sets both; Qwen2 has biases on
+    q/k/v only (its config has no ``attention_bias`` key)."""
+    if cfg.get("model_type") == "qwen2":
+        if cfg.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window=true is not supported (sliding-window "
+                             "attention); accepted: use_sliding_window false or absent")
+        return True, False
+    bias = bool(cfg.get("attention_bias", False))
+    return bias, bias
+
+
 class LlamaAttention(nn.Module):
     """Self-attention block: merged QKV projection, rotary, paged attention, output projection."""
 
@@ -56,11 +69,12 @@ class LlamaAttention(nn.Module):
         self.head_dim = _head_dim(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(cfg.get("attention_bias", False))
+        qkv_bias, o_bias = attention_biases(cfg)
         self.qkv_proj = MergedLinear(
-            hidden, [("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)], bias=bias, dtype=dtype
+            hidden, [("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)], bias=qkv_bias,
+            dtype=dtype,
         )
-        self.o_proj = Linear(self.q_size, hidden, bias=bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias, dtype=dtype)
         theta, scaling = rope_parameters(cfg)
         self.rotary_emb = get_rope(self.head_dim, cfg.get("max_position_embeddings", 2048), theta, scaling, dtype)
         self.attn = Attention(

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+from forwardkit import envs
+from forwardkit.layers.linear import prepack_weights
 from forwardkit.logger import init_logger
 from forwardkit.models import get_model_class
 from forwardkit.models.default import init_random_weights
@@ -68,8 +70,13 @@ def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(engine_config) -> nn.Module:
-    """Build, load and return the model of ``engine_config`` in eval mode on the platform device."""
+def load_model(engine_config, prepack: bool | None = None) -> nn.Module:
+    """Build, load and return the model of ``engine_config`` in eval mode on the platform device.
+
+    ``prepack`` gives bf16 linear weights on the CPU a oneDNN-packed copy (see
+    ``layers.cpu_gemm``); None = ``FORWARDKIT_CPU_PREPACK_WEIGHTS`` (on by default). A plain
+    PyTorch baseline passes False.
+    """
     from forwardkit.config.engine import set_current_engine_config
 
     model_config = engine_config.model_config
@@ -95,4 +102,6 @@ def load_model(engine_config) -> nn.Module:
         if missing:
             raise WeightLoadError(missing=missing, source=f"checkpoint {model_dir}")
         logger.info("Loaded %s from %s (%d files)", model_cls.__name__, model_dir, len(files))
+    if envs.FORWARDKIT_CPU_PREPACK_WEIGHTS if prepack is None else prepack:
+        prepack_weights(model)
     return model.eval()

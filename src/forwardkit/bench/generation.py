@@ -1,0 +1,167 @@
+"""End-to-end generation benchmark: forwardkit's ``LLM`` against the code a user would write.
+
+Contenders, all on the same weights and dtype, in one process, taking turns:
+
+- ``forwardkit``: ``LLM`` with the resolved configuration (compiled, prepacked weights);
+- ``eager``: ``LLM`` running the same model as plain PyTorch (mode NONE, native ops, plain
+  ``F.linear`` weights);
+- ``torch.compile``: that eager model under stock ``torch.compile(dynamic=True)``;
+- ``transformers``: Hugging Face ``generate`` on a ``transformers`` model holding the same
+  weights (Llama-family shapes; greedy, KV cache on, its default attention).
+
+For each batch size ``B``: the time of a greedy generate of 1 token (prefill and first
+token) and of ``1 + N`` tokens; decode tokens/s = ``B * N / (t(1+N) - t(1))``. Time to first
+token is ``t(1)`` at batch 1. Bandwidth use = weight bytes one decode step reads / step time,
+as a fraction of the streaming bandwidth measured on the spot (a GEMV over 1 GiB).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["GENERATION_CONTENDERS", "GenerationResult", "hf_state_dict", "measure_stream_bandwidth",
+           "time_generation"]
+
+GENERATION_CONTENDERS = ("eager", "torch.compile", "forwardkit", "transformers")
+GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
+
+
+@dataclass
+class GenerationResult:
+    """Figures of one contender (medians over the repeats)."""
+
+    name: str
+    startup_s: float = 0.0
+    ttft_ms: float = 0.0
+    prefill_tok_s: float = 0.0
+    decode_tok_s: dict[int, float] = field(default_factory=dict)
+    bandwidth_use: dict[int, float] = field(default_factory=dict)
+    samples: dict[str, list[float]] = field(default_factory=dict, repr=False)
+
+
+def measure_stream_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s a GEMV streams over a matrix larger than the caches (best of fp32 ``torch.mv``
+    and, where supported, a oneDNN-packed bf16 GEMV: the higher figure is the roof)."""
+    from forwardkit.layers import cpu_gemm
+
+    cols = 4096
+    rows = int(gib * 2**30) // (4 * cols)
+    best = 0.0
+    matrix = torch.randn(rows, cols)
+    vec = torch.randn(cols)
+    best = max(best, _rate(lambda: torch.mv(matrix, vec), matrix.numel() * 4, repeats))
+    if cpu_gemm.prepack_supported(torch.bfloat16):
+        bf = matrix.view(-1)[: rows * cols].to(torch.bfloat16).view(rows, cols)
+        del matrix
+        bf = torch.cat([bf, bf])  # same bytes as the fp32 matrix
+        cpu_gemm.pack_weight(bf)
+        x = torch.randn(1, cols, dtype=torch.bfloat16)
+        best = max(best, _rate(lambda: cpu_gemm.linear(x, bf), bf.numel() * 2, repeats))
+        cpu_gemm.unpack_weight(bf)
+    return best
+
+
+def _rate(fn: Callable[[], Any], nbytes: int, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times)
+
+
+def time_generation(fn: GenerateFn, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """``(seconds for 1 token, seconds for 1 + new_tokens)`` of a greedy generate of ``prompts``."""
+    start = time.perf_counter()
+    fn(prompts, 1)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    out = fn(prompts, 1 + new_tokens)
+    total = time.perf_counter() - start
+    short = [len(o) for o in out if len(o) != 1 + new_tokens]
+    if short:
+        raise RuntimeError(f"a contender generated {short[0]} tokens instead of {1 + new_tokens}")
+    return first, total
+
+
+# ---------------------------------------------------------------------------- transformers
+def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """forwardkit Llama-family parameters under Hugging Face names, merged projections split
+    back into views (no copy: the transformers model shares forwardkit's weights)."""
+    from forwardkit.layers.linear import MergedLinear
+
+    stacked = getattr(model, "stacked_params", ())
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if not isinstance(owner, MergedLinear):
+            out[name] = param.detach()
+            continue
+        for shard, (offset, size) in owner.shard_offsets.items():
+            hf_name = next((name.replace(ours, hf) for hf, ours, sid in stacked
+                            if ours in name and sid == shard), None)
+            if hf_name is None:
+                raise ValueError(f"no Hugging Face name for shard {shard!r} of {name}")
+            out[hf_name] = param.detach().narrow(0, offset, size)
+    return out
+
+
+def build_transformers_model(hf_config: dict[str, Any], dtype: torch.dtype,
+                             fk_model: torch.nn.Module) -> Any:
+    """A ``transformers`` causal LM of ``hf_config`` holding ``fk_model``'s weights."""
+    import transformers
+
+    if hf_config.get("num_local_experts"):
+        raise ValueError("the transformers contender supports Llama-family (dense) shapes only")
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items()
+                                                   if k not in ("torch_dtype", "dtype")})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = hf_state_dict(fk_model)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing = [m for m in missing if m != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit the transformers model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    # non-persistent buffers (the rotary inverse frequencies) are rebuilt on the CPU
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise ValueError(f"transformers model tensors left unset: {still_meta[:5]}")
+    return model.eval()
+
+
+def transformers_generate(model: Any) -> GenerateFn:
+    """Greedy ``model.generate`` over equal-length prompts, EOS ignored."""
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        ids = torch.tensor(prompts)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 pad_token_id=0)
+        return out[:, ids.shape[1]:].tolist()
+
+    return generate
+
+
+def llm_generate(llm: Any) -> GenerateFn:
+    """Greedy ``LLM.generate`` over prompts, EOS ignored."""
+    from forwardkit.engine.sampling_params import SamplingParams
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return generate

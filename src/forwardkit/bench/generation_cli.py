@@ -1,0 +1,260 @@
+"""``forwardkit bench --generation``: builds the contenders, times them in turns, prints the table.
+
+    forwardkit bench --generation --model-shape llama-3.2-1b --batch-sizes 1,16 --json out.json
+
+See :mod:`forwardkit.bench.generation` for what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform as host
+import random
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["add_generation_args", "run_generation"]
+
+QUICK = {"batch_sizes": [1, 4], "prompt_len": 16, "new_tokens": 4, "repeats": 1}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return sorted(set(values))
+
+
+def add_generation_args(parser: argparse.ArgumentParser) -> None:
+    """Add the ``--generation`` mode's flags to ``forwardkit bench``."""
+    g = parser.add_argument_group("end-to-end generation (--generation)")
+    g.add_argument("--generation", action="store_true",
+                   help="measure greedy generation end to end (decode tokens/s per batch size, "
+                        "prefill tokens/s, time to first token, start-up, bandwidth use) for "
+                        "eager, torch.compile, forwardkit and Hugging Face transformers generate")
+    g.add_argument("--batch-sizes", type=_int_list, default=None, metavar="LIST",
+                   help="decode batch sizes (default 1,16; 1,4 with --quick)")
+    g.add_argument("--prompt-len", type=int, default=None, metavar="N",
+                   help="prompt tokens per request (default 128; 16 with --quick)")
+    g.add_argument("--new-tokens", type=int, default=None, metavar="N",
+                   help="decode tokens timed per request (default 32; 4 with --quick)")
+    g.add_argument("--repeats", type=int, default=None, metavar="N",
+                   help="timed repeats per batch size, medians reported (default 3; 1 with --quick)")
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    defaults = QUICK if args.quick else {"batch_sizes": [1, 16], "prompt_len": 128,
+                                         "new_tokens": 32, "repeats": 3}
+    out = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v
+           for k, v in defaults.items()}
+    for key in ("prompt_len", "new_tokens", "repeats"):
+        if out[key] < 1:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {out[key]}")
+    return out
+
+
+@contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
+                   s: dict[str, Any]) -> Any:
+    from forwardkit.bench.contenders import NATIVE_EAGER
+    from forwardkit.config.args import engine_config_from_args
+
+    ns = copy.copy(args)
+    longest = s["prompt_len"] + s["new_tokens"] + 1
+    ns.max_model_len = ns.max_model_len or longest
+    ns.max_num_seqs = max(s["batch_sizes"])
+    ns.max_num_batched_tokens = max(ns.max_num_batched_tokens or 0, 512, ns.max_num_seqs)
+    if name != "forwardkit":
+        ns.enforce_eager, ns.engine_O, ns.compilation_config = False, ["0"], NATIVE_EAGER
+    cfg = engine_config_from_args(ns, default_hf_config=hf_config)
+    block = int(cfg.cache_config.block_size)
+    cfg.cache_config.num_gpu_blocks = ns.max_num_seqs * -(-int(cfg.model_config.max_model_len) // block) + 1
+    return cfg
+
+
+def _build(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
+           s: dict[str, Any], fk_llm: Any) -> tuple[Any, Any]:
+    """(generate function, keep-alive object) of contender ``name``."""
+    from forwardkit.bench import generation as gen
+    from forwardkit.engine.llm import LLM
+
+    if name == "transformers":
+        if fk_llm is None:
+            raise ValueError("the transformers contender needs the forwardkit contender (it "
+                             "takes forwardkit's weights)")
+        runner = fk_llm.runner
+        model = gen.build_transformers_model(runner.model_config.hf_config, runner.dtype,
+                                             runner.model)
+        return gen.transformers_generate(model), model
+    cfg = _engine_config(name, args, hf_config, s)
+    if name == "forwardkit":
+        llm = LLM(engine_config=cfg, seed=args.seed)
+    else:
+        with _env("FORWARDKIT_CPU_PREPACK_WEIGHTS", "0"):  # plain F.linear weights
+            llm = LLM(engine_config=cfg, seed=args.seed)
+        if name == "torch.compile":
+            import torch
+
+            llm.runner.model.model = torch.compile(llm.runner.model.model, dynamic=True)
+    return gen.llm_generate(llm), llm
+
+
+def run_generation(args: argparse.Namespace) -> int:
+    """Run the end-to-end generation benchmark and print its table."""
+    from tqdm import tqdm
+
+    from forwardkit.bench import generation as gen
+    from forwardkit.config.model_shapes import model_shape_config, weight_bytes_per_token
+
+    s = _settings(args)
+    names = args.contenders or list(gen.GENERATION_CONTENDERS)
+    hf_config = None if args.model is not None else model_shape_config(args.model_shape or "default")
+    if "transformers" in names and "forwardkit" in names:  # it borrows forwardkit's weights
+        names = [n for n in names if n != "transformers"] + ["transformers"]
+    progress = not args.no_progress
+    results = {n: gen.GenerationResult(n) for n in names}
+    fns: dict[str, Any] = {}
+    keep: dict[str, Any] = {}
+    rng = random.Random(args.seed)
+    for name in tqdm(names, desc="build + first token", unit="contender", disable=not progress):
+        start = time.perf_counter()
+        fns[name], keep[name] = _build(name, args, hf_config, s, keep.get("forwardkit"))
+        vocab = _vocab(keep)
+        fns[name]([[rng.randrange(vocab) for _ in range(s["prompt_len"])]], 1)
+        results[name].startup_s = time.perf_counter() - start
+        for b in s["batch_sizes"]:  # untimed: every compile and first-shape cost paid here
+            fns[name]([[rng.randrange(vocab) for _ in range(s["prompt_len"])]] * b, 2)
+    runner_cfg = _fk_model_info(keep)
+    stream = gen.measure_stream_bandwidth()
+    total = len(s["batch_sizes"]) * s["repeats"] * len(names)
+    bar = tqdm(total=total, desc="timed generations", unit="run", disable=not progress)
+    for b in s["batch_sizes"]:
+        prompts = [[rng.randrange(vocab) for _ in range(s["prompt_len"])] for _ in range(b)]
+        for rep in range(s["repeats"]):
+            order = names[rep % len(names):] + names[: rep % len(names)]
+            for name in order:
+                first, full = gen.time_generation(fns[name], prompts, s["new_tokens"])
+                results[name].samples.setdefault(f"first_{b}", []).append(first)
+                results[name].samples.setdefault(f"decode_{b}", []).append(full - first)
+                bar.update(1)
+    bar.close()
+    hf, itemsize, model_name = runner_cfg
+    bytes_per_step = {b: weight_bytes_per_token(hf, itemsize, b) for b in s["batch_sizes"]}
+    for r in results.values():
+        for b in s["batch_sizes"]:
+            decode_s = statistics.median(r.samples[f"decode_{b}"])
+            r.decode_tok_s[b] = b * s["new_tokens"] / decode_s
+            step_s = decode_s / s["new_tokens"]
+            r.bandwidth_use[b] = bytes_per_step[b] / step_s / stream
+        b0, b1 = min(s["batch_sizes"]), max(s["batch_sizes"])
+        r.ttft_ms = statistics.median(r.samples[f"first_{b0}"]) * 1e3
+        r.prefill_tok_s = b1 * s["prompt_len"] / statistics.median(r.samples[f"first_{b1}"])
+    report = _report(results, s, stream, bytes_per_step, model_name, itemsize)
+    print(_format(report), file=sys.stdout)
+    if args.json_path:
+        with open(args.json_path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+        print(f"\nwrote {args.json_path}")
+    return 0
+
+
+def _vocab(keep: dict[str, Any]) -> int:
+    for obj in keep.values():
+        runner = getattr(obj, "runner", None)
+        if runner is not None:
+            return int(runner.vocab_size)
+    return 1000
+
+
+def _fk_model_info(keep: dict[str, Any]) -> tuple[dict[str, Any], int, str]:
+    for obj in keep.values():
+        runner = getattr(obj, "runner", None)
+        if runner is not None:
+            mc = runner.model_config
+            name = mc.model or "random weights"
+            return mc.hf_config, runner.dtype.itemsize, name
+    raise ValueError("the generation benchmark needs at least one forwardkit LLM contender")
+
+
+def _report(results: dict[str, Any], s: dict[str, Any], stream: float,
+            bytes_per_step: dict[int, int], model_name: str, itemsize: int) -> dict[str, Any]:
+    import torch
+
+    ref = results.get("transformers")
+    contenders = {}
+    for name, r in results.items():
+        entry = {
+            "startup_s": r.startup_s,
+            "ttft_ms": r.ttft_ms,
+            "prefill_tok_s": r.prefill_tok_s,
+            "decode_tok_s": {str(b): v for b, v in r.decode_tok_s.items()},
+            "bandwidth_use": {str(b): v for b, v in r.bandwidth_use.items()},
+        }
+        if ref is not None:
+            entry["decode_speedup_vs_transformers"] = {
+                str(b): v / ref.decode_tok_s[b] for b, v in r.decode_tok_s.items()}
+        contenders[name] = entry
+    return {
+        "model": model_name,
+        "dtype": {2: "bfloat16/float16", 4: "float32"}.get(itemsize, str(itemsize)),
+        "batch_sizes": s["batch_sizes"],
+        "prompt_len": s["prompt_len"],
+        "new_tokens": s["new_tokens"],
+        "repeats": s["repeats"],
+        "stream_gb_s": stream / 1e9,
+        "weight_bytes_per_step": {str(b): v for b, v in bytes_per_step.items()},
+        "machine": f"{host.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+                   f"{torch.get_num_threads()} threads",
+        "contenders": contenders,
+    }
+
+
+def _format(report: dict[str, Any]) -> str:
+    sizes = [str(b) for b in report["batch_sizes"]]
+    head = f"{'contender':<14}{'startup s':>10}{'TTFT ms':>9}{'prefill tok/s':>14}"
+    for b in sizes:
+        head += f"{f'B={b} tok/s':>13}{'BW use':>8}"
+    has_ref = any("decode_speedup_vs_transformers" in c for c in report["contenders"].values())
+    if has_ref:
+        head += f"{'vs transformers':>17}"
+    lines = [
+        f"\nforwardkit bench --generation: model {report['model']} ({report['dtype']}), "
+        f"prompts of {report['prompt_len']} tokens, {report['new_tokens']} decode tokens timed, "
+        f"median of {report['repeats']}",
+        f"machine: {report['machine']}; streaming bandwidth {report['stream_gb_s']:.1f} GB/s "
+        f"(GEMV over 1 GiB); weight bytes per decode step "
+        + ", ".join(f"B={b}: {int(v) / 1e9:.2f} GB" for b, v in report["weight_bytes_per_step"].items()),
+        "", head, "-" * len(head)]
+    for name, c in report["contenders"].items():
+        row = f"{name:<14}{c['startup_s']:>10.1f}{c['ttft_ms']:>9.0f}{c['prefill_tok_s']:>14.0f}"
+        for b in sizes:
+            row += f"{c['decode_tok_s'][b]:>13.1f}{c['bandwidth_use'][b]:>8.0%}"
+        if has_ref:
+            ratio = c.get("decode_speedup_vs_transformers", {})
+            row += f"{' / '.join(f'{ratio[b]:.2f}x' for b in sizes):>17}"
+        lines.append(row)
+    lines.append("\nBW use = weight bytes one decode step reads / step time / streaming bandwidth; "
+                 "vs transformers = decode tokens/s ratio per batch size")
+    return "\n".join(lines)
