@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -81,6 +82,12 @@ def test_bench_json_trace_file(tmp_path):
         (["bench", "--contenders", "eager,fast"], "unknown contender"),
         (["bench", "--trace", "bursty"], "neither a built-in trace"),
         (["bench", "--steps", "0"], "--steps must be >= 1"),
+        (["bench", "--model-shape", "llama-9b"], "unknown model shape 'llama-9b'; accepted: ["),
+        (["bench", "--model-shape", "default", "--model", "x"], "give --model or --model-shape, not both"),
+        (["bench", "--contenders", "transformers"], "--contenders transformers needs --generation"),
+        (["bench", "--generation", "--batch-sizes", "0,4"], "expected comma-separated positive"),
+        (["bench", "--generation", "--new-tokens", "0"], "--new-tokens must be >= 1"),
+        (["bench", "-dp", "2", "--model-shape", "llama-3.2-1b"], "has no experts (try mixtral-small)"),
     ],
 )
 def test_bench_errors_are_one_line(argv, message):
@@ -109,3 +116,48 @@ def test_bench_under_torchrun(tmp_path):
     _check_report(data, ["eager"])
     assert data["trace"] == "decode-heavy (rank 0 of 2)"
     assert proc.stdout.count("forwardkit bench:") == 1  # only rank 0 reports
+
+
+GEN_KEYS = {"startup_s", "ttft_ms", "prefill_tok_s", "decode_tok_s", "bandwidth_use",
+            "decode_speedup_vs_transformers"}
+
+
+@pytest.mark.slow
+def test_bench_generation_quick_json(tmp_path, capsys):
+    """End-to-end generation on the built-in model: every contender, stable JSON keys."""
+    out = tmp_path / "gen.json"
+    assert main(["bench", "--generation", "--quick", "--no-progress", "--new-tokens", "3",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data) >= {"model", "dtype", "batch_sizes", "prompt_len", "new_tokens", "stream_gb_s",
+                         "weight_bytes_per_step", "machine", "contenders"}
+    assert data["batch_sizes"] == [1, 4] and data["new_tokens"] == 3 and data["stream_gb_s"] > 0
+    assert list(data["contenders"]) == ["eager", "torch.compile", "forwardkit", "transformers"]
+    for name, c in data["contenders"].items():
+        assert set(c) == GEN_KEYS, name
+        assert set(c["decode_tok_s"]) == {"1", "4"} and min(c["decode_tok_s"].values()) > 0
+        assert 0 < c["bandwidth_use"]["1"] < 1.5 and c["ttft_ms"] > 0 and c["startup_s"] > 0
+    ref = data["contenders"]["transformers"]["decode_tok_s"]
+    fk = data["contenders"]["forwardkit"]
+    assert fk["decode_speedup_vs_transformers"]["4"] == pytest.approx(fk["decode_tok_s"]["4"] / ref["4"])
+    printed = capsys.readouterr().out
+    assert "BW use" in printed and "vs transformers" in printed and "streaming bandwidth" in printed
+
+
+@pytest.mark.slow
+def test_bench_model_shape_runs_a_real_architecture(tmp_path):
+    """--model-shape builds the named architecture (the small built-in MoE here, a few steps);
+    the baselines run with every op native."""
+    from forwardkit.bench.contenders import engine_config_for
+
+    out = tmp_path / "shape.json"
+    assert main(["bench", "--model-shape", "default-moe", "--no-progress", "--steps", "3",
+                 "--warmup-steps", "0", "--contenders", "eager,forwardkit", "-O.mode=0",
+                 "--json", str(out)]) == 0
+    _check_report(json.loads(out.read_text()), ["eager", "forwardkit"])
+    ns = argparse.Namespace(model=None, dtype=None, max_model_len=None, max_num_seqs=None,
+                            max_num_batched_tokens=None, enable_chunked_prefill=None,
+                            enforce_eager=False, compilation_config="3", engine_O=["3"],
+                            block_size=None, platform="cpu", data_parallel_size=None)
+    eager = engine_config_for("eager", ns, None, 8).compilation_config
+    assert eager.mode == 0 and eager.custom_ops == ["none"]

@@ -81,6 +81,16 @@ def mixtral_dir(tmp_path_factory) -> str:
     return _save(model, tmp_path_factory.mktemp("mixtral"))
 
 
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory) -> str:
+    """Qwen2: biases on q/k/v only, tied embeddings."""
+    torch.manual_seed(3)
+    cfg = transformers.Qwen2Config(**TINY, tie_word_embeddings=True, rope_theta=1000000.0)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    _init_nonzero_biases(model)
+    return _save(model, tmp_path_factory.mktemp("qwen2"))
+
+
 @dataclass
 class PagedDriver:
     """Runs a forwardkit model step by step over a paged KV cache (like a tiny runner)."""
@@ -97,7 +107,8 @@ class PagedDriver:
         from forwardkit.layers.kv_cache import bind_kv_cache
 
         ctx = self.engine_config.compilation_config.static_forward_context
-        bind_kv_cache(ctx, self.num_blocks, self.block_size, torch.float32, "cpu")
+        dtype = next(self.model.parameters()).dtype  # the KV cache has the model's dtype
+        bind_kv_cache(ctx, self.num_blocks, self.block_size, dtype, "cpu")
         # Hand out blocks in a scrambled order so tables are non-contiguous.
         self.free = list(reversed(range(self.num_blocks)))
 

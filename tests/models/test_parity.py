@@ -11,8 +11,9 @@ ATOL = 1e-5
 RTOL = 1e-5
 
 
-def _hf_logits(model_dir: str, sequences: list[list[int]]) -> list[torch.Tensor]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def _hf_logits(model_dir: str, sequences: list[list[int]],
+               dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     with torch.no_grad():
         return [model(torch.tensor([seq])).logits[0].float() for seq in sequences]
 
@@ -48,7 +49,7 @@ def _prefill_then_decode(driver, sequences, prompt_lens, pad_to=None):
     return {rid: torch.cat(chunks) for rid, chunks in out.items()}
 
 
-@pytest.mark.parametrize("fixture", ["llama_dir", "llama_variant_dir", "mixtral_dir"])
+@pytest.mark.parametrize("fixture", ["llama_dir", "llama_variant_dir", "mixtral_dir", "qwen2_dir"])
 def test_prefill_and_decode_match_transformers(fixture, request, load_fk):
     model_dir = request.getfixturevalue(fixture)
     driver = load_fk(model_dir, block_size=4)
@@ -87,3 +88,33 @@ def test_padding_rows_do_not_change_results(llama_dir, load_fk):
     b = load_fk(llama_dir).step({0: seqs[0], 1: seqs[1]}, pad_to=40)
     for rid in a:
         assert torch.equal(a[rid], b[rid])
+
+
+# bf16: both sides round every op's result to bf16 but run different kernels (oneDNN packed
+# matmuls, paged attention vs transformers' dense attention), so logits differ by a few bf16
+# ulps of their magnitude. Stated tolerance: max |ours - ref| <= 0.01 * max |ref| + 0.01 (seen: 0.004).
+BF16_REL, BF16_ABS = 0.01, 0.01
+
+
+@pytest.mark.parametrize("fixture", ["llama_variant_dir", "qwen2_dir"])
+def test_bf16_logits_within_tolerance_of_transformers_bf16(fixture, request, load_fk):
+    from forwardkit.layers import cpu_gemm
+
+    model_dir = request.getfixturevalue(fixture)
+    driver = load_fk(model_dir, block_size=4, dtype="bfloat16")
+    assert next(driver.model.parameters()).dtype == torch.bfloat16
+    if cpu_gemm.prepack_supported(torch.bfloat16):
+        assert driver.model.model.layers[0].self_attn.qkv_proj.packed  # the fast path is tested
+    vocab = driver.model.config["vocab_size"]
+    sequences = _sequences(vocab, [9, 14], seed=4)
+    ref = _hf_logits(model_dir, sequences, dtype=torch.bfloat16)
+    ours = _prefill_then_decode(driver, sequences, [5, 10])
+    for rid in range(len(sequences)):
+        err = (ours[rid] - ref[rid].float()).abs().max().item()
+        bound = BF16_REL * ref[rid].abs().max().item() + BF16_ABS
+        print(f"{fixture} bf16 request {rid}: max abs error {err:.3g} (bound {bound:.3g})")
+        assert err <= bound, f"{fixture} request {rid}: {err:.3g} > {bound:.3g}"
+        # the greedy choice agrees wherever transformers' top-2 logits are not a near tie
+        top2 = ref[rid].float().topk(2).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * bound
+        assert torch.equal(ours[rid].argmax(-1)[clear], ref[rid].argmax(-1)[clear])

@@ -42,7 +42,10 @@ from forwardkit.config.scheduler import (
     DEFAULT_MAX_NUM_SEQS,
     SchedulerConfig,
 )
+from forwardkit.logger import init_logger
 from forwardkit.platforms import Platform, current_platform, platform_by_name, use_platform
+
+logger = init_logger(__name__)
 
 __all__ = ["build_engine_config", "default_batch_limits", "engine_kwarg_names", "one_line_error"]
 
@@ -185,6 +188,7 @@ def build_engine_config(
     compilation = _compilation(compilation_config, resolved_platform, label("compilation_config"))
     try:
         model_config = _model_config(model, default_hf_config, dtype, max_model_len, enforce_eager, label)
+        model_config = _cpu_dtype_fallback(model_config, dtype, resolved_platform)
         model_len = model_config.max_model_len if model_config is not None else DEFAULT_MAX_MODEL_LEN
         seqs, tokens = default_batch_limits(max_num_seqs, max_num_batched_tokens, max_model_len=model_len,
                                             enable_chunked_prefill=enable_chunked_prefill)
@@ -211,6 +215,24 @@ def build_engine_config(
         return EngineConfig(**config_kwargs)
     except ValidationError as exc:
         raise ValueError(one_line_error(exc)) from None
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls natively (AVX-512-BF16 or AMX, through oneDNN)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _cpu_dtype_fallback(model_config: ModelConfig | None, dtype: Any,
+                        platform: Platform) -> ModelConfig | None:
+    """On a CPU without native bf16, a checkpoint's bf16 (taken by ``dtype="auto"``) runs in
+    float32: emulated bf16 matmuls are several times slower. An explicit dtype is kept."""
+    auto = dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto")
+    if (model_config is None or not auto or model_config.dtype != torch.bfloat16
+            or not platform.is_cpu() or cpu_has_native_bf16()):
+        return model_config
+    logger.info_once("This CPU has no native bf16 matmuls: running the bf16 model in float32 "
+                     "(pass dtype='bfloat16' to force bf16)")
+    return dataclasses.replace(model_config, dtype=torch.float32)
 
 
 def _model_config(model: str | os.PathLike[str] | None, default_hf_config: Mapping[str, Any] | None,

@@ -1,0 +1,124 @@
+"""oneDNN-prepacked bf16 linear weights: same results as ``F.linear``, kept fresh on writes."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forwardkit.layers import cpu_gemm
+from forwardkit.layers.linear import (
+    Linear,
+    LMHead,
+    MergedLinear,
+    VocabEmbedding,
+    copy_weight,
+    prepack_weights,
+)
+
+BF16 = torch.bfloat16
+needs_bf16 = pytest.mark.skipif(not cpu_gemm.prepack_supported(BF16),
+                                reason="this CPU has no native bf16 matmul (AVX-512-BF16 / AMX)")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    # both accumulate in float32 and round to bf16 once; the order of the sums may differ
+    torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_only_bf16_on_cpu_is_packed():
+    assert not cpu_gemm.prepack_supported(torch.float32)
+    assert not cpu_gemm.prepack_supported(torch.float16, "cpu") or torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert not cpu_gemm.prepack_supported(BF16, "meta")
+    fp32 = torch.nn.Sequential(Linear(8, 8, dtype=torch.float32))
+    assert prepack_weights(fp32) == 0 and not fp32[0].packed
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_packed_linear_matches_f_linear(rows):
+    torch.manual_seed(0)
+    layer = Linear(96, 160, bias=True, dtype=BF16)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    x = torch.randn(rows, 96, dtype=BF16)
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert prepack_weights(torch.nn.Sequential(layer)) == 1 and layer.packed
+    got = layer(x)
+    assert got.dtype == BF16 and got.shape == (rows, 160)
+    _close(got, expected)
+
+
+@needs_bf16
+def test_writes_through_weight_loaders_refresh_the_packed_copy():
+    torch.manual_seed(1)
+    merged = MergedLinear(32, [("q", 16), ("k", 8), ("v", 8)], dtype=BF16)
+    plain = Linear(32, 24, dtype=BF16)
+    for layer in (merged, plain):
+        with torch.no_grad():
+            layer.weight.normal_()
+    prepack_weights(torch.nn.ModuleList([merged, plain]))
+    x = torch.randn(3, 32, dtype=BF16)
+    new_k = torch.randn(8, 32)  # float32 source, cast on copy
+    merged.weight_loader(merged.weight, new_k, "k")
+    assert torch.equal(merged.weight[16:24], new_k.to(BF16))
+    _close(merged(x), F.linear(x, merged.weight))
+    new_plain = torch.randn(24, 32, dtype=BF16)
+    copy_weight(plain.weight.data, new_plain)
+    _close(plain(x), F.linear(x, new_plain))
+
+
+@needs_bf16
+def test_tied_head_uses_the_embedding_table_and_sees_its_updates():
+    embed = VocabEmbedding(50, 16, dtype=BF16)
+    head = LMHead(50, 16, dtype=BF16, tie_to=embed)
+    with torch.no_grad():
+        embed.weight.normal_()
+    prepack_weights(torch.nn.ModuleList([embed, head]))
+    assert head.packed
+    h = torch.randn(2, 16, dtype=BF16)
+    fresh = torch.randn(50, 16)
+    embed.weight.weight_loader(embed.weight, fresh)
+    _close(head(h), F.linear(h, fresh.to(BF16)).float())
+
+
+@needs_bf16
+def test_packed_copy_goes_with_its_weight():
+    gc.collect()  # layers of earlier tests
+    before = cpu_gemm.packed_weight_count()
+    layer = Linear(16, 16, dtype=BF16)
+    prepack_weights(torch.nn.Sequential(layer))
+    assert cpu_gemm.packed_weight_count() == before + 1
+    del layer
+    gc.collect()
+    assert cpu_gemm.packed_weight_count() == before
+
+
+@needs_bf16
+def test_compiled_graph_reads_the_packed_copy_at_run_time():
+    """The op is opaque and looks the packed weight up per call: an in-place weight update after
+    compilation is seen without recompiling."""
+    torch.manual_seed(2)
+    layer = Linear(32, 32, dtype=BF16)
+    with torch.no_grad():
+        layer.weight.normal_()
+    prepack_weights(torch.nn.Sequential(layer))
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda t: layer(t).relu(), backend=backend, dynamic=True)
+    x = torch.randn(4, 32, dtype=BF16)
+    _close(compiled(x), F.linear(x, layer.weight).relu())
+    new = torch.randn(32, 32, dtype=BF16)
+    copy_weight(layer.weight.data, new)
+    _close(compiled(x), F.linear(x, new).relu())
+    assert len(graphs) == 1
+    graph_ops = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert "forwardkit.linear" in graph_ops  # the opaque op, not an aten matmul
+    assert not any("mm" in op or "linear" == op for op in graph_ops)
