@@ -23,3 +23,14 @@ def test_compile_happens_at_start_up():
 def test_eager_model_skips_warm_up():
     llm = LLM(max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=True)
     assert llm.runner.warm_up_compile_ranges() == []
+
+
+def test_cpu_warm_up_runs_a_small_step_per_range_and_covers_the_whole_range():
+    llm = LLM(max_num_batched_tokens=64, max_num_seqs=8,
+              compilation_config={"mode": 3, "backend": "eager"})
+    assert llm.runner.warm_up_compile_ranges() == [16]  # range [1, 64]: 16 tokens, not 64
+    started = compilation_counter.clone()
+    out = llm.generate(prompt_token_ids=[list(range(1, 61))],  # a 60-token prefill step
+                       sampling_params=SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert compilation_counter.delta(started).get("num_backend_compilations", 0) == 0

@@ -39,6 +39,9 @@ __all__ = ["ModelRunner", "StepInfo"]
 
 logger = init_logger(__name__)
 
+# Tokens of a CPU start-up dummy step per compile range (see ``warm_up_compile_ranges``).
+_CPU_WARMUP_TOKENS = 16
+
 
 class StepInfo:
     """How the last step ran: runtime mode, descriptor, real and padded tokens, DP counts."""
@@ -284,7 +287,8 @@ class ModelRunner:
 
     def warm_up_compile_ranges(self) -> list[int]:
         """Compile at start-up instead of on the first real step (vLLM's profile run): one
-        eager dummy step at the top of each compile range, largest first.
+        eager dummy step per compile range, largest first (at the top of the range on a GPU,
+        a small size inside it on a CPU).
 
         A no-op for eager models (mode NONE or ``enforce_eager``). Returns the sizes run.
         """
@@ -292,7 +296,14 @@ class ModelRunner:
         if mode == 0 or (self.model_config is not None and self.model_config.enforce_eager):
             return []
         ranges = self.compilation_config.get_compile_ranges() or []
-        sizes = sorted({min(int(r.end), self.max_num_tokens) for r in ranges} or {1}, reverse=True)
+        if self.device.type == "cpu":
+            # NOTE: any size inside a range compiles that range's piece (the token dimension is
+            # dynamic); on a CPU a max-size dummy step of a 1B model costs seconds, so a small
+            # one is run instead. On a GPU the top of the range also sizes peak activations.
+            sizes = sorted({min(int(r.end), self.max_num_tokens, max(int(r.start), _CPU_WARMUP_TOKENS))
+                            for r in ranges} or {1}, reverse=True)
+        else:
+            sizes = sorted({min(int(r.end), self.max_num_tokens) for r in ranges} or {1}, reverse=True)
         for size in sizes:
             self.dummy_run(size, CUDAGraphMode.NONE)
         return sizes
