@@ -45,9 +45,11 @@ def make_trace(seed: int = 0) -> list[tuple[str, int]]:
 class Variant:
     """One model instance + its KV cache; ``step(kind, n)`` runs one forward."""
 
-    def __init__(self, name: str, mode: int, stock: bool = False) -> None:
+    def __init__(self, name: str, mode: int, stock: bool = False, native: bool = False) -> None:
         self.name = name
-        self.cfg = EngineConfig(compilation_config={"mode": mode, "backend": "inductor"})
+        # the baselines run every op native (no custom-op wrappers), as a user's model does
+        extra = {"custom_ops": ["none"]} if native else {}
+        self.cfg = EngineConfig(compilation_config={"mode": mode, "backend": "inductor", **extra})
         self.model = load_model(self.cfg)
         self.ctx = self.cfg.compilation_config.static_forward_context
         self.caches = bind_kv_cache(self.ctx, 64 * 4 + 40, BLOCK, torch.float32, "cpu")
@@ -92,8 +94,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     trace = make_trace()
     variants = [
-        Variant("eager", 0),
-        Variant("torch.compile(dynamic=True)", 0, stock=True),
+        Variant("eager", 0, native=True),
+        Variant("torch.compile(dynamic=True)", 0, stock=True, native=True),
         Variant("forwardkit mode 2", 2),
         Variant("forwardkit mode 3", 3),
     ]
