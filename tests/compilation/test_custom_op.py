@@ -75,7 +75,7 @@ def test_enforce_enable(cpu_platform):
     ],
 )
 def test_reference_table(mode, backend, custom_ops, on):
-    """spec compilation.md §7 verified table, including un-normalised lists."""
+    """vLLM 0.14.0's enabled/disabled table, including un-normalised lists."""
     cfg = SimpleNamespace(mode=mode, backend=backend, custom_ops=custom_ops)
     assert is_op_enabled_by(cfg, "toy") is on
 

@@ -1,4 +1,4 @@
-"""CompilationConfig / PassConfig / hash helpers: every example of spec/config.md §8.1-§8.2."""
+"""CompilationConfig / PassConfig / hash helpers: construction, normalisation, methods."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def _messages(records: list[logging.LogRecord]) -> str:
     return "\n".join(r.getMessage() for r in records)
 
 
-# ---------------------------------------------------------------- §8.1 construction
+# ---------------------------------------------------------------- construction
 
 
 def test_defaults_on_cuda(cuda_platform):
@@ -310,7 +310,7 @@ def test_from_cli_errors(text, fragment):
         CompilationConfig.from_cli(text)
 
 
-# ---------------------------------------------------------------- §8.2 methods
+# ---------------------------------------------------------------- methods
 
 
 @pytest.mark.parametrize(

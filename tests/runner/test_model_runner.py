@@ -205,7 +205,7 @@ def test_dummy_run_goes_through_the_model():
     ("PIECEWISE", 0, True, CUDAGraphMode.PIECEWISE),
 ])
 def test_resolve_cudagraph_mode(configured, support, split, expected):
-    """Spec §4.5: lower the configured mode to what the attention backend supports."""
+    """Lower the configured mode to what the attention backend supports."""
     from types import SimpleNamespace
 
     from forwardkit.runner.setup import resolve_cudagraph_mode

@@ -3,8 +3,7 @@
 A subclass implements :meth:`CustomOp.forward_native` (plain torch, what Inductor can trace and
 fuse) and may implement ``forward_cuda`` / ``forward_cpu`` (optimised forms; in forwardkit they
 call opaque ``torch.ops.forwardkit.*`` kernels). Which one runs is decided at construction from
-the current engine config's ``compilation_config.custom_ops`` (vLLM semantics, spec
-compilation.md §7):
+the current engine config's ``compilation_config.custom_ops`` (vLLM semantics):
 
 * ``"all"`` / ``"none"`` set the default; ``"+name"`` forces an op on, ``"-name"`` off;
 * with neither ``"all"`` nor ``"none"`` present (an un-normalised config) the normalisation

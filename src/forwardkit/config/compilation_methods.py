@@ -1,4 +1,4 @@
-"""The methods of ``CompilationConfig`` (spec/config.md §4), kept apart from its fields.
+"""The methods of ``CompilationConfig``, kept apart from its fields.
 
 :class:`CompilationMethods` is a field-less base class of ``CompilationConfig``; it reads
 and writes the config's attributes through ``self``. Checks that vLLM writes as ``assert``

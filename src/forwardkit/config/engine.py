@@ -1,8 +1,8 @@
 """``EngineConfig`` (vLLM's ``VllmConfig``): all configs of one engine, resolved together.
 
-Constructing an ``EngineConfig`` runs the ordered resolution of spec/config.md §5.3:
-optimisation-level defaults, compilation and cudagraph modes per platform, capture sizes
-(§5.4), compile ranges (§5.5) and splitting ops. The order is part of the behaviour (for
+Constructing an ``EngineConfig`` runs vLLM 0.14.0's ordered resolution:
+optimisation-level defaults, compilation and cudagraph modes per platform, capture sizes,
+compile ranges and splitting ops. The order is part of the behaviour (for
 example capture sizes are worked out before splitting ops may downgrade the cudagraph
 mode), so it is kept exactly. Deliberate differences from the reference:
 
@@ -112,7 +112,7 @@ class EngineConfig:
         with use_platform(self.platform):
             self._resolve()
 
-    # ------------------------------------------------------------------ resolution (§5.3)
+    # ------------------------------------------------------------------ resolution
     def _resolve(self) -> None:
         cc = self.compilation_config = _to_compilation_config(self.compilation_config)
         model, parallel, sched = self.model_config, self.parallel_config, self.scheduler_config
@@ -225,7 +225,7 @@ class EngineConfig:
         self._set_cudagraph_sizes()
 
     def _set_cudagraph_sizes(self) -> None:
-        """Capture sizes and their maximum (spec §5.4), then the padding table."""
+        """Capture sizes and their maximum, then the padding table."""
         cc, model, sched = self.compilation_config, self.model_config, self.scheduler_config
         if model is None or model.enforce_eager or cc.cudagraph_mode == CUDAGraphMode.NONE:
             cc.max_cudagraph_capture_size = 0
@@ -279,7 +279,8 @@ class EngineConfig:
         return kept
 
     def _set_compile_ranges(self) -> None:
-        """Split points of the Inductor compile ranges (spec §5.5)."""
+        """Split points of the Inductor compile ranges: the token budget, the all-reduce fusion
+        limit when that fusion is on, and the user's points strictly between 1 and the budget."""
         cc, tokens = self.compilation_config, self.scheduler_config.max_num_batched_tokens
         points: list[int] = [tokens] if tokens is not None else []
         if cc.pass_config.fuse_allreduce_rms and self.model_config is not None:
@@ -346,7 +347,7 @@ class EngineConfig:
         return p.data_parallel_size > 1 and (m is None or m.is_moe or not p.data_parallel_external_lb)
 
     def pad_for_cudagraph(self, batch_size: int) -> int:
-        """The capture size a batch of ``batch_size`` tokens is padded to (spec §5.6)."""
+        """The capture size a batch of ``batch_size`` tokens is padded to."""
         table = self.compilation_config.bs_to_padded_graph_size
         if table is None:
             raise ValueError(f"no cudagraph padding table: CUDA graphs are off on platform "

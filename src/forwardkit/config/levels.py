@@ -1,8 +1,8 @@
-"""Optimisation levels O0-O3 and the defaults each one fills in (spec/config.md §5.2).
+"""Optimisation levels O0-O3 and the defaults each one fills in (vLLM 0.14.0's table).
 
 The table is walked against the engine config: a dict whose target is a dataclass is walked
 recursively, every leaf goes through :func:`set_default`, so values the user set (not None)
-always win. Also holds the default cudagraph capture-size pattern (§5.4).
+always win. Also holds the default cudagraph capture-size pattern.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ _IS_DENSE = False
 
 
 def _level_defaults(level: OptimizationLevel) -> dict[str, Any]:
-    """The §5.2 table for one level; leaves are values or ``fn(engine_config)``."""
+    """The defaults table for one level; leaves are values or ``fn(engine_config)``."""
     if level == OptimizationLevel.O0:
         flags: dict[str, Any] = dict.fromkeys(
             ("eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "fuse_allreduce_rms",

@@ -40,7 +40,7 @@ class PassConfig:
     """Switches for forwardkit's custom Inductor passes.
 
     The seven ``bool | None`` flags are tri-state: ``None`` means "not decided yet"; the
-    engine config fills them in from its optimisation level (spec/config.md §5.2). Set
+    engine config fills them in from its optimisation level (``config/levels.py``). Set
     values are parsed leniently (``True``, ``1``, ``"yes"``, ``"off"``, ...).
     """
 
