@@ -398,3 +398,11 @@ def test_engine_hash():
     assert build(static=False).compute_hash() != base
     assert build(hf=None).compute_hash() != base
     assert build(tp=2).compute_hash() != base
+
+
+@pytest.mark.parametrize("level, on", [(0, False), (1, True), (2, True), (3, True)])
+def test_forwardkit_fusion_flags_follow_the_level(level, on):
+    pc = build(level=level).compilation_config.pass_config
+    assert (pc.fuse_rms_norm, pc.fuse_silu_and_mul) == (on, on)
+    pc = build(level=level, pass_config={"fuse_rms_norm": not on}).compilation_config.pass_config
+    assert (pc.fuse_rms_norm, pc.fuse_silu_and_mul) == (not on, on)  # a set value wins

@@ -23,7 +23,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from forwardkit.compilation.passes import InductorPass
+from forwardkit.compilation.inductor_pass import InductorPass
 from forwardkit.logger import init_logger
 
 __all__ = ["FusedAddRMSNormPass", "InlineOpaqueOpPass", "SiluAndMulFusionPass"]

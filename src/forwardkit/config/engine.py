@@ -41,6 +41,7 @@ from pydantic.dataclasses import dataclass
 from forwardkit import envs
 from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+from forwardkit.config.custom_ops import custom_ops_default
 from forwardkit.config.levels import (
     OptimizationLevel,
     apply_level_defaults,
@@ -140,8 +141,7 @@ class EngineConfig:
             cc.mode = (CompilationMode.VLLM_COMPILE if self.optimization_level > OptimizationLevel.O0
                        else CompilationMode.NONE)
         if "all" not in cc.custom_ops and "none" not in cc.custom_ops:  # step 11
-            on = cc.backend == "inductor" and cc.mode != CompilationMode.NONE
-            cc.custom_ops.append("none" if on else "all")
+            cc.custom_ops.append(custom_ops_default(cc.mode, cc.backend))
         apply_level_defaults(self)  # step 12
         if cc.cudagraph_mode.requires_piecewise_compilation() and cc.mode != CompilationMode.VLLM_COMPILE:
             logger.info("Cudagraph mode %s is not compatible with compilation mode %s; "

@@ -48,7 +48,8 @@ def _level_defaults(level: OptimizationLevel) -> dict[str, Any]:
     if level == OptimizationLevel.O0:
         flags: dict[str, Any] = dict.fromkeys(
             ("eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "fuse_allreduce_rms",
-             "fuse_attn_quant", "enable_sp", "fuse_gemm_comms"), False)
+             "fuse_attn_quant", "enable_sp", "fuse_gemm_comms", "fuse_rms_norm",
+             "fuse_silu_and_mul"), False)
         mode = CUDAGraphMode.NONE
     else:
         late = level >= OptimizationLevel.O2
@@ -60,6 +61,9 @@ def _level_defaults(level: OptimizationLevel) -> dict[str, Any]:
             "fuse_attn_quant": _IS_QUANTIZED if late else False,
             "enable_sp": _IS_DENSE if late else False,
             "fuse_gemm_comms": _IS_DENSE if late else False,
+            # forwardkit's own fusions (no vLLM flag): on wherever no-op elimination is.
+            "fuse_rms_norm": True,
+            "fuse_silu_and_mul": True,
         }
         mode = CUDAGraphMode.FULL_AND_PIECEWISE if late else CUDAGraphMode.PIECEWISE
     return {"compilation_config": {"pass_config": flags, "cudagraph_mode": mode,
