@@ -340,12 +340,6 @@ class EngineConfig:
         spec = self.speculative_config
         return 1 + spec.num_speculative_tokens if spec is not None and spec.num_speculative_tokens else 1
 
-    @property
-    def needs_dp_coordinator(self) -> bool:
-        """DP > 1 and (no model, a MoE model, or no external load balancer)."""
-        p, m = self.parallel_config, self.model_config
-        return p.data_parallel_size > 1 and (m is None or m.is_moe or not p.data_parallel_external_lb)
-
     def pad_for_cudagraph(self, batch_size: int) -> int:
         """The capture size a batch of ``batch_size`` tokens is padded to."""
         table = self.compilation_config.bs_to_padded_graph_size
