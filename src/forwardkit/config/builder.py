@@ -158,16 +158,7 @@ def build_engine_config(
     def label(name: str) -> str:
         return names.get(name, name)
 
-    parallel_fields, scheduler_fields = engine_kwarg_names()
-    unknown = sorted(set(kwargs) - parallel_fields - scheduler_fields)
-    if unknown:
-        raise TypeError(
-            f"unknown keyword argument(s) {unknown} for the engine config; besides the named "
-            f"arguments it accepts ParallelConfig fields {sorted(parallel_fields)} and "
-            f"SchedulerConfig fields {sorted(scheduler_fields)}"
-        )
-    parallel_kwargs = {k: v for k, v in kwargs.items() if k in parallel_fields and v is not None}
-    scheduler_kwargs = {k: v for k, v in kwargs.items() if k in scheduler_fields and v is not None}
+    parallel_kwargs, scheduler_kwargs = _split_engine_kwargs(kwargs)
     if data_parallel_size is not None:
         parallel_kwargs["data_parallel_size"] = data_parallel_size
 
@@ -175,17 +166,8 @@ def build_engine_config(
     compilation = _compilation(compilation_config, resolved_platform, label("compilation_config"))
     try:
         model_config = _model_config(model, default_hf_config, dtype, max_model_len, enforce_eager, label)
-        model_len = model_config.max_model_len if model_config is not None else DEFAULT_MAX_MODEL_LEN
-        seqs, tokens = default_batch_limits(max_num_seqs, max_num_batched_tokens, max_model_len=model_len,
-                                            enable_chunked_prefill=enable_chunked_prefill)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=seqs,
-            max_num_batched_tokens=tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-            max_model_len=model_len,
-            is_encoder_decoder=model_config.is_encoder_decoder if model_config is not None else False,
-            **scheduler_kwargs,
-        )
+        scheduler_config = _scheduler_config(model_config, max_num_seqs, max_num_batched_tokens,
+                                             enable_chunked_prefill, scheduler_kwargs)
         cache_config = CacheConfig(num_gpu_blocks=num_gpu_blocks,
                                    **({} if block_size is None else {"block_size": block_size}))
         config_kwargs: dict[str, Any] = {
@@ -201,6 +183,38 @@ def build_engine_config(
         return EngineConfig(**config_kwargs)
     except ValidationError as exc:
         raise ValueError(one_line_error(exc)) from None
+
+
+def _split_engine_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ParallelConfig kwargs, SchedulerConfig kwargs) without Nones; TypeError on unknown keys."""
+    parallel_fields, scheduler_fields = engine_kwarg_names()
+    unknown = sorted(set(kwargs) - parallel_fields - scheduler_fields)
+    if unknown:
+        raise TypeError(
+            f"unknown keyword argument(s) {unknown} for the engine config; besides the named "
+            f"arguments it accepts ParallelConfig fields {sorted(parallel_fields)} and "
+            f"SchedulerConfig fields {sorted(scheduler_fields)}"
+        )
+    parallel_kwargs = {k: v for k, v in kwargs.items() if k in parallel_fields and v is not None}
+    scheduler_kwargs = {k: v for k, v in kwargs.items() if k in scheduler_fields and v is not None}
+    return parallel_kwargs, scheduler_kwargs
+
+
+def _scheduler_config(model_config: ModelConfig | None, max_num_seqs: int | None,
+                      max_num_batched_tokens: int | None, enable_chunked_prefill: bool,
+                      scheduler_kwargs: Mapping[str, Any]) -> SchedulerConfig:
+    """The scheduler limits, defaults filled in from the model's ``max_model_len``."""
+    model_len = model_config.max_model_len if model_config is not None else DEFAULT_MAX_MODEL_LEN
+    seqs, tokens = default_batch_limits(max_num_seqs, max_num_batched_tokens, max_model_len=model_len,
+                                        enable_chunked_prefill=enable_chunked_prefill)
+    return SchedulerConfig(
+        max_num_seqs=seqs,
+        max_num_batched_tokens=tokens,
+        enable_chunked_prefill=enable_chunked_prefill,
+        max_model_len=model_len,
+        is_encoder_decoder=model_config.is_encoder_decoder if model_config is not None else False,
+        **scheduler_kwargs,
+    )
 
 
 def _model_config(model: str | os.PathLike[str] | None, default_hf_config: Mapping[str, Any] | None,

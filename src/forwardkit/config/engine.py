@@ -160,9 +160,17 @@ class EngineConfig:
         hook = getattr(self.platform, "check_and_update_config", None)  # step 19
         if callable(hook):
             hook(self)
+        self._resolve_splitting_ops()  # step 21
+        if pc.enable_sp:  # step 22
+            self._resolve_sequence_parallel_ops()
+        self._final_checks()  # steps 23-24
+        self._resolve_debug_dump_path()  # step 27
+
+    def _resolve_splitting_ops(self) -> None:
+        cc, model, parallel = self.compilation_config, self.model_config, self.parallel_config
         effective_dp = parallel.data_parallel_size if model is None or model.is_moe else 1
         graphs_before = cc.cudagraph_mode
-        cc.set_splitting_ops_for_v1(  # step 21
+        cc.set_splitting_ops_for_v1(
             all2all_backend=parallel.all2all_backend, data_parallel_size=effective_dp)
         if graphs_before != CUDAGraphMode.NONE and cc.cudagraph_mode == CUDAGraphMode.NONE:
             # NOTE: the reference keeps the capture sizes it worked out before step 21 turned
@@ -171,19 +179,19 @@ class EngineConfig:
             cc.max_cudagraph_capture_size = 0
             cc.cudagraph_capture_sizes = []
             cc.post_init_cudagraph_sizes()
-        if pc.enable_sp:  # step 22
-            if cc.mode != CompilationMode.VLLM_COMPILE:
-                logger.warning("Sequence parallelism is enabled, but running in mode %s; it "
-                               "takes effect only with VLLM_COMPILE.", cc.mode)
-            fullgraph = bool(cc.use_inductor_graph_partition) or len(cc.splitting_ops) == 0
-            if parallel.pipeline_parallel_size > 1 or not fullgraph:
-                if "-rms_norm" not in cc.custom_ops:
-                    cc.custom_ops.append("+rms_norm")
-                else:
-                    logger.warning("Sequence parallelism with a piecewise graph needs the "
-                                   "rms_norm custom op, but custom_ops has -rms_norm.")
-        self._final_checks()  # steps 23-24
-        self._resolve_debug_dump_path()  # step 27
+
+    def _resolve_sequence_parallel_ops(self) -> None:
+        cc, parallel = self.compilation_config, self.parallel_config
+        if cc.mode != CompilationMode.VLLM_COMPILE:
+            logger.warning("Sequence parallelism is enabled, but running in mode %s; it "
+                           "takes effect only with VLLM_COMPILE.", cc.mode)
+        fullgraph = bool(cc.use_inductor_graph_partition) or len(cc.splitting_ops) == 0
+        if parallel.pipeline_parallel_size > 1 or not fullgraph:
+            if "-rms_norm" not in cc.custom_ops:
+                cc.custom_ops.append("+rms_norm")
+            else:
+                logger.warning("Sequence parallelism with a piecewise graph needs the "
+                               "rms_norm custom op, but custom_ops has -rms_norm.")
 
     def _resolve_async_scheduling(self) -> None:
         sched, spec, parallel = self.scheduler_config, self.speculative_config, self.parallel_config
