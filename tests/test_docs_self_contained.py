@@ -7,7 +7,8 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SPEC_CITATION = re.compile(r"\.\./shared|spec §|spec/(config|runtime|compilation)\.md")
+# Spelled with a character class and an escape so that this file does not match itself.
+SPEC_CITATION = re.compile(r"\.\.[/]shared|spec \u00a7|spec/(config|runtime|compilation)\.md")
 
 
 def _texts() -> list[pathlib.Path]:
