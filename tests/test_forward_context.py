@@ -1,4 +1,4 @@
-"""forwardkit.forward_context: spec/runtime.md §8.1-§8.4 (E1-E13) and the seed's names."""
+"""forwardkit.forward_context: descriptors, SP helpers, DPMetadata, lifecycle, vLLM's names."""
 
 from __future__ import annotations
 
@@ -56,10 +56,10 @@ def test_seed_dpmetadata_methods():
     assert fc.coordinate_batch_across_dp is coordinate_batch_across_dp
 
 
-# --- §8.1 BatchDescriptor -------------------------------------------------------------------
+# --- BatchDescriptor -------------------------------------------------------------------
 
 
-def test_e1_batch_descriptor_defaults():
+def test_batch_descriptor_defaults():
     d = BatchDescriptor(8)
     assert repr(d) == "BatchDescriptor(num_tokens=8, num_reqs=None, uniform=False, has_lora=False)"
     assert d == (8, None, False, False)
@@ -68,13 +68,13 @@ def test_e1_batch_descriptor_defaults():
     assert BatchDescriptor._field_defaults == {"num_reqs": None, "uniform": False, "has_lora": False}
 
 
-def test_e2_relax_for_mixed_batch():
+def test_relax_for_mixed_batch():
     relaxed = BatchDescriptor(num_tokens=16, num_reqs=16, uniform=True, has_lora=True)
     assert relaxed.relax_for_mixed_batch_cudagraphs() == BatchDescriptor(16, None, False, True)
     assert BatchDescriptor(16, 16, True, False).relax_for_mixed_batch_cudagraphs() == BatchDescriptor(16)
 
 
-# --- §8.2 SP helpers -------------------------------------------------------------------------
+# --- SP helpers -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -87,7 +87,7 @@ def test_e2_relax_for_mixed_batch():
         ([0, 1], 2, [0, 0, 1, 1]),
     ],
 )
-def test_e3_compute_sp_num_tokens(t, sp, expected):
+def test_compute_sp_num_tokens(t, sp, expected):
     out = _compute_sp_num_tokens(torch.tensor(t), sp)
     assert out == expected
     assert all(type(x) is int for x in out)
@@ -107,7 +107,7 @@ def test_e3_compute_sp_num_tokens(t, sp, expected):
         ([100, 50], 1, 64, 1, [36, 1]),
     ],
 )
-def test_e4_chunked_local_num_tokens(t, sp, max_tokens, chunk, expected):
+def test_chunked_local_num_tokens(t, sp, max_tokens, chunk, expected):
     assert _compute_chunked_local_num_tokens(torch.tensor(t), sp, max_tokens, chunk) == expected
 
 
@@ -116,17 +116,17 @@ def test_sp_size_must_be_positive():
         _compute_sp_num_tokens(torch.tensor([1]), 0)
 
 
-# --- §8.3 DPMetadata -------------------------------------------------------------------------
+# --- DPMetadata -------------------------------------------------------------------------
 
 PC3 = NS(data_parallel_size=3, data_parallel_rank=1, is_moe_model=True)
 
 
-def make_e5() -> DPMetadata:
+def make_dp_metadata() -> DPMetadata:
     return DPMetadata.make(PC3, 7, torch.tensor([5, 7, 2], dtype=torch.int32))
 
 
-def test_e5_make():
-    m = make_e5()
+def test_dp_metadata_make():
+    m = make_dp_metadata()
     assert repr(m) == (
         "DPMetadata(max_tokens_across_dp_cpu=tensor(7, dtype=torch.int32), "
         "num_tokens_across_dp_cpu=tensor([5, 7, 2], dtype=torch.int32), local_sizes=None)"
@@ -134,8 +134,8 @@ def test_e5_make():
     assert m.max_tokens_across_dp_cpu.shape == torch.Size([])
 
 
-def test_e6_chunked_and_sp_sizes():
-    m = make_e5()
+def test_chunked_and_sp_sizes():
+    m = make_dp_metadata()
     with m.chunked_sizes(1, 4, 1) as s:
         assert s == [1, 3, 1]
         assert m.get_chunk_sizes_across_dp_rank() == [1, 3, 1]
@@ -148,8 +148,8 @@ def test_e6_chunked_and_sp_sizes():
     assert str(info.value) == ""
 
 
-def test_e6_local_sizes_reset_on_exception():
-    m = make_e5()
+def test_local_sizes_reset_on_exception():
+    m = make_dp_metadata()
     with pytest.raises(KeyError), m.chunked_sizes(1, 4, 0):
         raise KeyError("boom")
     assert m.local_sizes is None
@@ -159,13 +159,13 @@ def test_e6_local_sizes_reset_on_exception():
     ("sp", "expected"),
     [(1, [5, 12, 14]), (2, [3, 6, 10, 14, 15, 16]), (3, [2, 4, 6, 9, 12, 15, 16, 17, 18])],
 )
-def test_e7_cu_tokens_across_sp(sp, expected):
-    cu = make_e5().cu_tokens_across_sp(sp)
+def test_cu_tokens_across_sp(sp, expected):
+    cu = make_dp_metadata().cu_tokens_across_sp(sp)
     assert cu.dtype == torch.int64
     assert cu.tolist() == expected
 
 
-def test_e8_make_errors():
+def test_dp_metadata_make_errors():
     with pytest.raises(AssertionError) as info:
         DPMetadata.make(PC3, 6, torch.tensor([5, 7, 2]))
     assert str(info.value) == "7 6"
@@ -184,10 +184,10 @@ def test_e8_make_errors():
     assert m.max_tokens_across_dp_cpu.dtype == torch.int64
 
 
-# --- §8.4 lifecycle --------------------------------------------------------------------------
+# --- lifecycle --------------------------------------------------------------------------
 
 
-def test_e9_forward_context_repr_and_mode_check():
+def test_forward_context_repr_and_mode_check():
     ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, virtual_engine=0)
     assert repr(ctx) == (
         "ForwardContext(no_compile_layers={}, attn_metadata={}, virtual_engine=0, "
@@ -201,7 +201,7 @@ def test_e9_forward_context_repr_and_mode_check():
     assert str(info.value) == "Invalid cudagraph runtime mode: FULL_AND_PIECEWISE"
 
 
-def test_e10_not_set():
+def test_get_forward_context_outside_a_context_raises():
     assert is_forward_context_available() is False
     with pytest.raises(AssertionError) as info:
         get_forward_context()
@@ -210,7 +210,7 @@ def test_e10_not_set():
     assert fc._forward_context is None
 
 
-def test_e11_set_and_nest():
+def test_set_and_nest():
     cfg = make_cfg()
     with set_forward_context({"layer.0.attn": "META"}, cfg, num_tokens=8,
                              cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE) as target:
@@ -240,14 +240,14 @@ def test_e11_set_and_nest():
         (8, CUDAGraphMode.PIECEWISE, None, BatchDescriptor(8)),
     ],
 )
-def test_e12_default_descriptor(num_tokens, mode, given, expected):
+def test_default_batch_descriptor(num_tokens, mode, given, expected):
     with set_forward_context({}, make_cfg(), num_tokens=num_tokens, cudagraph_runtime_mode=mode,
                              batch_descriptor=given):
         assert get_forward_context().batch_descriptor == expected
 
 
 @pytest.mark.parametrize("mode", [CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE])
-def test_e12_composite_mode_rejected_before_install(mode):
+def test_composite_mode_rejected_before_install(mode):
     with pytest.raises(AssertionError) as info, \
             set_forward_context({}, make_cfg(), num_tokens=8, cudagraph_runtime_mode=mode):
         pass
@@ -255,14 +255,14 @@ def test_e12_composite_mode_rejected_before_install(mode):
     assert not is_forward_context_available()
 
 
-def test_e12_body_exception_propagates_and_restores():
+def test_body_exception_propagates_and_restores():
     with pytest.raises(ValueError, match="body"), set_forward_context({}, make_cfg(), num_tokens=4):
         assert is_forward_context_available()
         raise ValueError("body")
     assert not is_forward_context_available()
 
 
-def test_e13_create_and_override():
+def test_create_and_override_forward_context():
     cfg = make_cfg()
     ctx = create_forward_context({"a": 1}, cfg, virtual_engine=2, additional_kwargs=None)
     assert repr(ctx) == (

@@ -23,8 +23,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 # Imports inside a function that reach down on purpose, each with the reason.
 ALLOWED_LAZY = {
-    # CompilationConfig.init_backend returns forwardkit's mode-3 backend (as vLLM's does) and
-    # custom_op_log_check reads the CustomOp registry; both only when called.
+    # CompilationConfig.init_backend returns forwardkit's mode-3 backend (as vLLM's does), only
+    # when called. (The CustomOp registry and the custom-op rule live in config/custom_ops.py.)
     ("config", "compilation"),
 }
 
@@ -77,3 +77,40 @@ def test_no_import_reaches_a_lower_layer(module, path):
             f"{module} ({LAYERS[mine][0]}) imports {imported} ({LAYERS[theirs][0]}), a lower layer"
             + ("" if top else " (inside a function, and not in ALLOWED_LAZY)")
         )
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """forwardkit module -> the forwardkit modules it imports (module level or in functions)."""
+    names = {m.removesuffix(".__init__") for m, _ in _modules()}
+    graph: dict[str, set[str]] = {}
+    for module, path in _modules():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            found: list[str] = []
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            deps.update(n for n in found if n in names)
+        name = module.removesuffix(".__init__")
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    graph, done, path_stack, cycles = _import_graph(), set(), [], []
+
+    def visit(module: str) -> None:
+        path_stack.append(module)
+        for dep in sorted(graph[module]):
+            if dep in path_stack:
+                cycles.append(path_stack[path_stack.index(dep):] + [dep])
+            elif dep not in done:
+                visit(dep)
+        path_stack.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module)
+    assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)

@@ -1,4 +1,4 @@
-"""Batch-size telemetry of set_forward_context: spec/runtime.md §7.1, §8.11 (E38)."""
+"""Batch-size telemetry of set_forward_context: recording, interval logging, stats."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def run_step(clock: FakeClock, n: int | None, gap_s: float, duration_ms: float,
 
 
 # (n, gap s, duration ms, last_logging_time after, logged?)
-E38 = [
+STEPS = [
     (8, 0, 2, 1000.002, False),
     (8, 1, 4, 1000.002, False),
     (16, 1, 10, 1000.002, False),
@@ -73,9 +73,9 @@ E38 = [
 ]
 
 
-def test_e38_sequence(tracked):
+def test_log_interval_sequence(tracked):
     clock, messages = tracked
-    for i, (n, gap, dur, last_after, logged) in enumerate(E38):
+    for i, (n, gap, dur, last_after, logged) in enumerate(STEPS):
         before = len(messages)
         run_step(clock, n, gap, dur)
         assert fc.last_logging_time == pytest.approx(last_after), f"row {i + 1}"

@@ -1,4 +1,4 @@
-"""forwardkit.ubatch: spec/runtime.md §8.5 (E15-E19)."""
+"""forwardkit.ubatch: slices, thresholds, boundaries, the unguarded edge case."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from forwardkit.ubatch import (
 )
 
 
-def test_e15_slice_properties():
+def test_slice_properties():
     s = UBatchSlice(slice(0, 3), slice(0, 10))
     assert s.num_tokens == 10
     assert s.is_empty() is False
@@ -33,7 +33,7 @@ def test_e15_slice_properties():
         (9, 12, 3, False), (7, 12, 3, True),
     ],
 )
-def test_e16_is_last_ubatch_empty(orig, padded, n, expected):
+def test_is_last_ubatch_empty(orig, padded, n, expected):
     assert is_last_ubatch_empty(orig, padded, n) is expected
 
 
@@ -51,7 +51,7 @@ OFF = NS(use_ubatching=False, dbo_decode_token_threshold=32, dbo_prefill_token_t
     [(ON, 31, True, False), (ON, 32, True, True), (ON, 511, False, False),
      (ON, 512, False, True), (OFF, 4096, False, False)],
 )
-def test_e17_thresholds(config, num_tokens, uniform, expected):
+def test_ubatch_thresholds(config, num_tokens, uniform, expected):
     assert check_ubatch_thresholds(config, num_tokens, uniform) is expected
 
 
@@ -60,7 +60,7 @@ def sl(req: tuple[int, int], tok: tuple[int, int]) -> UBatchSlice:
 
 
 # id, sched, padded tokens, padded reqs, n, split_point, unpadded, padded last slice (None: same)
-E18 = [
+SLICE_CASES = [
     ("S1", [1] * 8, 8, 8, 2, None, [sl((0, 4), (0, 4)), sl((4, 8), (4, 8))], None),
     ("S2", [3, 5, 2, 6], 16, 4, 2, None, [sl((0, 2), (0, 8)), sl((2, 4), (8, 16))], None),
     ("S3", [1] * 10, 16, 16, 2, None, [sl((0, 8), (0, 8)), sl((8, 10), (8, 10))],
@@ -72,17 +72,17 @@ E18 = [
     ("S8", [5, 5], 10, 2, 2, None, [sl((0, 1), (0, 5)), sl((1, 2), (5, 10))], None),
     ("S9", [1] * 6, 8, 8, 3, None,
      [sl((0, 2), (0, 2)), sl((2, 4), (2, 4)), sl((4, 6), (4, 6))], sl((4, 8), (4, 8))),
-    # E19: unguarded edge case, raw output kept as in the reference
-    ("E19", [1] * 6, 16, 16, 2, None, [sl((0, 7), (0, 8)), sl((6, 6), (8, 6))],
+    # unguarded edge case (empty last micro-batch): raw output kept as in vLLM
+    ("empty_last", [1] * 6, 16, 16, 2, None, [sl((0, 7), (0, 8)), sl((6, 6), (8, 6))],
      sl((6, 16), (8, 16))),
 ]
 
 
 @pytest.mark.parametrize(
     ("sched", "tokens", "reqs", "n", "split", "unpadded", "padded_last"),
-    [case[1:] for case in E18], ids=[case[0] for case in E18],
+    [case[1:] for case in SLICE_CASES], ids=[case[0] for case in SLICE_CASES],
 )
-def test_e18_slices(sched, tokens, reqs, n, split, unpadded, padded_last):
+def test_slices(sched, tokens, reqs, n, split, unpadded, padded_last):
     kwargs = {} if split is None else {"split_point": split}
     got_unpadded, got_padded = maybe_create_ubatch_slices(
         True, np.array(sched, dtype=np.int32), tokens, reqs, n, **kwargs
@@ -93,7 +93,7 @@ def test_e18_slices(sched, tokens, reqs, n, split, unpadded, padded_last):
     assert sum(s.num_tokens for s in got_padded) == tokens
 
 
-def test_e18_s7_not_ubatching():
+def test_no_slices_when_not_ubatching():
     assert maybe_create_ubatch_slices(False, np.array([1] * 4), 4, 4, 2) == (None, None)
 
 

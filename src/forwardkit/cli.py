@@ -23,10 +23,6 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
-class CliError(Exception):
-    """An error meant for the user: printed as one line, exit status 2."""
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse that reports bad arguments as one line (exit 2) instead of the usage dump."""
 

@@ -5,7 +5,7 @@ reads the current :class:`ForwardContext` via :func:`get_forward_context` instea
 extra arguments, which keeps compiled graphs' signatures stable. The model runner installs
 it around each forward with :func:`set_forward_context`.
 
-Re-implements vLLM 0.14.0's ``vllm.forward_context`` (spec/runtime.md §1, §7.1) with one
+Re-implements vLLM 0.14.0's ``vllm.forward_context`` with one
 deliberate change: the current context lives in a :class:`contextvars.ContextVar`, not a
 process global, so every thread (micro-batch threads) and asyncio task sees its own context.
 A new thread starts with no context; an asyncio task starts with its creator's.
@@ -62,7 +62,7 @@ __all__ = [
 
 logger = init_logger(__name__)
 
-# Batch-size telemetry (spec §1.2, §7.1). Plain module attributes: tests monkeypatch them.
+# Batch-size telemetry. Plain module attributes: tests monkeypatch them.
 batchsize_logging_interval: float = envs.FORWARDKIT_LOG_BATCHSIZE_INTERVAL
 track_batchsize: bool = batchsize_logging_interval >= 0
 batchsize_forward_time: defaultdict[Any, list[float]] = defaultdict(list)
@@ -229,7 +229,7 @@ class _ForwardStepScope:
          cudagraph_runtime_mode, batch_descriptor, ubatch_slices) = self._args
         self._num_tokens = num_tokens
         if track_batchsize and attn_metadata is not None:
-            # NOTE: the start time is kept per scope; vLLM's single global (spec §9.12) is
+            # NOTE: the start time is kept per scope; vLLM's single global is
             # also updated for compatibility but not used for the measurement.
             self._start = forward_start_time = time.perf_counter()
 
@@ -295,7 +295,7 @@ def set_forward_context(
 ) -> _ForwardStepScope:
     """Context manager that installs the forward context of one model step.
 
-    On entry (spec §1.7): with ``data_parallel_size > 1`` builds :class:`DPMetadata` from
+    On entry: with ``data_parallel_size > 1`` builds :class:`DPMetadata` from
     ``num_tokens_across_dp`` (or, when that is None, from a ``coordinate_batch_across_dp``
     all-reduce without padding — a collective every DP rank must join); when the mode is not
     NONE and no descriptor is given, uses ``BatchDescriptor(num_tokens)``; asks the platform
@@ -311,7 +311,7 @@ def set_forward_context(
 
 
 def _record_forward_time(num_tokens: int | None, start: float) -> None:
-    """Telemetry exit step (spec §7.1): sync, record, and log at most once per interval."""
+    """Telemetry exit step: sync, record, and log at most once per interval."""
     global last_logging_time
     # NOTE: _get() skips the proxy's __getattr__ fallback (an AttributeError per lookup, ~1 us).
     synchronize = current_platform._get().synchronize

@@ -2,7 +2,7 @@
 
 The samples themselves live in :data:`forwardkit.forward_context.batchsize_forward_time`
 (batch size -> list of milliseconds), because vLLM keeps them there and tests patch them
-there; this module only summarises them (spec/runtime.md §7.1).
+there; this module only summarises them.
 """
 
 from __future__ import annotations

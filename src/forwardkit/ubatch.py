@@ -1,6 +1,6 @@
 """Micro-batch (ubatch) slicing: split one step's tokens into equal-sized micro-batches.
 
-Behaviour follows vLLM 0.14.0's ``vllm.v1.worker.ubatch_utils`` (spec/runtime.md §3.2-§3.5).
+Behaviour follows vLLM 0.14.0's ``vllm.v1.worker.ubatch_utils``.
 Micro-batching (dual batch overlap) only happens with DP > 1; the decision is made by
 :func:`forwardkit.distributed.dp_utils.coordinate_batch_across_dp`, and the slices produced
 here end up in ``ForwardContext.ubatch_slices``.
@@ -79,7 +79,7 @@ def _split_boundaries(num_tokens_padded: int, num_ubatches: int, split_point: An
     if split_point is None:
         split_point = num_tokens_padded // num_ubatches
     elif isinstance(split_point, (list, tuple)):
-        # NOTE: vLLM's signature accepts a list but then multiplies it as a scalar (spec §9.6);
+        # NOTE: vLLM's signature accepts a list but then multiplies it as a scalar;
         # a one-element list is the only form that has a sensible meaning, so accept just that.
         if len(split_point) != 1:
             raise ValueError(
@@ -107,7 +107,7 @@ def maybe_create_ubatch_slices(
     at the real token total, the padded set's last slice extends to ``num_reqs_padded`` /
     ``num_tokens_padded``. Callers guard against an empty last micro-batch with
     :func:`is_last_ubatch_empty` (without that guard the last unpadded slice can be inverted,
-    exactly as in vLLM; spec §8.5 E19).
+    exactly as in vLLM).
     """
     if not should_ubatch:
         return None, None

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from forwardkit.compilation.custom_op import CustomOp, custom_op_default_on, is_op_enabled_by
+from forwardkit.compilation.custom_op import CustomOp
 from forwardkit.config.compilation import CompilationConfig
+from forwardkit.config.custom_ops import (
+    CUSTOM_OP_REGISTRY,
+    custom_ops_default_on,
+    is_custom_op_enabled,
+)
 from forwardkit.config.engine import EngineConfig, set_current_engine_config
 from forwardkit.layers.activation import SiluAndMul
 from forwardkit.layers.layernorm import RMSNorm
@@ -75,16 +78,35 @@ def test_enforce_enable(cpu_platform):
     ],
 )
 def test_reference_table(mode, backend, custom_ops, on):
-    """spec compilation.md §7 verified table, including un-normalised lists."""
-    cfg = SimpleNamespace(mode=mode, backend=backend, custom_ops=custom_ops)
-    assert is_op_enabled_by(cfg, "toy") is on
+    """vLLM 0.14.0's enabled/disabled table, including un-normalised lists."""
+    assert is_custom_op_enabled(custom_ops, "toy", mode, backend) is on
 
 
 def test_invalid_lists_are_clear_errors():
     with pytest.raises(ValueError, match="both enables and disables 'rms_norm'"):
-        is_op_enabled_by(SimpleNamespace(custom_ops=["all", "+rms_norm", "-rms_norm"]), "rms_norm")
+        is_custom_op_enabled(["all", "+rms_norm", "-rms_norm"], "rms_norm")
     with pytest.raises(ValueError, match="one of 'none' or 'all'"):
-        custom_op_default_on(SimpleNamespace(custom_ops=["all", "none"]))
+        custom_ops_default_on(["all", "none"])
+
+
+@pytest.mark.parametrize("custom_ops", [[], ["+rms_norm"], ["-silu_and_mul"], ["all"], ["none", "+rms_norm"]])
+@pytest.mark.parametrize("mode, backend", [(0, "inductor"), (3, "inductor"), (3, "eager"), (2, "inductor")])
+def test_one_rule_for_customop_config_and_resolution(custom_ops, mode, backend):
+    """CustomOp, CompilationConfig.is_custom_op_enabled after resolution and the raw rule agree."""
+    config = EngineConfig(compilation_config=CompilationConfig(custom_ops=list(custom_ops), mode=mode,
+                                                               backend=backend))
+    cc = config.compilation_config
+    with set_current_engine_config(config):
+        ops = RMSNorm(8), SiluAndMul()
+    for op in ops:
+        name = type(op).name
+        expected = is_custom_op_enabled(custom_ops, name, mode, backend)
+        assert op.is_enabled is expected
+        assert cc.is_custom_op_enabled(name) is expected
+
+
+def test_registry_is_shared_with_the_config_layer():
+    assert CustomOp.op_registry is CUSTOM_OP_REGISTRY and CUSTOM_OP_REGISTRY["rms_norm"] is RMSNorm
 
 
 def test_enabled_and_native_forms_agree(cpu_platform):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -89,7 +90,8 @@ def test_manager_runs_configured_passes_and_user_pass_with_range_in_uuid():
         seen.append(len(graph.nodes))
 
     off = PostGradPassManager(PassConfig(eliminate_noops=False), [user_pass])
-    on = PostGradPassManager(PassConfig(eliminate_noops=True), [user_pass])
+    on = PostGradPassManager(
+        PassConfig(eliminate_noops=True, fuse_rms_norm=True, fuse_silu_and_mul=True), [user_pass])
     assert [type(p).__name__ for p in on.passes] == [
         "NoOpEliminationPass", "FusedAddRMSNormPass", "SiluAndMulFusionPass", "function",
     ]
@@ -102,3 +104,14 @@ def test_manager_runs_configured_passes_and_user_pass_with_range_in_uuid():
         uuid_large = on.uuid()
     assert seen and uuid_small != uuid_large and on.uuid() != off.uuid()
     assert not any("forwardkit" in str(t) for t in _targets(gm))
+
+
+@pytest.mark.parametrize("flag, pass_name", [("eliminate_noops", "NoOpEliminationPass"),
+                                             ("fuse_rms_norm", "FusedAddRMSNormPass"),
+                                             ("fuse_silu_and_mul", "SiluAndMulFusionPass")])
+def test_each_pass_has_its_own_flag(flag, pass_name):
+    only = PostGradPassManager(PassConfig(**{flag: True}))
+    assert [type(p).__name__ for p in only.passes] == [pass_name]
+    others = {name: True for name in ("eliminate_noops", "fuse_rms_norm", "fuse_silu_and_mul")
+              if name != flag}
+    assert pass_name not in [type(p).__name__ for p in PostGradPassManager(PassConfig(**others)).passes]

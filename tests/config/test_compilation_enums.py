@@ -1,4 +1,4 @@
-"""CompilationMode, CUDAGraphMode, DynamicShapesType and Range (spec/config.md §1, §4.12, §8.1 #12, §8.2 #16)."""
+"""CompilationMode, CUDAGraphMode, DynamicShapesType and Range."""
 
 from __future__ import annotations
 

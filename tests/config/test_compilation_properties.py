@@ -56,7 +56,7 @@ def test_padding_table_above_largest_size_maps_past_max(sizes, slack):
     points=st.lists(st.integers(1, 25000), max_size=12),
 )
 def test_compile_ranges_partition_token_range(max_tokens, points):
-    # The engine's _set_compile_ranges (spec §5.5): keep 1 < x < T, always add T, sort, keep dups.
+    # The engine's _set_compile_ranges: keep 1 < x < T, always add T, sort, keep dups.
     split = sorted([max_tokens, *[x for x in points if 1 < x < max_tokens]])
     ranges = CompilationConfig(compile_ranges_split_points=split).get_compile_ranges()
     assert ranges[0].start == 1

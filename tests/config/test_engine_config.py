@@ -1,4 +1,4 @@
-"""EngineConfig resolution: every spec/config.md §8.3 example that runs without a GPU.
+"""EngineConfig resolution: vLLM 0.14.0's resolution cases that run without a GPU.
 
 Unless a case says otherwise: emulated CUDA platform (static graphs), the tiny Llama model
 (dense, max_model_len 4096, hidden 64, bf16), SchedulerConfig defaults (128 seqs / 2048
@@ -49,7 +49,7 @@ FAP, FDO = CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY
 def build(hf=LLAMA, *, seqs=128, tokens=2048, level=None, static=True, tp=1, dp=1,
           all2all=None, spec=None, enforce_eager=False, runner="generate", enable_dbo=False,
           **cc) -> EngineConfig:
-    """An EngineConfig for one §8.3 case; ``cc`` are CompilationConfig keys."""
+    """An EngineConfig for one resolution case; ``cc`` are CompilationConfig keys."""
     model = None if hf is None else ModelConfig(hf_config=hf, enforce_eager=enforce_eager, runner=runner)
     parallel = dict(tensor_parallel_size=tp, data_parallel_size=dp, enable_dbo=enable_dbo)
     if all2all:
@@ -71,7 +71,7 @@ def flags(cfg: EngineConfig) -> dict[str, bool]:
     return {name: getattr(cfg.compilation_config.pass_config, name) for name in FLAGS}
 
 
-def test_defaults_25():
+def test_o2_defaults_with_model():
     cfg = build()
     cc = cfg.compilation_config
     assert cfg.optimization_level == OptimizationLevel.O2
@@ -88,7 +88,7 @@ def test_defaults_25():
 
 @pytest.mark.parametrize("n, padded", [(0, 0), (1, 1), (3, 4), (5, 8), (9, 16), (17, 24),
                                        (255, 256), (256, 256)])
-def test_pad_for_cudagraph_25(n, padded):
+def test_pad_for_cudagraph(n, padded):
     assert build().pad_for_cudagraph(n) == padded
 
 
@@ -103,118 +103,118 @@ def test_pad_for_cudagraph_errors():
 
 # (case id, build kwargs, expected) -- expected keys: level mode cg ops split sizes max warm pts flags
 CASES = [
-    ("26 no model, static", dict(hf=None), dict(mode=3, cg=FAP, ops=["none"], split=ATTN, sizes=[], max=0, warm=1, pts=[2048])),
-    ("26 no model, user sizes", dict(hf=None, cudagraph_capture_sizes=[1, 2, 4]), dict(cg=FAP, sizes=[], max=0)),
-    ("26 no model, no static graphs", dict(hf=None, static=False),
+    ("no model, static", dict(hf=None), dict(mode=3, cg=FAP, ops=["none"], split=ATTN, sizes=[], max=0, warm=1, pts=[2048])),
+    ("no model, user sizes", dict(hf=None, cudagraph_capture_sizes=[1, 2, 4]), dict(cg=FAP, sizes=[], max=0)),
+    ("no model, no static graphs", dict(hf=None, static=False),
      dict(mode=3, cg=NONE, sizes=None, max=None, compile_sizes=None, warm=0, pts=[2048], ops=["none"])),
-    ("27 256/8192", dict(seqs=256, tokens=8192), dict(sizes=S512, max=512, pts=[8192])),
-    ("27 1024/16384", dict(seqs=1024, tokens=16384), dict(sizes=S512, max=512, pts=[16384])),
-    ("27 seqs 4", dict(seqs=4), dict(sizes=[1, 2, 4, 8], max=8)),
-    ("27 seqs 3", dict(seqs=3), dict(sizes=[1, 2, 4], max=4)),
-    ("27 seqs 1", dict(seqs=1), dict(sizes=[1, 2], max=2)),
-    ("27 130/8192", dict(seqs=130, tokens=8192), dict(sizes=S256, max=256)),
-    ("27 128/128", dict(seqs=128, tokens=128), dict(sizes=[1, 2, 4, *range(8, 129, 8)], max=128, pts=[128])),
-    ("27 100/100", dict(seqs=100, tokens=100), dict(sizes=UP_TO_96, max=96, pts=[100])),
-    ("28 user sizes above tokens", dict(cudagraph_capture_sizes=[1, 2, 3, 5000]), dict(sizes=[1, 2, 3], max=3)),
-    ("28 user sizes unsorted", dict(cudagraph_capture_sizes=[8, 4, 4, 2]), dict(sizes=[2, 4, 8], max=8)),
-    ("28 user size beyond 2x seqs", dict(cudagraph_capture_sizes=[300]), dict(sizes=[300], max=300)),
-    ("28 user sizes + consistent max", dict(cudagraph_capture_sizes=[1, 2, 4], max_cudagraph_capture_size=4), dict(sizes=[1, 2, 4], max=4)),
-    ("28 all user sizes too big", dict(cudagraph_capture_sizes=[5000]), dict(sizes=[], max=0, cg=FAP)),
-    ("29 user max 100", dict(max_cudagraph_capture_size=100), dict(sizes=UP_TO_96, max=96)),
-    ("29 user max 96", dict(max_cudagraph_capture_size=96), dict(sizes=UP_TO_96, max=96)),
-    ("29 user max 1000", dict(max_cudagraph_capture_size=1000),
+    ("256/8192", dict(seqs=256, tokens=8192), dict(sizes=S512, max=512, pts=[8192])),
+    ("1024/16384", dict(seqs=1024, tokens=16384), dict(sizes=S512, max=512, pts=[16384])),
+    ("seqs 4", dict(seqs=4), dict(sizes=[1, 2, 4, 8], max=8)),
+    ("seqs 3", dict(seqs=3), dict(sizes=[1, 2, 4], max=4)),
+    ("seqs 1", dict(seqs=1), dict(sizes=[1, 2], max=2)),
+    ("130/8192", dict(seqs=130, tokens=8192), dict(sizes=S256, max=256)),
+    ("128/128", dict(seqs=128, tokens=128), dict(sizes=[1, 2, 4, *range(8, 129, 8)], max=128, pts=[128])),
+    ("100/100", dict(seqs=100, tokens=100), dict(sizes=UP_TO_96, max=96, pts=[100])),
+    ("user sizes above tokens", dict(cudagraph_capture_sizes=[1, 2, 3, 5000]), dict(sizes=[1, 2, 3], max=3)),
+    ("user sizes unsorted", dict(cudagraph_capture_sizes=[8, 4, 4, 2]), dict(sizes=[2, 4, 8], max=8)),
+    ("user size beyond 2x seqs", dict(cudagraph_capture_sizes=[300]), dict(sizes=[300], max=300)),
+    ("user sizes + consistent max", dict(cudagraph_capture_sizes=[1, 2, 4], max_cudagraph_capture_size=4), dict(sizes=[1, 2, 4], max=4)),
+    ("all user sizes too big", dict(cudagraph_capture_sizes=[5000]), dict(sizes=[], max=0, cg=FAP)),
+    ("user max 100", dict(max_cudagraph_capture_size=100), dict(sizes=UP_TO_96, max=96)),
+    ("user max 96", dict(max_cudagraph_capture_size=96), dict(sizes=UP_TO_96, max=96)),
+    ("user max 1000", dict(max_cudagraph_capture_size=1000),
      dict(sizes=S256 + list(range(272, 993, 16)), max=992)),
-    ("29 user max 4096 > tokens", dict(max_cudagraph_capture_size=4096),
+    ("user max 4096 > tokens", dict(max_cudagraph_capture_size=4096),
      dict(sizes=S256 + list(range(272, 2049, 16)), max=2048)),
-    ("29 user max 3", dict(max_cudagraph_capture_size=3), dict(sizes=[1, 2], max=2)),
-    ("29 max 0 with NONE", dict(max_cudagraph_capture_size=0, cudagraph_mode="NONE"), dict(sizes=[], max=0)),
-    ("29 max 50 with NONE", dict(max_cudagraph_capture_size=50, cudagraph_mode="NONE"), dict(sizes=[], max=0)),
-    ("31 enforce_eager", dict(enforce_eager=True),
+    ("user max 3", dict(max_cudagraph_capture_size=3), dict(sizes=[1, 2], max=2)),
+    ("max 0 with NONE", dict(max_cudagraph_capture_size=0, cudagraph_mode="NONE"), dict(sizes=[], max=0)),
+    ("max 50 with NONE", dict(max_cudagraph_capture_size=50, cudagraph_mode="NONE"), dict(sizes=[], max=0)),
+    ("enforce_eager", dict(enforce_eager=True),
      dict(level=0, mode=0, cg=NONE, ops=["all"], split=[], sizes=[], max=0, warm=0, flags={})),
-    ("31 enforce_eager + FULL", dict(enforce_eager=True, cudagraph_mode="FULL"), dict(level=0, cg=NONE, sizes=[], max=0)),
-    ("31 enforce_eager + sizes", dict(enforce_eager=True, cudagraph_capture_sizes=[1, 2]), dict(cg=NONE, sizes=[], max=0)),
-    ("31 enforce_eager + mode 3 at O3", dict(enforce_eager=True, mode=3, level=3),
+    ("enforce_eager + FULL", dict(enforce_eager=True, cudagraph_mode="FULL"), dict(level=0, cg=NONE, sizes=[], max=0)),
+    ("enforce_eager + sizes", dict(enforce_eager=True, cudagraph_capture_sizes=[1, 2]), dict(cg=NONE, sizes=[], max=0)),
+    ("enforce_eager + mode 3 at O3", dict(enforce_eager=True, mode=3, level=3),
      dict(level=0, mode=3, ops=["none"], split=ATTN, cg=NONE, sizes=[], max=0)),
-    ("32 O0", dict(level=0), dict(mode=0, cg=NONE, ops=["all"], split=[], sizes=[], max=0, warm=1, flags={})),
-    ("32 O1", dict(level=1), dict(mode=3, cg=PW, ops=["none"], split=ATTN, sizes=S256, max=256,
+    ("O0", dict(level=0), dict(mode=0, cg=NONE, ops=["all"], split=[], sizes=[], max=0, warm=1, flags={})),
+    ("O1", dict(level=1), dict(mode=3, cg=PW, ops=["none"], split=ATTN, sizes=S256, max=256,
                                   flags={"eliminate_noops"})),
-    ("32 O2", dict(level=2), dict(mode=3, cg=FAP, sizes=S256, flags={"eliminate_noops"})),
-    ("32 O3", dict(level=3), dict(mode=3, cg=FAP, sizes=S256, ops=["none"], split=ATTN, flags={"eliminate_noops"})),
-    ("32 O0 + mode 3", dict(level=0, mode=3), dict(cg=NONE, ops=["none"], split=ATTN, sizes=[], max=0, flags={})),
-    ("32 O0 + mode 3 + PIECEWISE", dict(level=0, mode=3, cudagraph_mode="PIECEWISE"), dict(cg=PW, sizes=S256, max=256)),
-    ("32 O0 + PIECEWISE", dict(level=0, cudagraph_mode="PIECEWISE"), dict(mode=0, cg=NONE, sizes=[], max=0)),
-    ("32 O0 + FULL", dict(level=0, cudagraph_mode="FULL"), dict(mode=0, cg=FULL, sizes=S256, max=256, ops=["all"])),
-    ("33 mode 0", dict(mode=0), dict(cg=NONE, ops=["all"], split=[], max=0,
+    ("O2", dict(level=2), dict(mode=3, cg=FAP, sizes=S256, flags={"eliminate_noops"})),
+    ("O3", dict(level=3), dict(mode=3, cg=FAP, sizes=S256, ops=["none"], split=ATTN, flags={"eliminate_noops"})),
+    ("O0 + mode 3", dict(level=0, mode=3), dict(cg=NONE, ops=["none"], split=ATTN, sizes=[], max=0, flags={})),
+    ("O0 + mode 3 + PIECEWISE", dict(level=0, mode=3, cudagraph_mode="PIECEWISE"), dict(cg=PW, sizes=S256, max=256)),
+    ("O0 + PIECEWISE", dict(level=0, cudagraph_mode="PIECEWISE"), dict(mode=0, cg=NONE, sizes=[], max=0)),
+    ("O0 + FULL", dict(level=0, cudagraph_mode="FULL"), dict(mode=0, cg=FULL, sizes=S256, max=256, ops=["all"])),
+    ("mode 0", dict(mode=0), dict(cg=NONE, ops=["all"], split=[], max=0,
                                      flags={"eliminate_noops", "fuse_norm_quant", "fuse_act_quant"})),
-    ("33 mode 0 + FULL", dict(mode=0, cudagraph_mode="FULL"), dict(cg=FULL, max=256)),
-    ("33 mode 0 + FULL_DECODE_ONLY", dict(mode=0, cudagraph_mode="FULL_DECODE_ONLY"), dict(cg=FDO, max=256)),
-    ("33 mode 1", dict(mode=1), dict(cg=NONE, ops=["none"], split=[])),
-    ("33 mode 2 + eager", dict(mode=2, backend="eager"),
+    ("mode 0 + FULL", dict(mode=0, cudagraph_mode="FULL"), dict(cg=FULL, max=256)),
+    ("mode 0 + FULL_DECODE_ONLY", dict(mode=0, cudagraph_mode="FULL_DECODE_ONLY"), dict(cg=FDO, max=256)),
+    ("mode 1", dict(mode=1), dict(cg=NONE, ops=["none"], split=[])),
+    ("mode 2 + eager", dict(mode=2, backend="eager"),
      dict(cg=NONE, ops=["all"], flags={"eliminate_noops", "fuse_norm_quant", "fuse_act_quant"})),
-    ("33 mode 3 + eager", dict(mode=3, backend="eager"),
+    ("mode 3 + eager", dict(mode=3, backend="eager"),
      dict(cg=FAP, ops=["all"], split=ATTN, flags={"eliminate_noops", "fuse_norm_quant", "fuse_act_quant"})),
-    ("33 O1 + eager", dict(level=1, backend="eager"), dict(cg=PW, ops=["all"])),
-    ("34 +rms_norm", dict(custom_ops=["+rms_norm"]), dict(ops=["+rms_norm", "none"], flags={"eliminate_noops", "fuse_norm_quant"})),
-    ("34 +quant_fp8 at O1", dict(level=1, custom_ops=["+quant_fp8"]),
+    ("O1 + eager", dict(level=1, backend="eager"), dict(cg=PW, ops=["all"])),
+    ("+rms_norm", dict(custom_ops=["+rms_norm"]), dict(ops=["+rms_norm", "none"], flags={"eliminate_noops", "fuse_norm_quant"})),
+    ("+quant_fp8 at O1", dict(level=1, custom_ops=["+quant_fp8"]),
      dict(flags={"eliminate_noops", "fuse_norm_quant", "fuse_act_quant"})),
-    ("34 all", dict(custom_ops=["all"]), dict(flags={"eliminate_noops", "fuse_norm_quant", "fuse_act_quant"})),
-    ("34 all -silu_and_mul", dict(custom_ops=["all", "-silu_and_mul"]),
+    ("all", dict(custom_ops=["all"]), dict(flags={"eliminate_noops", "fuse_norm_quant", "fuse_act_quant"})),
+    ("all -silu_and_mul", dict(custom_ops=["all", "-silu_and_mul"]),
      dict(flags={"eliminate_noops", "fuse_norm_quant", "fuse_act_quant"})),
-    ("35 splitting [] at O2", dict(splitting_ops=[]), dict(cg=FULL, split=[], sizes=S256, max=256)),
-    # #35 and #42: the reference keeps stale capture sizes after step 21 turns graphs off (spec
-    # §9 quirk 1); forwardkit deliberately drops them so resolution is idempotent.
-    ("35 splitting [] at O1", dict(splitting_ops=[], level=1), dict(cg=NONE, sizes=[], max=0)),
-    ("36 graph partition", dict(use_inductor_graph_partition=True), dict(cg=FAP, split=ATTN, partition=True)),
-    ("37 fuse_attn_quant", dict(pass_config={"fuse_attn_quant": True}), dict(cg=FULL, split=[], sizes=S256, max=256)),
-    ("37 fuse_attn_quant + partition", dict(pass_config={"fuse_attn_quant": True}, use_inductor_graph_partition=True),
+    ("splitting [] at O2", dict(splitting_ops=[]), dict(cg=FULL, split=[], sizes=S256, max=256)),
+    # vLLM keeps stale capture sizes after the splitting-ops step turns graphs off;
+    # forwardkit deliberately drops them so resolution is idempotent.
+    ("splitting [] at O1", dict(splitting_ops=[], level=1), dict(cg=NONE, sizes=[], max=0)),
+    ("graph partition", dict(use_inductor_graph_partition=True), dict(cg=FAP, split=ATTN, partition=True)),
+    ("fuse_attn_quant", dict(pass_config={"fuse_attn_quant": True}), dict(cg=FULL, split=[], sizes=S256, max=256)),
+    ("fuse_attn_quant + partition", dict(pass_config={"fuse_attn_quant": True}, use_inductor_graph_partition=True),
      dict(cg=FAP, split=ATTN)),
-    ("37 fuse_attn_quant + PIECEWISE", dict(pass_config={"fuse_attn_quant": True}, cudagraph_mode="PIECEWISE"),
+    ("fuse_attn_quant + PIECEWISE", dict(pass_config={"fuse_attn_quant": True}, cudagraph_mode="PIECEWISE"),
      dict(cg=FULL, split=[])),
-    ("38 enable_sp tp1", dict(pass_config={"enable_sp": True}), dict(ops=["none", "+rms_norm", "+rms_norm"])),
-    ("38 fuse_gemm_comms", dict(pass_config={"fuse_gemm_comms": True}),
+    ("enable_sp tp1", dict(pass_config={"enable_sp": True}), dict(ops=["none", "+rms_norm", "+rms_norm"])),
+    ("fuse_gemm_comms", dict(pass_config={"fuse_gemm_comms": True}),
      dict(ops=["none", "+rms_norm", "+rms_norm"], enable_sp=True)),
-    ("38 enable_sp -rms_norm", dict(pass_config={"enable_sp": True}, custom_ops=["-rms_norm"]), dict(ops=["-rms_norm", "none"])),
-    ("38 enable_sp full graph", dict(pass_config={"enable_sp": True}, splitting_ops=[]), dict(ops=["none", "+rms_norm"], cg=FULL)),
-    ("39 tp2 sp", dict(tp=2, pass_config={"enable_sp": True}), dict(sizes=S256[1:], max=256)),
-    ("39 tp4 sp seqs 8", dict(tp=4, seqs=8, pass_config={"enable_sp": True}), dict(sizes=[4, 8, 16], max=16)),
-    ("39 tp4 sp seqs 1", dict(tp=4, seqs=1, pass_config={"enable_sp": True}), dict(sizes=[], max=0, cg=FAP)),
-    ("39 tp4 sp user sizes", dict(tp=4, pass_config={"enable_sp": True}, cudagraph_capture_sizes=[1, 2, 4, 6, 8]),
+    ("enable_sp -rms_norm", dict(pass_config={"enable_sp": True}, custom_ops=["-rms_norm"]), dict(ops=["-rms_norm", "none"])),
+    ("enable_sp full graph", dict(pass_config={"enable_sp": True}, splitting_ops=[]), dict(ops=["none", "+rms_norm"], cg=FULL)),
+    ("tp2 sp", dict(tp=2, pass_config={"enable_sp": True}), dict(sizes=S256[1:], max=256)),
+    ("tp4 sp seqs 8", dict(tp=4, seqs=8, pass_config={"enable_sp": True}), dict(sizes=[4, 8, 16], max=16)),
+    ("tp4 sp seqs 1", dict(tp=4, seqs=1, pass_config={"enable_sp": True}), dict(sizes=[], max=0, cg=FAP)),
+    ("tp4 sp user sizes", dict(tp=4, pass_config={"enable_sp": True}, cudagraph_capture_sizes=[1, 2, 4, 6, 8]),
      dict(sizes=[4, 8], max=8)),
-    ("39 tp4 sp user sizes + max", dict(tp=4, pass_config={"enable_sp": True}, cudagraph_capture_sizes=[1, 2, 4, 6, 8],
+    ("tp4 sp user sizes + max", dict(tp=4, pass_config={"enable_sp": True}, cudagraph_capture_sizes=[1, 2, 4, 6, 8],
                                         max_cudagraph_capture_size=8), dict(sizes=[4, 8], max=8)),
-    ("39 tp2 no sp", dict(tp=2), dict(sizes=S256, max=256)),
-    ("40 user split points", dict(compile_ranges_split_points=[1, 8, 512, 2048, 4096]), dict(pts=[8, 512, 2048])),
-    ("40 duplicate split points", dict(compile_ranges_split_points=[8, 8, 16]),
+    ("tp2 no sp", dict(tp=2), dict(sizes=S256, max=256)),
+    ("user split points", dict(compile_ranges_split_points=[1, 8, 512, 2048, 4096]), dict(pts=[8, 512, 2048])),
+    ("duplicate split points", dict(compile_ranges_split_points=[8, 8, 16]),
      dict(pts=[8, 8, 16, 2048], ranges=[Range(1, 8), Range(9, 16), Range(17, 2048)])),
-    ("40 allreduce-rms 0.0625MB", dict(tp=2, pass_config={"fuse_allreduce_rms": True, "fi_allreduce_fusion_max_size_mb": 0.0625}),
+    ("allreduce-rms 0.0625MB", dict(tp=2, pass_config={"fuse_allreduce_rms": True, "fi_allreduce_fusion_max_size_mb": 0.0625}),
      dict(pts=[512, 2048])),
-    ("40 allreduce-rms 1MB", dict(tp=2, pass_config={"fuse_allreduce_rms": True, "fi_allreduce_fusion_max_size_mb": 1}),
+    ("allreduce-rms 1MB", dict(tp=2, pass_config={"fuse_allreduce_rms": True, "fi_allreduce_fusion_max_size_mb": 1}),
      dict(pts=[2048])),
-    ("40 allreduce-rms + user points", dict(tp=2, compile_ranges_split_points=[4, 16, 512],
+    ("allreduce-rms + user points", dict(tp=2, compile_ranges_split_points=[4, 16, 512],
                                             pass_config={"fuse_allreduce_rms": True, "fi_allreduce_fusion_max_size_mb": 0.0625}),
      dict(pts=[4, 16, 512, 512, 2048])),
-    ("41 spec n=3 seqs 128", dict(spec=SpeculativeConfig(num_speculative_tokens=3)), dict(sizes=S512, max=512, async_=False)),
-    ("41 spec n=3 seqs 32", dict(seqs=32, spec=SpeculativeConfig(num_speculative_tokens=3)), dict(sizes=S256, max=256)),
-    ("41 spec n=1 seqs 64", dict(seqs=64, spec=SpeculativeConfig(num_speculative_tokens=1)), dict(sizes=S256, max=256)),
-    ("41 spec n=3 user max 100", dict(spec=SpeculativeConfig(num_speculative_tokens=3), max_cudagraph_capture_size=100),
+    ("spec n=3 seqs 128", dict(spec=SpeculativeConfig(num_speculative_tokens=3)), dict(sizes=S512, max=512, async_=False)),
+    ("spec n=3 seqs 32", dict(seqs=32, spec=SpeculativeConfig(num_speculative_tokens=3)), dict(sizes=S256, max=256)),
+    ("spec n=1 seqs 64", dict(seqs=64, spec=SpeculativeConfig(num_speculative_tokens=1)), dict(sizes=S256, max=256)),
+    ("spec n=3 user max 100", dict(spec=SpeculativeConfig(num_speculative_tokens=3), max_cudagraph_capture_size=100),
      dict(sizes=UP_TO_96, max=96)),
-    ("42 MoE DP2 deepep-ht", dict(hf=MOE, dp=2, all2all="deepep_high_throughput"),
+    ("MoE DP2 deepep-ht", dict(hf=MOE, dp=2, all2all="deepep_high_throughput"),
      dict(cg=NONE, sizes=[], max=0, moe=True)),
-    ("42 dense DP2 deepep-ht", dict(dp=2, all2all="deepep_high_throughput"), dict(cg=FAP, moe=False)),
-    ("42 MoE DP1 deepep-ht", dict(hf=MOE, all2all="deepep_high_throughput"), dict(cg=FAP, moe=True)),
-    ("42 MoE DP2 deepep-ll", dict(hf=MOE, dp=2, all2all="deepep_low_latency"), dict(cg=FAP)),
-    ("42 no model DP2 deepep-ht", dict(hf=None, dp=2, all2all="deepep_high_throughput"), dict(cg=NONE)),
-    ("42 MoE DP2 deepep-ht mode 0 FULL", dict(hf=MOE, dp=2, all2all="deepep_high_throughput", mode=0, cudagraph_mode="FULL"),
+    ("dense DP2 deepep-ht", dict(dp=2, all2all="deepep_high_throughput"), dict(cg=FAP, moe=False)),
+    ("MoE DP1 deepep-ht", dict(hf=MOE, all2all="deepep_high_throughput"), dict(cg=FAP, moe=True)),
+    ("MoE DP2 deepep-ll", dict(hf=MOE, dp=2, all2all="deepep_low_latency"), dict(cg=FAP)),
+    ("no model DP2 deepep-ht", dict(hf=None, dp=2, all2all="deepep_high_throughput"), dict(cg=NONE)),
+    ("MoE DP2 deepep-ht mode 0 FULL", dict(hf=MOE, dp=2, all2all="deepep_high_throughput", mode=0, cudagraph_mode="FULL"),
      dict(cg=FULL)),
-    ("43 pooling O2", dict(runner="pooling"), dict(cg=PW)),
-    ("43 pooling FULL_DECODE_ONLY", dict(runner="pooling", cudagraph_mode="FULL_DECODE_ONLY"), dict(cg=PW)),
-    ("43 pooling NONE", dict(runner="pooling", cudagraph_mode="NONE"), dict(cg=NONE)),
-    ("43 pooling O1", dict(runner="pooling", level=1), dict(cg=PW)),
-    ("44 enc-dec O2", dict(hf=ENC_DEC), dict(cg=FDO, sizes=S256, max=256)),
-    ("44 enc-dec PIECEWISE", dict(hf=ENC_DEC, cudagraph_mode="PIECEWISE"), dict(cg=FDO)),
-    ("44 enc-dec FULL", dict(hf=ENC_DEC, cudagraph_mode="FULL"), dict(cg=FDO)),
-    ("45 FULL on cuda", dict(cudagraph_mode="FULL"), dict(cg=FULL)),
-    ("45 mode 0 + PIECEWISE", dict(mode=0, cudagraph_mode="PIECEWISE"), dict(cg=NONE)),
+    ("pooling O2", dict(runner="pooling"), dict(cg=PW)),
+    ("pooling FULL_DECODE_ONLY", dict(runner="pooling", cudagraph_mode="FULL_DECODE_ONLY"), dict(cg=PW)),
+    ("pooling NONE", dict(runner="pooling", cudagraph_mode="NONE"), dict(cg=NONE)),
+    ("pooling O1", dict(runner="pooling", level=1), dict(cg=PW)),
+    ("enc-dec O2", dict(hf=ENC_DEC), dict(cg=FDO, sizes=S256, max=256)),
+    ("enc-dec PIECEWISE", dict(hf=ENC_DEC, cudagraph_mode="PIECEWISE"), dict(cg=FDO)),
+    ("enc-dec FULL", dict(hf=ENC_DEC, cudagraph_mode="FULL"), dict(cg=FDO)),
+    ("FULL on cuda", dict(cudagraph_mode="FULL"), dict(cg=FULL)),
+    ("mode 0 + PIECEWISE", dict(mode=0, cudagraph_mode="PIECEWISE"), dict(cg=NONE)),
 ]
 
 
@@ -248,19 +248,19 @@ def test_resolution(kwargs, expected):
 
 
 ERRORS = [
-    ("28 max inconsistent with sizes", dict(cudagraph_capture_sizes=[1, 2, 4], max_cudagraph_capture_size=8),
+    ("max inconsistent with sizes", dict(cudagraph_capture_sizes=[1, 2, 4], max_cudagraph_capture_size=8),
      r"customized max_cudagraph_capture_size\(=8\) should be consistent with the max value of cudagraph_capture_sizes\(=4\)"),
-    ("28 max 4000 with a too-big size", dict(cudagraph_capture_sizes=[1, 2, 4000], max_cudagraph_capture_size=4000),
+    ("max 4000 with a too-big size", dict(cudagraph_capture_sizes=[1, 2, 4000], max_cudagraph_capture_size=4000),
      r"\(=2\)"),
-    ("28 empty user sizes", dict(cudagraph_capture_sizes=[]), "cudagraph_capture_sizes should contain at least one element"),
-    ("29 max 0", dict(max_cudagraph_capture_size=0), "Maximum cudagraph size should be greater than or equal to 1"),
-    ("39 tp4 sp sizes + max 10", dict(tp=4, pass_config={"enable_sp": True}, cudagraph_capture_sizes=[1, 2, 4, 6, 10],
+    ("empty user sizes", dict(cudagraph_capture_sizes=[]), "cudagraph_capture_sizes should contain at least one element"),
+    ("max 0", dict(max_cudagraph_capture_size=0), "Maximum cudagraph size should be greater than or equal to 1"),
+    ("tp4 sp sizes + max 10", dict(tp=4, pass_config={"enable_sp": True}, cudagraph_capture_sizes=[1, 2, 4, 6, 10],
                                       max_cudagraph_capture_size=10), r"\(=4\)"),
-    ("40 split point 0", dict(compile_ranges_split_points=[0]), "Invalid compile range split point: 0"),
-    ("40 split point -3", dict(compile_ranges_split_points=[-3]), "Invalid compile range split point: -3"),
-    ("42 dbo with default all2all", dict(enable_dbo=True),
+    ("split point 0", dict(compile_ranges_split_points=[0]), "Invalid compile range split point: 0"),
+    ("split point -3", dict(compile_ranges_split_points=[-3]), "Invalid compile range split point: -3"),
+    ("dbo with default all2all", dict(enable_dbo=True),
      "Microbatching currently only supports the deepep_low_latency and deepep_high_throughput all2all backend"),
-    ("47 level 4", dict(level=4), "optimization_level"),
+    ("level 4", dict(level=4), "optimization_level"),
     ("bad compilation key", dict(bogus_key=1), "bogus_key"),
 ]
 
@@ -271,7 +271,7 @@ def test_resolution_errors(kwargs, message):
         build(**kwargs)
 
 
-def test_compile_sizes_30():
+def test_compile_sizes_expand_capture_sizes():
     cfg = build(seqs=4, compile_sizes=[1, "cudagraph_capture_sizes"])
     cc = cfg.compilation_config
     assert (cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size) == ([1, 2, 4, 8], 8)
@@ -281,13 +281,13 @@ def test_compile_sizes_30():
     assert sorted(cc.compile_sizes) == [2, 16] and cc.compile_ranges_split_points == [64]
 
 
-def test_dbo_with_deepep_ll_disables_cascade_42():
+def test_dbo_with_deepep_ll_disables_cascade():
     cfg = build(hf=MOE, enable_dbo=True, all2all="deepep_low_latency")
     assert cfg.model_config.disable_cascade_attn is True
     assert build(hf=None, enable_dbo=True, all2all="deepep_low_latency").model_config is None
 
 
-def test_debug_dump_path_46(tmp_path, monkeypatch):
+def test_debug_dump_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = build(debug_dump_path="rel/dump")
     assert Path(cfg.compilation_config.debug_dump_path) == Path(os.getcwd()) / "rel" / "dump"
@@ -299,7 +299,7 @@ def test_debug_dump_path_46(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("value, level", [("1", OptimizationLevel.O1), (3, OptimizationLevel.O3),
                                           (OptimizationLevel.O0, OptimizationLevel.O0), ("0", OptimizationLevel.O0)])
-def test_optimization_level_parsing_47(value, level):
+def test_optimization_level_parsing(value, level):
     assert build(level=value).optimization_level == level
 
 
@@ -398,3 +398,11 @@ def test_engine_hash():
     assert build(static=False).compute_hash() != base
     assert build(hf=None).compute_hash() != base
     assert build(tp=2).compute_hash() != base
+
+
+@pytest.mark.parametrize("level, on", [(0, False), (1, True), (2, True), (3, True)])
+def test_forwardkit_fusion_flags_follow_the_level(level, on):
+    pc = build(level=level).compilation_config.pass_config
+    assert (pc.fuse_rms_norm, pc.fuse_silu_and_mul) == (on, on)
+    pc = build(level=level, pass_config={"fuse_rms_norm": not on}).compilation_config.pass_config
+    assert (pc.fuse_rms_norm, pc.fuse_silu_and_mul) == (not on, on)  # a set value wins

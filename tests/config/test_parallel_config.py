@@ -1,4 +1,4 @@
-"""ParallelConfig: spec/config.md §6.1 and the §8.4 examples 48-54."""
+"""ParallelConfig: DP resolution (explicit and environment paths), validation, hash."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from forwardkit.config.parallel import ParallelConfig
 
 
-def test_defaults():  # 48
+def test_defaults():
     p = ParallelConfig()
     assert (p.world_size, p.world_size_across_dp, p.data_parallel_size) == (1, 1, 1)
     assert (p.data_parallel_rank, p.data_parallel_rank_local, p.data_parallel_index) == (0, 0, 0)
@@ -22,7 +22,7 @@ def test_defaults():  # 48
 @pytest.mark.parametrize(
     "kwargs, world, executor",
     [
-        (dict(tensor_parallel_size=2, pipeline_parallel_size=2), 4, "mp"),  # 49
+        (dict(tensor_parallel_size=2, pipeline_parallel_size=2), 4, "mp"),
         (dict(tensor_parallel_size=2, prefill_context_parallel_size=2), 4, "mp"),
         (dict(tensor_parallel_size=1), 1, "uni"),
     ],
@@ -33,7 +33,7 @@ def test_world_size(kwargs, world, executor):
     assert p.distributed_executor_backend == executor
 
 
-def test_explicit_dp():  # 50
+def test_explicit_dp():
     p = ParallelConfig(data_parallel_size=2)
     assert (p.world_size, p.world_size_across_dp) == (1, 2)
     assert p.data_parallel_rank_local is None
@@ -50,7 +50,7 @@ def test_explicit_dp():  # 50
         (dict(data_parallel_size=2, data_parallel_rank=-1), r"data_parallel_rank \(-1\) must be in the range \[0, 2\)"),
         (dict(data_parallel_size=2, data_parallel_size_local=3), r"data_parallel_size_local \(3\) must be <= data_parallel_size \(2\)"),
         (dict(data_parallel_external_lb=True), "data_parallel_external_lb"),
-        (dict(eplb_config={"num_redundant_experts": 2}), "num_redundant_experts"),  # 53
+        (dict(eplb_config={"num_redundant_experts": 2}), "num_redundant_experts"),
         (dict(enable_eplb=True, enable_expert_parallel=True, tensor_parallel_size=2), "only supported on CUDA"),
         (dict(all2all_backend="bogus"), "all2all_backend"),
         (dict(data_parallel_backend="slurm"), "data_parallel_backend"),
@@ -72,11 +72,11 @@ def test_eplb_on_cuda(cuda_platform):
         ParallelConfig(enable_eplb=True, tensor_parallel_size=2)
 
 
-def test_dp1_rank_reset_from_env():  # 50: DP 1 with a rank goes through the env path
+def test_dp1_rank_reset_from_env():  # DP 1 with a rank goes through the env path
     assert ParallelConfig(data_parallel_rank=5).data_parallel_rank == 0
 
 
-def test_sequence_parallel_moe_and_ubatching():  # 51
+def test_sequence_parallel_moe_and_ubatching():
     p = ParallelConfig(data_parallel_size=4, tensor_parallel_size=2, enable_expert_parallel=True)
     assert p.use_sequence_parallel_moe
     assert (p.world_size, p.world_size_across_dp) == (2, 8)
@@ -91,7 +91,7 @@ def test_sequence_parallel_moe_and_ubatching():  # 51
     assert (one.use_ubatching, one.num_ubatches) == (False, 1)
 
 
-def test_offline_dp_from_env(monkeypatch):  # 52
+def test_offline_dp_from_env(monkeypatch):
     monkeypatch.setenv("FORWARDKIT_DP_SIZE", "2")
     monkeypatch.setenv("FORWARDKIT_DP_RANK", "1")
     monkeypatch.setenv("FORWARDKIT_DP_MASTER_IP", "10.0.0.1")
@@ -105,7 +105,7 @@ def test_offline_dp_from_env(monkeypatch):  # 52
     assert (explicit.data_parallel_size, explicit.data_parallel_rank) == (3, 2)
 
 
-def test_all2all_env_override(monkeypatch):  # 52
+def test_all2all_env_override(monkeypatch):
     monkeypatch.setenv("FORWARDKIT_ALL2ALL_BACKEND", "pplx")
     assert ParallelConfig(all2all_backend="naive").all2all_backend == "pplx"
     monkeypatch.setenv("FORWARDKIT_ALL2ALL_BACKEND", "nope")
@@ -113,7 +113,7 @@ def test_all2all_env_override(monkeypatch):  # 52
         ParallelConfig()
 
 
-def test_hash():  # 54
+def test_hash():
     base = ParallelConfig().compute_hash()
     assert ParallelConfig(data_parallel_master_ip="10.1.1.1").compute_hash() == base
     assert ParallelConfig(master_port=1).compute_hash() == base

@@ -1,4 +1,4 @@
-"""SchedulerConfig / SpeculativeConfig: spec/config.md §6.2 and §8.4 example 55."""
+"""SchedulerConfig / SpeculativeConfig: defaults, validation, hash."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CudagraphDispatcher and the runner-side decision helper (spec/runtime.md §4, §8.7-§8.9)."""
+"""CudagraphDispatcher and the runner-side decision helper, on fake and real configs."""
 
 from __future__ import annotations
 
@@ -74,8 +74,8 @@ def dispatcher_for(mode: CUDAGraphMode = M.FULL_AND_PIECEWISE, init: bool = True
     return disp
 
 
-# ---- E27: keys per configured mode ----------------------------------------------------------
-KEYS_E27 = {
+# ---- keys per configured mode ----------------------------------------------------------
+KEYS_PER_MODE = {
     M.FULL_AND_PIECEWISE: ({d(n) for n in (1, 2, 4, 8, 16)}, {d(n, n, True) for n in (1, 2, 4, 8)}),
     M.FULL_DECODE_ONLY: (set(), {d(n, n, True) for n in (1, 2, 4, 8)}),
     M.FULL: (set(), {d(n) for n in (1, 2, 4, 8, 16)}),
@@ -84,17 +84,17 @@ KEYS_E27 = {
 }
 
 
-@pytest.mark.parametrize("mode", list(KEYS_E27), ids=str)
-def test_e27_keys_per_mode(mode):
+@pytest.mark.parametrize("mode", list(KEYS_PER_MODE), ids=str)
+def test_keys_per_configured_mode(mode):
     disp = dispatcher_for(mode)
-    piecewise, full = KEYS_E27[mode]
+    piecewise, full = KEYS_PER_MODE[mode]
     assert disp.keys_initialized
     assert disp.cudagraph_keys[M.PIECEWISE] == piecewise
     assert disp.cudagraph_keys[M.FULL] == full
 
 
-# ---- E28: dispatch -------------------------------------------------------------------------
-E28 = [
+# ---- dispatch -------------------------------------------------------------------------
+DISPATCH_CASES = [
     (M.FULL_AND_PIECEWISE, (3, True, False), {}, (M.FULL, d(4, 4, True, False))),
     (M.FULL_AND_PIECEWISE, (3, False, False), {}, (M.PIECEWISE, d(4))),
     (M.FULL_AND_PIECEWISE, (8, True, False), {}, (M.FULL, d(8, 8, True))),
@@ -115,8 +115,8 @@ E28 = [
 ]
 
 
-@pytest.mark.parametrize(("mode", "args", "kwargs", "expected"), E28)
-def test_e28_dispatch(mode, args, kwargs, expected):
+@pytest.mark.parametrize(("mode", "args", "kwargs", "expected"), DISPATCH_CASES)
+def test_dispatch_pads_and_picks_mode(mode, args, kwargs, expected):
     disp = dispatcher_for(mode)
     result = disp.dispatch(*args, **kwargs)
     assert result == expected
@@ -124,15 +124,15 @@ def test_e28_dispatch(mode, args, kwargs, expected):
 
 
 @pytest.mark.parametrize("mode", [M.FULL_AND_PIECEWISE, M.FULL, M.PIECEWISE, M.FULL_DECODE_ONLY])
-def test_e28_dispatch_before_keys_initialised_is_none(mode):
+def test_dispatch_before_keys_initialised_is_none(mode):
     disp = dispatcher_for(mode, init=False)
     assert not disp.keys_initialized
     assert disp.dispatch(3, True, False) == (M.NONE, d(3))
     assert disp.get_capture_descs() == []
 
 
-# ---- E29: speculative decoding ---------------------------------------------------------------
-def test_e29_spec_decode_uq3():
+# ---- speculative decoding ---------------------------------------------------------------
+def test_spec_decode_query_len_3_keys_and_dispatch():
     disp = dispatcher_for(sizes=(3, 6, 9, 12, 24), max_num_seqs=4, spec_tokens=2)
     assert disp.uniform_decode_query_len == 3
     assert disp.cudagraph_keys[M.PIECEWISE] == {d(n) for n in (3, 6, 9, 12, 24)}
@@ -143,7 +143,7 @@ def test_e29_spec_decode_uq3():
     assert disp.dispatch(13, False, False) == (M.PIECEWISE, d(24))
 
 
-def test_e29_spec_decode_uq2():
+def test_spec_decode_query_len_2_keys_and_dispatch():
     disp = dispatcher_for(sizes=(1, 2, 4, 8), spec_tokens=1)
     assert disp.cudagraph_keys[M.FULL] == {d(2, 1, True), d(4, 2, True), d(8, 4, True)}
     assert disp.dispatch(6, True, False) == (M.FULL, d(8, 4, True))
@@ -152,7 +152,7 @@ def test_e29_spec_decode_uq2():
 
 
 def test_uniform_decode_query_len_passed_to_init_wins():
-    """Spec §9.13: keys and padding use one value (the one passed to initialize_cudagraph_keys)."""
+    """Unlike vLLM, keys and padding use one value (the one passed to initialize_cudagraph_keys)."""
     disp = CudagraphDispatcher(make_cfg(sizes=(1, 2, 4, 8)))
     disp.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE, 2)
     assert disp.uniform_decode_query_len == 2
@@ -161,8 +161,8 @@ def test_uniform_decode_query_len_passed_to_init_wins():
         disp.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE, 0)
 
 
-# ---- E30: LoRA ---------------------------------------------------------------------------------
-def test_e30_lora_specialised():
+# ---- LoRA ---------------------------------------------------------------------------------
+def test_lora_specialised_keys_both_variants():
     disp = dispatcher_for(sizes=(1, 2, 4), lora=True, specialize_lora=True)
     assert disp.cudagraph_keys[M.PIECEWISE] == {d(n, None, False, lo) for n in (1, 2, 4) for lo in (False, True)}
     assert disp.cudagraph_keys[M.FULL] == {d(n, n, True, lo) for n in (1, 2, 4) for lo in (False, True)}
@@ -170,7 +170,7 @@ def test_e30_lora_specialised():
     assert disp.dispatch(3, False, False) == (M.PIECEWISE, d(4))
 
 
-def test_e30_lora_not_specialised():
+def test_lora_not_specialised_keys_always_have_lora():
     disp = dispatcher_for(sizes=(1, 2, 4), lora=True, specialize_lora=False)
     assert disp.cudagraph_keys[M.PIECEWISE] == {d(n, None, False, True) for n in (1, 2, 4)}
     assert disp.cudagraph_keys[M.FULL] == {d(n, n, True, True) for n in (1, 2, 4)}
@@ -178,8 +178,8 @@ def test_e30_lora_not_specialised():
     assert disp.dispatch(3, True, True) == (M.FULL, d(4, 4, True, True))
 
 
-# ---- E31: max_num_seqs bounds the uniform FULL keys -----------------------------------------------
-def test_e31_max_num_seqs_bounds_full_keys():
+# ---- max_num_seqs bounds the uniform FULL keys -----------------------------------------------
+def test_max_num_seqs_bounds_full_keys():
     disp = dispatcher_for(sizes=(1, 2, 4, 8), max_num_seqs=2)
     assert disp.cudagraph_keys[M.FULL] == {d(1, 1, True), d(2, 2, True)}
     assert disp.dispatch(2, True, False) == (M.FULL, d(2, 2, True))
@@ -187,18 +187,18 @@ def test_e31_max_num_seqs_bounds_full_keys():
     assert disp.dispatch(8, False, False) == (M.PIECEWISE, d(8))
 
 
-# ---- E32: errors -----------------------------------------------------------------------------------
-def test_e32_piecewise_needs_piecewise_compilation():
+# ---- errors -----------------------------------------------------------------------------------
+def test_piecewise_mode_needs_piecewise_compilation():
     with pytest.raises(AssertionError, match=r"^Compilation mode should be CompilationMode.VLLM_COMPILE when cudagraph_mode piecewise cuda"):
         CudagraphDispatcher(make_cfg(mode=M.PIECEWISE, piecewise_ok=False))
 
 
-def test_e32_full_decode_only_without_compilation_constructs():
+def test_full_decode_only_without_compilation_constructs():
     disp = CudagraphDispatcher(make_cfg(mode=M.FULL_DECODE_ONLY, piecewise_ok=False))
     assert disp.keys_initialized is False
 
 
-def test_e32_add_key_none_mode():
+def test_add_key_rejects_none_mode():
     disp = dispatcher_for()
     with pytest.raises(AssertionError, match="^Invalid cudagraph runtime mode for keys: NONE$"):
         disp.add_cudagraph_key(M.NONE, d(4))
@@ -227,7 +227,7 @@ def test_padding_without_table_uses_capture_sizes():
     assert disp.dispatch(3, True) == (M.FULL, d(4, 4, True))
 
 
-# ---- capture list (§6.2, E40) ------------------------------------------------------------------------
+# ---- capture list ------------------------------------------------------------------------
 def test_capture_descs_largest_first_with_lora_cases():
     disp = dispatcher_for(sizes=(1, 2, 4), lora=True)
     groups = disp.get_capture_descs()
@@ -272,7 +272,7 @@ def test_cpu_platform_logs_once_that_graphs_are_off(cpu_platform, fk_log_records
     assert "platform cpu" in lines[0]
 
 
-# ---- E33: uniform decode ------------------------------------------------------------------------------------
+# ---- uniform decode ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("args", "force", "expected"),
     [
@@ -287,16 +287,16 @@ def test_cpu_platform_logs_once_that_graphs_are_off(cpu_platform, fk_log_records
         ((1, 1, 4, 4), False, False),
     ],
 )
-def test_e33_is_uniform_decode(args, force, expected):
+def test_is_uniform_decode(args, force, expected):
     assert is_uniform_decode(*args, force_uniform_decode=force) is expected
 
 
-# ---- E34: runner decisions, one rank ------------------------------------------------------------------------
+# ---- runner decisions, one rank ------------------------------------------------------------------------
 def run_decision(disp, per_req: list[int], **kw):
     return determine_batch_execution_and_padding(disp, sum(per_req), len(per_req), per_req, max(per_req), **kw)
 
 
-E34 = [
+SINGLE_RANK_CASES = [
     ([1] * 5, {}, M.FULL, d(8, 8, True), (5, 8, 3)),
     ([1] * 5, {"use_cascade_attn": True}, M.PIECEWISE, d(8), (5, 8, 3)),
     ([4, 1, 1, 7], {}, M.PIECEWISE, d(16), (13, 16, 3)),
@@ -307,8 +307,8 @@ E34 = [
 ]
 
 
-@pytest.mark.parametrize(("per_req", "kw", "mode", "desc", "stat"), E34)
-def test_e34_single_rank(per_req, kw, mode, desc, stat):
+@pytest.mark.parametrize(("per_req", "kw", "mode", "desc", "stat"), SINGLE_RANK_CASES)
+def test_runner_decision_single_rank(per_req, kw, mode, desc, stat):
     disp = dispatcher_for(metrics=True)
     out = run_decision(disp, per_req, **kw)
     assert out.cudagraph_mode == mode
@@ -336,7 +336,7 @@ def test_sequence_parallel_pads_to_tp_multiple():
     assert (out.cudagraph_mode, out.batch_descriptor) == (M.NONE, d(8))
 
 
-# ---- E35: two DP ranks (the all-reduce simulated: max padded count, min mode) -------------------------------------
+# ---- two DP ranks (the all-reduce simulated: max padded count, min mode) -------------------------------------
 def simulate_two_ranks(per_req_0: list[int], per_req_1: list[int]):
     """Run both ranks' decisions; a fake coordinator plays the all-reduce with both inputs."""
     local = {}
@@ -366,7 +366,7 @@ def simulate_two_ranks(per_req_0: list[int], per_req_1: list[int]):
         ([1] * 5, [10, 10], [20, 20], (M.NONE, d(20), (5, 20, 15)), (M.NONE, d(20), (20, 20, 0))),
     ],
 )
-def test_e35_two_dp_ranks(r0, r1, across, res0, res1):
+def test_runner_decision_two_simulated_dp_ranks(r0, r1, across, res0, res1):
     results, calls = simulate_two_ranks(r0, r1)
     for out, (mode, desc, stat) in zip(results, (res0, res1)):
         assert out.num_tokens_across_dp.tolist() == across
@@ -404,14 +404,14 @@ def real_cfg(max_num_seqs: int = 8, **kw):
     )
 
 
-def test_real_config_defaults_reproduce_e27_e28():
+def test_real_config_defaults_give_same_keys_and_dispatch():
     cfg = real_cfg()
     cc = cfg.compilation_config
     assert cc.cudagraph_mode == M.FULL_AND_PIECEWISE and cc.cudagraph_capture_sizes == [1, 2, 4, 8, 16]
     disp = CudagraphDispatcher(cfg)
     disp.initialize_cudagraph_keys(cc.cudagraph_mode, cfg.uniform_decode_query_len)
-    assert (disp.cudagraph_keys[M.PIECEWISE], disp.cudagraph_keys[M.FULL]) == KEYS_E27[M.FULL_AND_PIECEWISE]
-    for mode, args, kwargs, expected in E28:
+    assert (disp.cudagraph_keys[M.PIECEWISE], disp.cudagraph_keys[M.FULL]) == KEYS_PER_MODE[M.FULL_AND_PIECEWISE]
+    for mode, args, kwargs, expected in DISPATCH_CASES:
         if mode == M.FULL_AND_PIECEWISE:
             assert disp.dispatch(*args, **kwargs) == expected, args
     for n in range(1, 17):  # the dispatcher's padding agrees with the config's own
@@ -424,10 +424,10 @@ def test_real_config_keys_per_mode(mode):
     assert cfg.compilation_config.cudagraph_mode == mode
     disp = CudagraphDispatcher(cfg)
     disp.initialize_cudagraph_keys(mode)
-    assert (disp.cudagraph_keys[M.PIECEWISE], disp.cudagraph_keys[M.FULL]) == KEYS_E27[mode]
+    assert (disp.cudagraph_keys[M.PIECEWISE], disp.cudagraph_keys[M.FULL]) == KEYS_PER_MODE[mode]
 
 
-def test_real_config_spec_decode_e29():
+def test_real_config_spec_decode_keys():
     cfg = real_cfg(max_num_seqs=4, speculative_config={"num_speculative_tokens": 2, "method": "eagle"})
     cc = cfg.compilation_config
     cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = [3, 6, 9, 12, 24], 24
@@ -440,7 +440,7 @@ def test_real_config_spec_decode_e29():
     assert disp.dispatch(13, True, False) == (M.PIECEWISE, d(24))
 
 
-def test_real_config_e32_piecewise_without_attention_split():
+def test_real_config_piecewise_without_attention_split_raises():
     cfg = real_cfg()
     cfg.compilation_config.splitting_ops = []
     cfg.compilation_config.cudagraph_mode = M.PIECEWISE
@@ -448,10 +448,10 @@ def test_real_config_e32_piecewise_without_attention_split():
         CudagraphDispatcher(cfg)
 
 
-def test_real_config_e34_decisions():
+def test_real_config_runner_decisions():
     disp = CudagraphDispatcher(real_cfg())
     disp.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE)
-    for per_req, kw, mode, desc, _ in E34:
+    for per_req, kw, mode, desc, _ in SINGLE_RANK_CASES:
         out = run_decision(disp, per_req, **kw)
         assert (out.cudagraph_mode, out.batch_descriptor) == (mode, desc), (per_req, kw)
         assert out.cudagraph_stats is None  # EngineConfig has no observability_config: metrics off

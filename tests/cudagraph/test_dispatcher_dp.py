@@ -1,4 +1,4 @@
-"""Runner decisions across two real DP ranks (gloo on loopback): spec/runtime.md E35."""
+"""Runner decisions across two real DP ranks (gloo on loopback)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from forwardkit.forward_context import BatchDescriptor as d
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
-# rank 0 per-request tokens, rank 1 per-request tokens (E35 rows 1-3)
+# rank 0 per-request tokens, rank 1 per-request tokens (as in test_dispatcher's simulated pair)
 ROWS = [([1] * 5, [1] * 3), ([1] * 5, [4, 1, 1, 7]), ([1] * 5, [10, 10])]
 
 
@@ -57,7 +57,7 @@ def _rank_main(rank: int, nprocs: int, port: int) -> list[tuple]:
         destroy_dp_group()
 
 
-def test_e35_two_real_dp_ranks():
+def test_runner_decision_two_real_dp_ranks():
     from forwardkit.distributed.launch import spawn
 
     rank0, rank1 = spawn(_rank_main, 2, timeout_s=150)

@@ -1,4 +1,4 @@
-"""CUDA-graph usage metrics table (spec/runtime.md §7.2, E39)."""
+"""CUDA-graph usage metrics table (vLLM's CUDAGraphLogging format)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.cudagraph.metrics import CUDAGraphLogging, CUDAGraphStat
 
-E39_TABLE = """**CUDAGraph Config Settings:**
+EXPECTED_TABLE = """**CUDAGraph Config Settings:**
 
 - Mode: FULL_AND_PIECEWISE
 - Capture sizes: [1, 2, 4, 8]
@@ -31,14 +31,14 @@ def observed() -> CUDAGraphLogging:
     return log
 
 
-def test_e39_table_exact():
-    assert observed().generate_metric_table() == E39_TABLE
+def test_metric_table_exact():
+    assert observed().generate_metric_table() == EXPECTED_TABLE
 
 
-def test_e39_log_calls_once_and_resets():
+def test_log_emits_table_once_and_resets():
     log, seen = observed(), []
     log.log(seen.append)
-    assert seen == [E39_TABLE]
+    assert seen == [EXPECTED_TABLE]
     log.log(seen.append)
     assert len(seen) == 1 and log.stats == []
 

@@ -1,4 +1,4 @@
-"""CUDAGraphWrapper decisions on CPU with a fake graph backend (spec/runtime.md §5, E36)."""
+"""CUDAGraphWrapper decisions on CPU with a fake graph backend (capture, replay, fall-through)."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def make(mode=M.FULL, options=None, **kw):
     return wrapper, runnable, backend
 
 
-def test_e36_sequence(fake_cuda):
+def test_capture_replay_and_fallthrough_sequence(fake_cuda):
     wrapper, fn, backend = make(options=CUDAGraphOptions(weak_ref_output=False))
     x = torch.ones(4)
     before = compilation_counter.num_cudagraph_captured
@@ -155,7 +155,7 @@ def test_e36_sequence(fake_cuda):
     assert backend.pools == [POOL, POOL]
 
 
-def test_e36_debug_mode_checks_input_addresses(fake_cuda, monkeypatch):
+def test_debug_mode_checks_input_addresses(fake_cuda, monkeypatch):
     monkeypatch.setenv("FORWARDKIT_LOGGING_LEVEL", "DEBUG")
     wrapper, fn, _ = make()
     assert wrapper.is_debugging_mode
@@ -177,7 +177,7 @@ def test_debug_check_off_without_debug_level(fake_cuda, monkeypatch):
 
 
 def test_debug_check_ignores_keyword_tensors(fake_cuda, monkeypatch):
-    """Spec §5.5/§9.9: only positional tensors are recorded and compared."""
+    """As in vLLM: only positional tensors are recorded and compared."""
     monkeypatch.setenv("FORWARDKIT_LOGGING_LEVEL", "DEBUG")
     wrapper, _, backend = make()
     with ctx(M.FULL, d(4)):
@@ -187,7 +187,7 @@ def test_debug_check_ignores_keyword_tensors(fake_cuda, monkeypatch):
     assert backend.events[-1] == "replay"
 
 
-def test_e36_capture_guard(fake_cuda):
+def test_capture_outside_capture_session_raises(fake_cuda):
     wrapper, fn, _ = make()
     monitor.set_cudagraph_capturing_enabled(False)
     with ctx(M.FULL, d(8)), pytest.raises(
@@ -205,7 +205,7 @@ def test_e36_capture_guard(fake_cuda):
     assert wrapper.concrete_cudagraph_entries[d(8)].cudagraph is not None
 
 
-def test_e36_missing_descriptor(fake_cuda):
+def test_missing_batch_descriptor_raises(fake_cuda):
     wrapper, _, _ = make()
     with ctx(M.FULL, None), pytest.raises(AssertionError, match="no batch_descriptor"):
         wrapper(torch.ones(4))
@@ -217,7 +217,7 @@ def test_needs_forward_context():
         wrapper(torch.ones(4))
 
 
-def test_e36_construction_and_attribute_fallthrough():
+def test_construction_checks_and_attribute_fallthrough():
     assert repr(CUDAGraphOptions()) == "CUDAGraphOptions(debug_log_enable=True, gc_disable=False, weak_ref_output=True)"
     with pytest.raises(AssertionError, match="got NONE"):
         CUDAGraphWrapper(Doubler(), CFG, M.NONE)

@@ -1,4 +1,4 @@
-"""coordinate_batch_across_dp: spec/runtime.md §2 and §8.6 (E20-E22), timeouts, errors."""
+"""coordinate_batch_across_dp: post-processing, multi-process agreement, timeouts, errors."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def parallel_config(dp: int, rank: int, **overrides) -> NS:
 # --- single process --------------------------------------------------------------------------
 
 
-def test_e20_post_processing():
+def test_post_processing_of_gathered_votes():
     t = torch.tensor([[10, 3, 7], [16, 4, 8], [1, 1, 1], [1, 1, 1], [2, 1, 2]], dtype=torch.int32)
     assert _post_process_ubatch(t, 2) is False  # 16 // 2 = 8 >= min real 3: last ubatch empty
     padded = _post_process_dp_padding(t, True)
@@ -48,7 +48,7 @@ def test_e20_post_processing():
     assert _post_process_ubatch(t2, 2) is False
 
 
-def test_e21_single_rank_short_circuits():
+def test_single_rank_short_circuits():
     out = coordinate_batch_across_dp(num_tokens_unpadded=5, allow_microbatching=True,
                                      allow_dp_padding=True,
                                      parallel_config=NS(data_parallel_size=1), cudagraph_mode=2)
@@ -140,7 +140,7 @@ def _run_scenarios(rank: int, nprocs: int, port: int, scenarios: dict) -> dict:
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("scenarios", [SCENARIOS_3, SCENARIOS_2], ids=["3-ranks", "2-ranks"])
-def test_e22_multi_process(scenarios):
+def test_multi_process_scenarios(scenarios):
     nprocs = len(next(iter(scenarios.values())))
     per_rank = spawn(_run_scenarios, nprocs, args=(scenarios,), timeout_s=150)
     for name in scenarios:

@@ -1,4 +1,4 @@
-"""set_forward_context builds DPMetadata across real DP ranks: spec/runtime.md §1.7, §8.4 E14."""
+"""set_forward_context builds DPMetadata across real DP ranks."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _steps(rank: int, nprocs: int, port: int) -> dict:
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
-def test_e14_set_forward_context_builds_dp_metadata(nprocs):
+def test_set_forward_context_builds_dp_metadata(nprocs):
     results = spawn(_steps, nprocs, timeout_s=150)
     counts = NUM_TOKENS[:nprocs]
     for out in results:

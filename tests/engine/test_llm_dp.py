@@ -27,7 +27,7 @@ def _engine_config(path: str, nprocs: int, dp_padding: bool):
         return build_engine_config(path, data_parallel_size=nprocs, enable_expert_parallel=True,
                                    **ENGINE)
     # Graphs configured (CPU resolution turns them off, so set the mode afterwards): every
-    # rank is padded to the largest token count across ranks, even eager (spec §2.6, §9.2).
+    # rank is padded to the largest token count across ranks, even eager (as in vLLM).
     engine = {**ENGINE, "enforce_eager": False}
     cfg = build_engine_config(path, data_parallel_size=nprocs, enable_expert_parallel=True,
                               compilation_config={"mode": 0}, **engine)

@@ -118,6 +118,20 @@ def test_too_long_prompt_errors_name_the_request():
     assert not sched.has_unfinished
 
 
+def test_add_all_checks_each_request_once_and_queues_all_or_none(monkeypatch):
+    sched = Scheduler(BlockManager(4, 4), max_num_seqs=4, max_num_batched_tokens=8, max_model_len=12)
+    checked = []
+    original = Scheduler.check_fits
+    monkeypatch.setattr(Scheduler, "check_fits", lambda self, r: (checked.append(r.request_id),
+                                                                  original(self, r))[1])
+    with pytest.raises(ValueError, match="request 'p'"):
+        sched.add_all([_req("a", 3), Request("p", list(range(12)), SamplingParams(), max_model_len=12)])
+    assert not sched.has_unfinished  # nothing half-queued
+    checked.clear()
+    sched.add_all([_req("a", 3), _req("b", 2)])
+    assert checked == ["a", "b"] and [r.request_id for r in sched.waiting] == ["a", "b"]
+
+
 def test_full_cache_preempts_instead_of_deadlocking():
     # 6 blocks of 2 = 12 slots; three requests of 2 prompt + 4 output tokens = 18 slots in all.
     sched = Scheduler(BlockManager(6, 2), max_num_seqs=3, max_num_batched_tokens=16)

@@ -169,8 +169,6 @@ def test_step_batch_views():
     assert b.num_tokens == 5 and b.query_lens == [1, 3, 1] and b.seq_lens == [6, 10, 3]
     assert b.flat_positions() == [5, 7, 8, 9, 2]
     assert b.logits_indices() == [0, 3, 4]
-    assert not b.is_uniform_decode()
-    assert StepBatch(["x", "y"], [[1], [2]], [3, 4], [[0], [1]]).is_uniform_decode()
 
 
 def test_warm_up_compile_sizes_runs_dummy_steps(monkeypatch):
@@ -205,7 +203,7 @@ def test_dummy_run_goes_through_the_model():
     ("PIECEWISE", 0, True, CUDAGraphMode.PIECEWISE),
 ])
 def test_resolve_cudagraph_mode(configured, support, split, expected):
-    """Spec §4.5: lower the configured mode to what the attention backend supports."""
+    """Lower the configured mode to what the attention backend supports."""
     from types import SimpleNamespace
 
     from forwardkit.runner.setup import resolve_cudagraph_mode

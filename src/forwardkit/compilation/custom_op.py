@@ -3,8 +3,7 @@
 A subclass implements :meth:`CustomOp.forward_native` (plain torch, what Inductor can trace and
 fuse) and may implement ``forward_cuda`` / ``forward_cpu`` (optimised forms; in forwardkit they
 call opaque ``torch.ops.forwardkit.*`` kernels). Which one runs is decided at construction from
-the current engine config's ``compilation_config.custom_ops`` (vLLM semantics, spec
-compilation.md §7):
+the current engine config's ``compilation_config.custom_ops`` (vLLM semantics):
 
 * ``"all"`` / ``"none"`` set the default; ``"+name"`` forces an op on, ``"-name"`` off;
 * with neither ``"all"`` nor ``"none"`` present (an un-normalised config) the normalisation
@@ -21,49 +20,22 @@ from typing import Any
 
 import torch.nn as nn
 
+from forwardkit.config.custom_ops import (
+    CUSTOM_OP_REGISTRY,
+    custom_ops_default_on,
+    is_custom_op_enabled,
+)
+from forwardkit.config.engine import get_current_engine_config
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
 
-__all__ = ["CustomOp", "custom_op_default_on", "is_op_enabled_by"]
+__all__ = ["CustomOp"]
 
 logger = init_logger(__name__)
 
 
 def _current_compilation_config() -> Any:
-    # Imported lazily: the config layer may be imported after this module.
-    from forwardkit.config.engine import get_current_engine_config
-
     return get_current_engine_config().compilation_config
-
-
-def custom_op_default_on(compilation_config: Any) -> bool:
-    """Whether custom ops are on by default under ``compilation_config.custom_ops``.
-
-    Exactly one of ``"all"``/``"none"`` may be present; when neither is (the list was not
-    normalised yet) the normalisation rule decides: ``none`` for a compiling mode with the
-    ``inductor`` backend, else ``all``.
-    """
-    custom_ops = list(compilation_config.custom_ops or [])
-    n_all, n_none = custom_ops.count("all"), custom_ops.count("none")
-    if n_all + n_none > 1:
-        raise ValueError(
-            f"custom_ops={custom_ops!r}: can only specify one of 'none' or 'all', exactly once"
-        )
-    if n_all + n_none == 1:
-        return n_all == 1
-    mode = getattr(compilation_config, "mode", None)
-    mode_value = int(getattr(mode, "value", mode)) if mode is not None else 0
-    backend = getattr(compilation_config, "backend", "inductor") or "inductor"
-    return not (mode_value != 0 and backend == "inductor")
-
-
-def is_op_enabled_by(compilation_config: Any, name: str) -> bool:
-    """``(default_on or '+name') and not '-name'`` for the op registered as ``name``."""
-    custom_ops = list(compilation_config.custom_ops or [])
-    plus, minus = f"+{name}" in custom_ops, f"-{name}" in custom_ops
-    if plus and minus:
-        raise ValueError(f"custom_ops={custom_ops!r} both enables and disables {name!r}")
-    return (custom_op_default_on(compilation_config) or plus) and not minus
 
 
 class CustomOp(nn.Module):
@@ -74,7 +46,7 @@ class CustomOp(nn.Module):
     """
 
     name: str
-    op_registry: dict[str, type[CustomOp]] = {}
+    op_registry: dict[str, type[CustomOp]] = CUSTOM_OP_REGISTRY  # shared with the config layer
     op_registry_oot: dict[str, type[CustomOp]] = {}
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CustomOp:
@@ -141,13 +113,14 @@ class CustomOp(nn.Module):
             logger.warning_once(
                 "Custom op %s was not registered; it follows the global default", cls.__name__
             )
-            return custom_op_default_on(config)
-        return is_op_enabled_by(config, name)
+            return cls.default_on()
+        return is_custom_op_enabled(config.custom_ops, name, config.mode, config.backend)
 
     @staticmethod
     def default_on() -> bool:
         """Whether custom ops are on by default in the current config."""
-        return custom_op_default_on(_current_compilation_config())
+        config = _current_compilation_config()
+        return custom_ops_default_on(config.custom_ops, config.mode, config.backend)
 
     # -- registries -----------------------------------------------------------------------
     @classmethod

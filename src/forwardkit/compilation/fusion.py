@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from forwardkit.compilation.passes import InductorPass
+from forwardkit.compilation.inductor_pass import InductorPass
 from forwardkit.logger import init_logger
 
 __all__ = ["FusedAddRMSNormPass", "InlineOpaqueOpPass", "SiluAndMulFusionPass"]
@@ -67,7 +67,7 @@ class InlineOpaqueOpPass(InductorPass):
     @staticmethod
     def _inline(graph: torch.fx.Graph, node: torch.fx.Node, impl: Callable[..., Any]) -> None:
         schema = node.target._schema  # type: ignore[union-attr]
-        args = list(node.args) + [
+        args: list[Any] = list(node.args) + [
             node.kwargs[a.name] for a in schema.arguments[len(node.args):] if a.name in node.kwargs
         ]
         tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.fx.Node)]
@@ -80,17 +80,19 @@ class InlineOpaqueOpPass(InductorPass):
             return impl(*full)
 
         fake_mode = torch._guards.detect_fake_mode(fakes)
+        if fake_mode is None:  # a post-grad graph always carries fake values; be explicit
+            raise RuntimeError(f"{node.target}: no fake tensor mode on the node's inputs")
         from torch._inductor.decomposition import select_decomp_table
 
         with fake_mode:
             sub = make_fx(body, decomposition_table=select_decomp_table())(*fakes)
-        val_map = {ph: args[i] for ph, i in zip(sub.graph.find_nodes(op="placeholder"), tensor_pos)}
+        val_map: dict[torch.fx.Node, Any] = {ph: args[i] for ph, i in zip(sub.graph.find_nodes(op="placeholder"), tensor_pos)}
         with graph.inserting_before(node):
-            out = graph.graph_copy(sub.graph, val_map)
+            out: Any = graph.graph_copy(sub.graph, val_map)
         if isinstance(out, (tuple, list)):
             for user in list(node.users):
                 if user.op == "call_function" and user.target is operator.getitem:
-                    user.replace_all_uses_with(out[user.args[1]])
+                    user.replace_all_uses_with(out[cast(int, user.args[1])])
                     graph.erase_node(user)
         else:
             node.replace_all_uses_with(out)

@@ -2,10 +2,10 @@
 
 :class:`PostGradPassManager` is installed as Inductor's ``post_grad_custom_post_pass`` in the
 backend's private copy of the Inductor config. It runs, in order: no-op elimination (when
-``pass_config.eliminate_noops``), the CPU fusions of :mod:`forwardkit.compilation.fusion`
-(when ``eliminate_noops`` is on too; they are exact rewrites), then the user's passes, then a
-stable topological sort and dead-code elimination. Its ``uuid()`` covers the pass config, each
-pass's source and the compile range, so Inductor's own caches never mix different pass sets.
+``pass_config.eliminate_noops``), the fusions of :mod:`forwardkit.compilation.fusion` (each
+behind its own flag, ``pass_config.fuse_rms_norm`` and ``pass_config.fuse_silu_and_mul``; they
+are exact rewrites), then the user's passes, then dead-code elimination. Its ``uuid()``
+covers the pass config, each pass's source and the compile range, so Inductor's own caches never mix different pass sets.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from forwardkit.compilation.compiler import current_compile_range
-from forwardkit.config.compilation_enums import Range
+from forwardkit.compilation.fusion import FusedAddRMSNormPass, SiluAndMulFusionPass
+from forwardkit.compilation.inductor_pass import InductorPass
 from forwardkit.logger import init_logger
 
 __all__ = ["InductorPass", "NoOpEliminationPass", "PostGradPassManager"]
@@ -30,21 +30,6 @@ __all__ = ["InductorPass", "NoOpEliminationPass", "PostGradPassManager"]
 logger = init_logger(__name__)
 
 aten = torch.ops.aten
-
-
-class InductorPass(CustomGraphPass):
-    """Base pass: ``uuid()`` hashes the class source; applies to every range by default."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def uuid(self) -> str:
-        """Identity for Inductor's caches: the pass class's source text."""
-        return hashlib.sha256(inspect.getsource(type(self)).encode()).hexdigest()
-
-    def is_applicable_for_range(self, compile_range: Range | None) -> bool:
-        """Whether to run for the range being compiled (all ranges by default)."""
-        return True
 
 
 def _shape(node: Any) -> tuple[Any, ...] | None:
@@ -103,14 +88,15 @@ class PostGradPassManager(InductorPass):
     """Runs forwardkit's post-grad passes chosen by ``PassConfig`` plus the user's passes."""
 
     def __init__(self, pass_config: Any = None, user_passes: Sequence[Any] = ()) -> None:
-        from forwardkit.compilation.fusion import FusedAddRMSNormPass, SiluAndMulFusionPass
-
         self.pass_config = pass_config
         self.passes: list[Any] = []
-        if pass_config is not None and getattr(pass_config, "eliminate_noops", False):
-            self.passes.append(NoOpEliminationPass())
-            self.passes.append(FusedAddRMSNormPass())
-            self.passes.append(SiluAndMulFusionPass())
+        if pass_config is not None:
+            if pass_config.eliminate_noops:
+                self.passes.append(NoOpEliminationPass())
+            if pass_config.fuse_rms_norm:
+                self.passes.append(FusedAddRMSNormPass())
+            if pass_config.fuse_silu_and_mul:
+                self.passes.append(SiluAndMulFusionPass())
         self.passes.extend(user_passes)
 
     def add(self, user_pass: Any) -> None:

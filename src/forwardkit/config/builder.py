@@ -166,40 +166,18 @@ def build_engine_config(
     def label(name: str) -> str:
         return names.get(name, name)
 
-    parallel_fields, scheduler_fields = engine_kwarg_names()
-    unknown = sorted(set(kwargs) - parallel_fields - scheduler_fields)
-    if unknown:
-        raise TypeError(
-            f"unknown keyword argument(s) {unknown} for the engine config; besides the named "
-            f"arguments it accepts ParallelConfig fields {sorted(parallel_fields)} and "
-            f"SchedulerConfig fields {sorted(scheduler_fields)}"
-        )
-    parallel_kwargs = {k: v for k, v in kwargs.items() if k in parallel_fields and v is not None}
-    scheduler_kwargs = {k: v for k, v in kwargs.items() if k in scheduler_fields and v is not None}
+    parallel_kwargs, scheduler_kwargs = _split_engine_kwargs(kwargs)
     if data_parallel_size is not None:
         parallel_kwargs["data_parallel_size"] = data_parallel_size
 
-    if model_shape is not None:
-        if model is not None:
-            raise ValueError(f"give {label('model')} or {label('model_shape')}, not both "
-                             f"(got {os.fspath(model)!r} and {model_shape!r})")
-        default_hf_config = model_shape_config(model_shape)
+    default_hf_config = _shape_hf_config(model, model_shape, default_hf_config, label)
     resolved_platform = _resolve_platform(platform)
     compilation = _compilation(compilation_config, resolved_platform, label("compilation_config"))
     try:
         model_config = _model_config(model, default_hf_config, dtype, max_model_len, enforce_eager, label)
         model_config = _cpu_dtype_fallback(model_config, dtype, resolved_platform)
-        model_len = model_config.max_model_len if model_config is not None else DEFAULT_MAX_MODEL_LEN
-        seqs, tokens = default_batch_limits(max_num_seqs, max_num_batched_tokens, max_model_len=model_len,
-                                            enable_chunked_prefill=enable_chunked_prefill)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=seqs,
-            max_num_batched_tokens=tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-            max_model_len=model_len,
-            is_encoder_decoder=model_config.is_encoder_decoder if model_config is not None else False,
-            **scheduler_kwargs,
-        )
+        scheduler_config = _scheduler_config(model_config, max_num_seqs, max_num_batched_tokens,
+                                             enable_chunked_prefill, scheduler_kwargs)
         cache_config = CacheConfig(num_gpu_blocks=num_gpu_blocks,
                                    **({} if block_size is None else {"block_size": block_size}))
         config_kwargs: dict[str, Any] = {
@@ -215,6 +193,17 @@ def build_engine_config(
         return EngineConfig(**config_kwargs)
     except ValidationError as exc:
         raise ValueError(one_line_error(exc)) from None
+
+
+def _shape_hf_config(model: Any, model_shape: str | None, default_hf_config: Mapping[str, Any] | None,
+                     label: Any) -> Mapping[str, Any] | None:
+    """The HF config of the model built without a checkpoint (``model_shape`` wins)."""
+    if model_shape is None:
+        return default_hf_config
+    if model is not None:
+        raise ValueError(f"give {label('model')} or {label('model_shape')}, not both "
+                         f"(got {os.fspath(model)!r} and {model_shape!r})")
+    return model_shape_config(model_shape)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -233,6 +222,38 @@ def _cpu_dtype_fallback(model_config: ModelConfig | None, dtype: Any,
     logger.info_once("This CPU has no native bf16 matmuls: running the bf16 model in float32 "
                      "(pass dtype='bfloat16' to force bf16)")
     return dataclasses.replace(model_config, dtype=torch.float32)
+
+
+def _split_engine_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ParallelConfig kwargs, SchedulerConfig kwargs) without Nones; TypeError on unknown keys."""
+    parallel_fields, scheduler_fields = engine_kwarg_names()
+    unknown = sorted(set(kwargs) - parallel_fields - scheduler_fields)
+    if unknown:
+        raise TypeError(
+            f"unknown keyword argument(s) {unknown} for the engine config; besides the named "
+            f"arguments it accepts ParallelConfig fields {sorted(parallel_fields)} and "
+            f"SchedulerConfig fields {sorted(scheduler_fields)}"
+        )
+    parallel_kwargs = {k: v for k, v in kwargs.items() if k in parallel_fields and v is not None}
+    scheduler_kwargs = {k: v for k, v in kwargs.items() if k in scheduler_fields and v is not None}
+    return parallel_kwargs, scheduler_kwargs
+
+
+def _scheduler_config(model_config: ModelConfig | None, max_num_seqs: int | None,
+                      max_num_batched_tokens: int | None, enable_chunked_prefill: bool,
+                      scheduler_kwargs: Mapping[str, Any]) -> SchedulerConfig:
+    """The scheduler limits, defaults filled in from the model's ``max_model_len``."""
+    model_len = model_config.max_model_len if model_config is not None else DEFAULT_MAX_MODEL_LEN
+    seqs, tokens = default_batch_limits(max_num_seqs, max_num_batched_tokens, max_model_len=model_len,
+                                        enable_chunked_prefill=enable_chunked_prefill)
+    return SchedulerConfig(
+        max_num_seqs=seqs,
+        max_num_batched_tokens=tokens,
+        enable_chunked_prefill=enable_chunked_prefill,
+        max_model_len=model_len,
+        is_encoder_decoder=model_config.is_encoder_decoder if model_config is not None else False,
+        **scheduler_kwargs,
+    )
 
 
 def _model_config(model: str | os.PathLike[str] | None, default_hf_config: Mapping[str, Any] | None,

@@ -1,6 +1,6 @@
 """``CompilationConfig``: how forwardkit compiles the model and captures CUDA graphs.
 
-Behaviour follows vLLM 0.14.0's ``vllm.config.CompilationConfig`` (spec/config.md §1-§4),
+Behaviour follows vLLM 0.14.0's ``vllm.config.CompilationConfig``,
 with these deliberate fixes of reference defects:
 
 * a bad ``cudagraph_mode`` name raises ``ValueError`` naming it and the accepted names
@@ -244,7 +244,7 @@ class CompilationConfig(CompilationMethods):
     # ------------------------------------------------------------------ construction
 
     def __post_init__(self) -> None:
-        """Normalise fields (spec/config.md §3.2). Raises ``ValueError`` on bad input."""
+        """Normalise fields. Raises ``ValueError`` on bad input."""
         if self.level is not None:
             logger.warning("Level is deprecated and will be removed in a future release; use mode.")
             if self.mode is None:

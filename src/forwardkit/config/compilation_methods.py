@@ -1,4 +1,4 @@
-"""The methods of ``CompilationConfig`` (spec/config.md §4), kept apart from its fields.
+"""The methods of ``CompilationConfig``, kept apart from its fields.
 
 :class:`CompilationMethods` is a field-less base class of ``CompilationConfig``; it reads
 and writes the config's attributes through ``self``. Checks that vLLM writes as ``assert``
@@ -17,6 +17,7 @@ from forwardkit.config.compilation_sizes import (
     padded_graph_size_table,
     round_capture_sizes_for_spec_decode,
 )
+from forwardkit.config.custom_ops import CUSTOM_OP_REGISTRY, is_custom_op_enabled
 from forwardkit.config.utils import (
     ConfigAssertionError,
     ConfigAttributeError,
@@ -222,15 +223,17 @@ class CompilationMethods:
     # ------------------------------------------------------------------ custom ops
 
     def is_custom_op_enabled(self, op: str) -> bool:
-        """Whether ``op`` is on under ``custom_ops`` (needs 'all' or 'none' in the list)."""
-        if "all" in self.custom_ops:
-            return f"-{op}" not in self.custom_ops
-        if "none" not in self.custom_ops:
+        """Whether ``op`` is on under ``custom_ops`` (needs 'all' or 'none' in the list).
+
+        The rule is :func:`forwardkit.config.custom_ops.is_custom_op_enabled`; as in vLLM this
+        method first insists that the list was resolved (holds 'all' or 'none').
+        """
+        if "all" not in self.custom_ops and "none" not in self.custom_ops:
             raise ConfigAssertionError(
                 f"custom_ops must contain 'all' or 'none' before asking about {op!r}, got "
                 f"{self.custom_ops}; the engine config adds one of them"
             )
-        return f"+{op}" in self.custom_ops
+        return is_custom_op_enabled(self.custom_ops, op, self.mode, self.backend)
 
     def custom_op_log_check(self) -> None:
         """Log enabled/disabled custom ops; warn (once) about ``custom_ops`` entries that
@@ -241,7 +244,7 @@ class CompilationMethods:
         logger.debug("enabled custom ops: %s", self.enabled_custom_ops)
         logger.debug("disabled custom ops: %s", self.disabled_custom_ops)
         present = set(self.enabled_custom_ops) | set(self.disabled_custom_ops)
-        registered = _registered_custom_ops()
+        registered = set(CUSTOM_OP_REGISTRY)
         for op in self.custom_ops:
             if op in ("all", "none"):
                 continue
@@ -282,12 +285,3 @@ def _resolve_qualname(name: str, registered: list[str]) -> Any:
     except (ImportError, AttributeError) as e:
         raise ValueError(f"Invalid backend {name!r}: cannot resolve it ({e})") from e
 
-
-def _registered_custom_ops() -> set[str]:
-    # Lazy, optional: the custom-op registry lives in the compilation layer.
-    try:
-        from forwardkit.compilation import custom_op
-    except ImportError:
-        return set()
-    registry = getattr(getattr(custom_op, "CustomOp", None), "op_registry", None)
-    return set(registry) if registry else set()

@@ -1,8 +1,8 @@
 """``EngineConfig`` (vLLM's ``VllmConfig``): all configs of one engine, resolved together.
 
-Constructing an ``EngineConfig`` runs the ordered resolution of spec/config.md §5.3:
-optimisation-level defaults, compilation and cudagraph modes per platform, capture sizes
-(§5.4), compile ranges (§5.5) and splitting ops. The order is part of the behaviour (for
+Constructing an ``EngineConfig`` runs vLLM 0.14.0's ordered resolution:
+optimisation-level defaults, compilation and cudagraph modes per platform, capture sizes,
+compile ranges and splitting ops. The order is part of the behaviour (for
 example capture sizes are worked out before splitting ops may downgrade the cudagraph
 mode), so it is kept exactly. Deliberate differences from the reference:
 
@@ -41,6 +41,7 @@ from pydantic.dataclasses import dataclass
 from forwardkit import envs
 from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+from forwardkit.config.custom_ops import custom_ops_default
 from forwardkit.config.levels import (
     OptimizationLevel,
     apply_level_defaults,
@@ -112,7 +113,7 @@ class EngineConfig:
         with use_platform(self.platform):
             self._resolve()
 
-    # ------------------------------------------------------------------ resolution (§5.3)
+    # ------------------------------------------------------------------ resolution
     def _resolve(self) -> None:
         cc = self.compilation_config = _to_compilation_config(self.compilation_config)
         model, parallel, sched = self.model_config, self.parallel_config, self.scheduler_config
@@ -140,8 +141,7 @@ class EngineConfig:
             cc.mode = (CompilationMode.VLLM_COMPILE if self.optimization_level > OptimizationLevel.O0
                        else CompilationMode.NONE)
         if "all" not in cc.custom_ops and "none" not in cc.custom_ops:  # step 11
-            on = cc.backend == "inductor" and cc.mode != CompilationMode.NONE
-            cc.custom_ops.append("none" if on else "all")
+            cc.custom_ops.append(custom_ops_default(cc.mode, cc.backend))
         apply_level_defaults(self)  # step 12
         if cc.cudagraph_mode.requires_piecewise_compilation() and cc.mode != CompilationMode.VLLM_COMPILE:
             logger.info("Cudagraph mode %s is not compatible with compilation mode %s; "
@@ -160,9 +160,17 @@ class EngineConfig:
         hook = getattr(self.platform, "check_and_update_config", None)  # step 19
         if callable(hook):
             hook(self)
+        self._resolve_splitting_ops()  # step 21
+        if pc.enable_sp:  # step 22
+            self._resolve_sequence_parallel_ops()
+        self._final_checks()  # steps 23-24
+        self._resolve_debug_dump_path()  # step 27
+
+    def _resolve_splitting_ops(self) -> None:
+        cc, model, parallel = self.compilation_config, self.model_config, self.parallel_config
         effective_dp = parallel.data_parallel_size if model is None or model.is_moe else 1
         graphs_before = cc.cudagraph_mode
-        cc.set_splitting_ops_for_v1(  # step 21
+        cc.set_splitting_ops_for_v1(
             all2all_backend=parallel.all2all_backend, data_parallel_size=effective_dp)
         if graphs_before != CUDAGraphMode.NONE and cc.cudagraph_mode == CUDAGraphMode.NONE:
             # NOTE: the reference keeps the capture sizes it worked out before step 21 turned
@@ -171,19 +179,19 @@ class EngineConfig:
             cc.max_cudagraph_capture_size = 0
             cc.cudagraph_capture_sizes = []
             cc.post_init_cudagraph_sizes()
-        if pc.enable_sp:  # step 22
-            if cc.mode != CompilationMode.VLLM_COMPILE:
-                logger.warning("Sequence parallelism is enabled, but running in mode %s; it "
-                               "takes effect only with VLLM_COMPILE.", cc.mode)
-            fullgraph = bool(cc.use_inductor_graph_partition) or len(cc.splitting_ops) == 0
-            if parallel.pipeline_parallel_size > 1 or not fullgraph:
-                if "-rms_norm" not in cc.custom_ops:
-                    cc.custom_ops.append("+rms_norm")
-                else:
-                    logger.warning("Sequence parallelism with a piecewise graph needs the "
-                                   "rms_norm custom op, but custom_ops has -rms_norm.")
-        self._final_checks()  # steps 23-24
-        self._resolve_debug_dump_path()  # step 27
+
+    def _resolve_sequence_parallel_ops(self) -> None:
+        cc, parallel = self.compilation_config, self.parallel_config
+        if cc.mode != CompilationMode.VLLM_COMPILE:
+            logger.warning("Sequence parallelism is enabled, but running in mode %s; it "
+                           "takes effect only with VLLM_COMPILE.", cc.mode)
+        fullgraph = bool(cc.use_inductor_graph_partition) or len(cc.splitting_ops) == 0
+        if parallel.pipeline_parallel_size > 1 or not fullgraph:
+            if "-rms_norm" not in cc.custom_ops:
+                cc.custom_ops.append("+rms_norm")
+            else:
+                logger.warning("Sequence parallelism with a piecewise graph needs the "
+                               "rms_norm custom op, but custom_ops has -rms_norm.")
 
     def _resolve_async_scheduling(self) -> None:
         sched, spec, parallel = self.scheduler_config, self.speculative_config, self.parallel_config
@@ -225,7 +233,7 @@ class EngineConfig:
         self._set_cudagraph_sizes()
 
     def _set_cudagraph_sizes(self) -> None:
-        """Capture sizes and their maximum (spec §5.4), then the padding table."""
+        """Capture sizes and their maximum, then the padding table."""
         cc, model, sched = self.compilation_config, self.model_config, self.scheduler_config
         if model is None or model.enforce_eager or cc.cudagraph_mode == CUDAGraphMode.NONE:
             cc.max_cudagraph_capture_size = 0
@@ -279,7 +287,8 @@ class EngineConfig:
         return kept
 
     def _set_compile_ranges(self) -> None:
-        """Split points of the Inductor compile ranges (spec §5.5)."""
+        """Split points of the Inductor compile ranges: the token budget, the all-reduce fusion
+        limit when that fusion is on, and the user's points strictly between 1 and the budget."""
         cc, tokens = self.compilation_config, self.scheduler_config.max_num_batched_tokens
         points: list[int] = [tokens] if tokens is not None else []
         if cc.pass_config.fuse_allreduce_rms and self.model_config is not None:
@@ -339,14 +348,8 @@ class EngineConfig:
         spec = self.speculative_config
         return 1 + spec.num_speculative_tokens if spec is not None and spec.num_speculative_tokens else 1
 
-    @property
-    def needs_dp_coordinator(self) -> bool:
-        """DP > 1 and (no model, a MoE model, or no external load balancer)."""
-        p, m = self.parallel_config, self.model_config
-        return p.data_parallel_size > 1 and (m is None or m.is_moe or not p.data_parallel_external_lb)
-
     def pad_for_cudagraph(self, batch_size: int) -> int:
-        """The capture size a batch of ``batch_size`` tokens is padded to (spec §5.6)."""
+        """The capture size a batch of ``batch_size`` tokens is padded to."""
         table = self.compilation_config.bs_to_padded_graph_size
         if table is None:
             raise ValueError(f"no cudagraph padding table: CUDA graphs are off on platform "

@@ -1,8 +1,8 @@
-"""Optimisation levels O0-O3 and the defaults each one fills in (spec/config.md §5.2).
+"""Optimisation levels O0-O3 and the defaults each one fills in (vLLM 0.14.0's table).
 
 The table is walked against the engine config: a dict whose target is a dataclass is walked
 recursively, every leaf goes through :func:`set_default`, so values the user set (not None)
-always win. Also holds the default cudagraph capture-size pattern (§5.4).
+always win. Also holds the default cudagraph capture-size pattern.
 """
 
 from __future__ import annotations
@@ -44,11 +44,12 @@ _IS_DENSE = False
 
 
 def _level_defaults(level: OptimizationLevel) -> dict[str, Any]:
-    """The §5.2 table for one level; leaves are values or ``fn(engine_config)``."""
+    """The defaults table for one level; leaves are values or ``fn(engine_config)``."""
     if level == OptimizationLevel.O0:
         flags: dict[str, Any] = dict.fromkeys(
             ("eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "fuse_allreduce_rms",
-             "fuse_attn_quant", "enable_sp", "fuse_gemm_comms"), False)
+             "fuse_attn_quant", "enable_sp", "fuse_gemm_comms", "fuse_rms_norm",
+             "fuse_silu_and_mul"), False)
         mode = CUDAGraphMode.NONE
     else:
         late = level >= OptimizationLevel.O2
@@ -60,6 +61,9 @@ def _level_defaults(level: OptimizationLevel) -> dict[str, Any]:
             "fuse_attn_quant": _IS_QUANTIZED if late else False,
             "enable_sp": _IS_DENSE if late else False,
             "fuse_gemm_comms": _IS_DENSE if late else False,
+            # forwardkit's own fusions (no vLLM flag): on wherever no-op elimination is.
+            "fuse_rms_norm": True,
+            "fuse_silu_and_mul": True,
         }
         mode = CUDAGraphMode.FULL_AND_PIECEWISE if late else CUDAGraphMode.PIECEWISE
     return {"compilation_config": {"pass_config": flags, "cudagraph_mode": mode,

@@ -1,4 +1,4 @@
-"""``ModelConfig``: what config resolution needs to know about the model (spec §6.3).
+"""``ModelConfig``: what config resolution needs to know about the model.
 
 Built from explicit fields (``ModelConfig(hf_config={...})``) or from a local Hugging Face
 checkpoint directory with :meth:`ModelConfig.from_pretrained`, which reads ``config.json``.

@@ -1,11 +1,11 @@
-"""``ParallelConfig``: tensor / pipeline / data / expert parallel layout (spec/config.md §6.1).
+"""``ParallelConfig``: tensor / pipeline / data / expert parallel layout.
 
 Only the fields that data parallelism, the forward context and config resolution read are
 kept. Resolution follows vLLM 0.14.0: an explicit DP setup (``data_parallel_size > 1`` or
 ``data_parallel_size_local == 0``) picks a random free master port and checks the rank; the
 offline SPMD path (DP not explicit) takes size / rank / master address from the
 ``FORWARDKIT_DP_*`` environment variables instead, so a user-given rank or port is replaced
-there (quirk kept on purpose, spec §9.8).
+there (vLLM's behaviour, kept on purpose).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ _SEQUENCE_PARALLEL_MOE_BACKENDS = {
 }
 _EXECUTORS = ("uni", "mp", "ray", "external_launcher")
 
-# Fields that do not change the compiled graph (spec §6.1 "compute_hash() ignores").
+# Fields that do not change the compiled graph, left out of compute_hash().
 _HASH_IGNORED = frozenset(
     {
         "data_parallel_rank",
@@ -343,5 +343,5 @@ class ParallelConfig:
         return port
 
     def compute_hash(self) -> str:
-        """SHA-256 over every field except the launch/address ones listed in spec §6.1."""
+        """SHA-256 over every field except the launch/address ones in ``_HASH_IGNORED``."""
         return hash_factors(get_hash_factors(self, _HASH_IGNORED))

@@ -39,8 +39,8 @@ _CONFIG = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 class PassConfig:
     """Switches for forwardkit's custom Inductor passes.
 
-    The seven ``bool | None`` flags are tri-state: ``None`` means "not decided yet"; the
-    engine config fills them in from its optimisation level (spec/config.md §5.2). Set
+    The ``bool | None`` flags are tri-state: ``None`` means "not decided yet"; the
+    engine config fills them in from its optimisation level (``config/levels.py``). Set
     values are parsed leniently (``True``, ``1``, ``"yes"``, ``"off"``, ...).
     """
 
@@ -58,6 +58,11 @@ class PassConfig:
     """Async TP: fuse GEMMs with collectives (needs ``enable_sp``)."""
     fuse_allreduce_rms: bool | None = None
     """FlashInfer all-reduce + RMSNorm fusion."""
+    fuse_rms_norm: bool | None = None
+    """forwardkit (no vLLM name): inline the opaque RMSNorm ops (plain and with residual add)
+    so Inductor fuses them with their neighbours."""
+    fuse_silu_and_mul: bool | None = None
+    """forwardkit (no vLLM name): inline the opaque SiLU-and-mul op so Inductor fuses it."""
     fi_allreduce_fusion_max_size_mb: float | None = None
     """Size cut-off (MB) for the fused all-reduce; None -> per-device default table."""
     enable_qk_norm_rope_fusion: bool = False

@@ -1,4 +1,4 @@
-"""``SchedulerConfig``: the batch limits the compilation/cudagraph resolution reads (spec §6.2)."""
+"""``SchedulerConfig``: the batch limits the compilation/cudagraph resolution reads."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps."""
     async_scheduling: bool | None = None
-    """Overlap scheduling with execution; None lets the engine decide (spec §5.3 step 5)."""
+    """Overlap scheduling with execution; None: on unless an unsupported feature rules it out."""
     max_num_partial_prefills: int = 1
     """Most requests with a partial (chunked) prefill in one step."""
     max_long_partial_prefills: int = 1

@@ -3,8 +3,8 @@
 The dispatcher keeps one set of graph keys (``BatchDescriptor``) per runtime mode
 (PIECEWISE, FULL). Per step it pads the token count to a capture size and picks FULL
 for uniform-decode batches when full graphs exist, PIECEWISE for everything else when
-piecewise graphs exist, and NONE (eager, unpadded) otherwise. See spec/runtime.md §4.
-:func:`determine_batch_execution_and_padding` is the runner-side decision around it (§4.4).
+piecewise graphs exist, and NONE (eager, unpadded) otherwise.
+:func:`determine_batch_execution_and_padding` is the runner-side decision around it.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class CudagraphDispatcher:
             return [False]
         if getattr(self.compilation_config, "cudagraph_specialize_lora", True):
             return [True, False]
-        return [True]  # graphs always include the LoRA ops (spec §9.8)
+        return [True]  # as in vLLM: without specialisation every graph includes the LoRA ops
 
     def _pad(self, num_tokens: int) -> int:
         """``bs_to_padded_graph_size[num_tokens]`` (computed from the sizes if the table is absent)."""
@@ -168,7 +168,7 @@ class CudagraphDispatcher:
         """Build the key sets for the resolved ``cudagraph_mode`` (call after backend resolution).
 
         ``uniform_decode_query_len`` defaults to ``1 + num_speculative_tokens`` from the config.
-        Unlike vLLM (spec §9.13) a value passed here also replaces the one used for padding, so
+        Unlike vLLM (which pads with the config's value) a value passed here also replaces the one used for padding, so
         keys and dispatch can never disagree. Calling again rebuilds the keys from scratch.
         """
         mode = as_cudagraph_mode(cudagraph_mode)
@@ -204,7 +204,7 @@ class CudagraphDispatcher:
         return groups
 
     def get_capture_descs(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:
-        """What the runner should capture, in capture order (spec §6.2).
+        """What the runner should capture, in capture order.
 
         One group per runtime mode: the mixed-batch group first (relaxed descriptors, run with
         ``uniform_decode=False``), then the uniform-decode FULL group (``desc.uniform`` is True,
@@ -252,7 +252,7 @@ class CudagraphDispatcher:
 
 
 # ---------------------------------------------------------------------------------------------
-# Runner-side decision (vLLM: GPUModelRunner._determine_batch_execution_and_padding, spec §4.4)
+# Runner-side decision (vLLM: GPUModelRunner._determine_batch_execution_and_padding)
 # ---------------------------------------------------------------------------------------------
 class BatchExecution(NamedTuple):
     """How a step runs; unpacks like vLLM's 5-tuple."""
@@ -319,7 +319,7 @@ def determine_batch_execution_and_padding(
     ``data_parallel_size > 1`` the ranks agree through ``coordinate_fn`` (default
     ``forwardkit.distributed.coordinate_batch_across_dp``, a collective every rank must call),
     then re-dispatch at the agreed padded count with FULL disabled when any rank could not use
-    FULL (spec §2.6). A CUDAGraphStat is produced when
+    FULL. A CUDAGraphStat is produced when
     ``observability_config.cudagraph_metrics`` is on.
     """
     cfg = dispatcher.engine_config

@@ -1,6 +1,6 @@
 """CUDA-graph usage metrics: one ``CUDAGraphStat`` per step and a Markdown summary table.
 
-Mirrors vLLM 0.14.0's ``CUDAGraphStat`` / ``CUDAGraphLogging`` (spec/runtime.md §7.2, §8.12).
+Mirrors vLLM 0.14.0's ``CUDAGraphStat`` / ``CUDAGraphLogging``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Process-wide CUDA-graph capture state: the capture guard, the capture counter, gc handling.
 
-* ``cudagraph_capturing_enabled`` (spec/runtime.md §5.6): the runner enables capture only
+* ``cudagraph_capturing_enabled``: the runner enables capture only
   around ``capture_model``; a capture triggered later by an unexpected descriptor raises
   instead of silently stalling a step.
 * :func:`record_capture`: counts captures in
   ``forwardkit.compilation.counters.compilation_counter.num_cudagraph_captured``.
-* :func:`capture_session`: what the runner wraps its capture loop in (§6.2/§5.7): capture
+* :func:`capture_session`: what the runner wraps its capture loop in: capture
   enabled, ``gc.collect()`` + ``gc.freeze()`` (unless ``FORWARDKIT_ENABLE_CUDAGRAPH_GC=1``),
   and everything restored afterwards.
 """

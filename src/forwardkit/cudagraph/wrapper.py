@@ -1,7 +1,6 @@
 """``CUDAGraphWrapper``: capture a runnable once per batch descriptor, replay it afterwards.
 
-Behaviour follows vLLM 0.14.0's ``vllm.compilation.cuda_graph`` (spec/runtime.md §5,
-spec/compilation.md §8). Per call the wrapper reads the runtime mode and batch descriptor
+Behaviour follows vLLM 0.14.0's ``vllm.compilation.cuda_graph``. Per call the wrapper reads the runtime mode and batch descriptor
 from the forward context: if the mode is NONE or not this wrapper's mode it just calls the
 runnable (this lets a FULL wrapper around the model and PIECEWISE wrappers around compiled
 pieces coexist); otherwise it captures on first sight of the descriptor and replays later.
@@ -11,10 +10,10 @@ so the capture/replay/fall-through decisions can be tested on CPU with a fake ba
 
 Differences from the reference, on purpose:
 * the platform's global graph pool is fetched at the first capture, not at construction, so a
-  wrapper can be built on a machine without CUDA (the reference fails there, spec §9.15);
+  wrapper can be built on a machine without CUDA (vLLM's constructor fails there);
 * vLLM's NCCL-allocator hook (``set_graph_pool_id``) is not needed: forwardkit has no custom
   NCCL buffer allocator;
-* ``eager_warmups`` (default 0, like vLLM 0.14 whose runner does the warm-ups, §5.7) lets a
+* ``eager_warmups`` (default 0, like vLLM 0.14 whose runner does the warm-ups) lets a
   standalone user have the wrapper run a new descriptor eagerly N times before capturing it.
 """
 
@@ -50,7 +49,7 @@ logger = init_logger(__name__)
 
 @dataclass
 class CUDAGraphOptions:
-    """Per-wrapper options; piecewise pieces differ by position (spec §5.8)."""
+    """Per-wrapper options; piecewise pieces differ by position."""
 
     debug_log_enable: bool = True  # DEBUG-log each capture (first piece only for piecewise)
     gc_disable: bool = False  # make gc.collect / empty_cache no-ops during capture
@@ -68,7 +67,7 @@ class CUDAGraphEntry:
 
 
 def piecewise_cudagraph_options(index: int, num_pieces: int) -> CUDAGraphOptions:
-    """Options for compiled piece ``index`` of ``num_pieces`` (spec §5.8).
+    """Options for compiled piece ``index`` of ``num_pieces``.
 
     Only the first piece logs captures and keeps gc/empty_cache during capture; only the last
     piece turns its output into weak references inside the capture (no later graph reads it).
@@ -156,7 +155,7 @@ def _gc_and_empty_cache_disabled() -> Iterator[None]:
     """Make ``gc.collect`` and ``torch.cuda.empty_cache`` no-ops for the block.
 
     The graph-capture context calls both on entry; once per layer piece that is very slow,
-    so only the first piece of a piecewise model keeps them (spec §5.3 step 4).
+    so only the first piece of a piecewise model keeps them.
     """
     saved_collect, saved_empty = gc.collect, torch.cuda.empty_cache
     gc.collect = lambda *args, **kwargs: 0

@@ -3,7 +3,7 @@
 * :func:`init_dp_group` / :func:`get_dp_group` / :func:`destroy_dp_group` — the DP process
   group (gloo CPU group + device group), every collective bounded by a timeout.
 * :func:`coordinate_batch_across_dp` — the per-step all-reduce that makes DP ranks agree on
-  padding, micro-batching and CUDA-graph mode (spec/runtime.md §2).
+  padding, micro-batching and CUDA-graph mode.
 * :func:`forwardkit.distributed.launch.spawn` — run a function on N local ranks.
 """
 

@@ -1,6 +1,6 @@
 """DP batch coordination: one all-reduce per step so every DP rank agrees on the batch.
 
-Implements vLLM 0.14.0's ``vllm.v1.worker.dp_utils`` protocol (spec/runtime.md §2): each
+Implements vLLM 0.14.0's ``vllm.v1.worker.dp_utils`` protocol: each
 rank writes its column of a ``(5, dp_size)`` int32 tensor (unpadded tokens, padded tokens,
 micro-batch vote, DP-padding vote, CUDA-graph mode), one SUM all-reduce fills every column
 on every rank, and identical post-processing derives the micro-batch decision, each rank's
@@ -30,7 +30,7 @@ __all__ = ["DPMetadata", "coordinate_batch_across_dp"]
 
 logger = init_logger(__name__)
 
-# Rows of the coordination tensor (spec §2.3).
+# Rows of the coordination tensor.
 _ROW_UNPADDED, _ROW_PADDED, _ROW_UBATCH, _ROW_DP_PAD, _ROW_MODE = range(5)
 _NUM_ROWS = 5
 
@@ -144,7 +144,7 @@ class DPMetadata:
 
 
 def _get_device_and_group(parallel_config: Any) -> tuple[Any, Any, bool]:
-    """(device, group, use_cpu) for the coordination all-reduce (spec §2.2)."""
+    """(device, group, use_cpu) for the coordination all-reduce."""
     group = get_dp_group()
     if getattr(parallel_config, "disable_nccl_for_dp_synchronization", False):
         logger.info_once("Using CPU all-reduce to synchronize the DP batch across ranks")
@@ -218,14 +218,14 @@ def _synchronize_dp_ranks(
     cudagraph_mode: int,
     parallel_config: Any,
 ) -> tuple[bool, torch.Tensor, int]:
-    """All-reduce and post-process (spec §2.4); identical result on every rank."""
+    """All-reduce and post-process; identical result on every rank."""
     tensor = _run_ar(
         should_attempt_ubatching, allow_dp_padding, num_tokens_unpadded, num_tokens_padded,
         cudagraph_mode, parallel_config,
     )
     should_dp_pad = bool(torch.all(tensor[_ROW_DP_PAD] == 1))
     # Every rank must pass the same allow_dp_padding (a configuration property). As in vLLM
-    # only the ranks that passed True notice a mismatch; the others carry on (spec §9.3).
+    # only the ranks that passed True notice a mismatch; the others carry on.
     assert allow_dp_padding == should_dp_pad, (
         f"allow_dp_padding differs across DP ranks (this rank: {allow_dp_padding}, votes: "
         f"{tensor[_ROW_DP_PAD].tolist()}); every rank must pass the same value"

@@ -218,10 +218,8 @@ class LLM:
             rid = str(next(self._ids))
             req = Request(rid, ids, p, prompt=text, eos_token_id=self.eos_token_id,
                           max_model_len=self.runner.max_model_len, generator=self._generator(p))
-            self.scheduler.check_fits(req)
             requests.append(req)
-        for req in requests:
-            self.scheduler.add(req)
+        self.scheduler.add_all(requests)
         self._run(len(requests), use_tqdm)
         return [self._output(r) for r in requests]
 

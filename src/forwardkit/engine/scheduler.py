@@ -118,9 +118,15 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request (after ``check_fits``)."""
-        self.check_fits(request)
-        request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self.add_all([request])
+
+    def add_all(self, requests: list[Request]) -> None:
+        """Check every request with ``check_fits``, then queue them all (or none)."""
+        for request in requests:
+            self.check_fits(request)
+        for request in requests:
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
 
     @property
     def has_unfinished(self) -> bool:

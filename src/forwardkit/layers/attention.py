@@ -2,7 +2,7 @@
 
 The model graph only ever sees ``torch.ops.forwardkit.unified_attention_with_output(q, k, v,
 output, layer_name)`` (or ``unified_attention``): plain tensors and a layer-name string. The
-per-step state is looked up at run time (spec runtime.md §1.9):
+per-step state is looked up at run time:
 
 1. ``ctx = get_forward_context()``;
 2. ``md = ctx.attn_metadata[layer_name]`` (None, or no metadata: profile / warm-up run -> zeros);

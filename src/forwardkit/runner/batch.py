@@ -77,14 +77,6 @@ class StepBatch:
         """Largest per-request scheduled token count (0 when empty)."""
         return max((len(t) for t in self.token_ids), default=0)
 
-    def is_uniform_decode(self, uniform_decode_query_len: int = 1) -> bool:
-        """Every request runs exactly ``uniform_decode_query_len`` tokens (vLLM's rule)."""
-        return (
-            self.num_reqs > 0
-            and self.max_query_len == uniform_decode_query_len
-            and self.num_tokens == self.max_query_len * self.num_reqs
-        )
-
     def flat_token_ids(self) -> list[int]:
         """All scheduled token ids, request after request."""
         return [t for tokens in self.token_ids for t in tokens]

@@ -1,5 +1,5 @@
 """``ModelRunner``: one forward step = inputs -> padding -> DP agreement -> attention
-metadata -> forward context -> model -> last-token logits (spec/runtime.md §6).
+metadata -> forward context -> model -> last-token logits.
 
 The model is whatever ``forwardkit.models.loader.load_model`` returns (eager, or with its
 inner module compiled by ``support_torch_compile``); full-model CUDA graphs wrap it in a
@@ -199,7 +199,7 @@ class ModelRunner:
         return self.model.compute_logits(selected).float()
 
     def _decide(self, batch: StepBatch, pad_to: int | None) -> tuple[Any, Any, Any]:
-        """Runtime mode, padded descriptor and DP token counts (spec §4.4 and §2.6)."""
+        """Runtime mode, padded descriptor and DP token counts."""
         coordinate = None
         if pad_to is not None:
             if pad_to > self.max_num_tokens:
@@ -243,7 +243,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ dummy runs, capture
     def _dummy_shapes(self, num_tokens: int, uniform_decode: bool) -> list[int]:
-        """Per-request token counts of a dummy batch (spec §6.3, uq = 1)."""
+        """Per-request token counts of a dummy batch (decode query length 1)."""
         if uniform_decode:
             return [1] * min(self.max_num_seqs, num_tokens)
         reqs = min(num_tokens, self.max_num_seqs)
@@ -310,7 +310,7 @@ class ModelRunner:
 
     def warm_up_compile_sizes(self) -> list[int]:
         """Run one eager dummy step per ``compile_sizes`` entry that is not a capture size,
-        largest first, so those specialised compiles happen at start-up (spec §6.1 step 4).
+        largest first, so those specialised compiles happen at start-up.
 
         Returns the sizes run.
         """
@@ -324,7 +324,7 @@ class ModelRunner:
         return sorted(set(sizes), reverse=True)
 
     def capture_model(self) -> float:
-        """Capture every CUDA graph the dispatcher has keys for (spec §6.2); returns seconds.
+        """Capture every CUDA graph the dispatcher has keys for; returns seconds.
 
         A no-op (with a log line) when graphs are off. Mixed-batch sizes first, then the
         uniform-decode FULL sizes, largest first within each group.

@@ -1,5 +1,5 @@
 """Start-up decisions of the model runner: KV-cache size and the CUDA-graph mode the
-attention backend can honour (spec/runtime.md §4.5, §6.1)."""
+attention backend can honour."""
 
 from __future__ import annotations
 
@@ -61,11 +61,11 @@ def num_kv_blocks(
 
 
 def resolve_cudagraph_mode(compilation_config: Any, support: int) -> CUDAGraphMode:
-    """Lower the configured ``cudagraph_mode`` to what attention supports (spec §4.5).
+    """Lower the configured ``cudagraph_mode`` to what attention supports (vLLM's rules).
 
     ``support`` is the minimum ``AttentionCGSupport`` over the attention layers
     (0 NEVER, 1 single-token decode, 2 uniform batch, 3 always). Uniform decode query length
-    is 1 (no speculative decoding), so rule 3 of the spec never fires.
+    is 1 (no speculative decoding), so vLLM's rule for speculative decode lengths never fires.
     """
     mode = CUDAGraphMode.parse(compilation_config.cudagraph_mode)
     piecewise_attn = bool(compilation_config.is_attention_compiled_piecewise())
