@@ -84,8 +84,8 @@ class CompilationMethods:
         ``cudagraph_capture_sizes`` in place and build ``bs_to_padded_graph_size``.
 
         ``compile_sizes`` keeps first-occurrence order (the reference's order was
-        unspecified); the ``"cudagraph_capture_sizes"`` expansion may duplicate ints, as in
-        the reference.
+        unspecified) without duplicates (the reference could repeat ints after expanding
+        ``"cudagraph_capture_sizes"``, so resolving its output again changed it).
         """
         sizes = self.cudagraph_capture_sizes
         if sizes is None:
@@ -111,7 +111,7 @@ class CompilationMethods:
                 f"largest of cudagraph_capture_sizes ({ordered[-1]})"
             )
         padded_graph_size_table(ordered, self.max_cudagraph_capture_size)  # validate first
-        self.compile_sizes = computed
+        self.compile_sizes = list(dict.fromkeys(computed))
         sizes.sort()
         self.compute_bs_to_padded_graph_size()
 

@@ -139,6 +139,14 @@ class EngineConfig:
         if cc.mode is None:  # step 10
             cc.mode = (CompilationMode.VLLM_COMPILE if self.optimization_level > OptimizationLevel.O0
                        else CompilationMode.NONE)
+            if cc.mode == CompilationMode.VLLM_COMPILE and cc.backend not in ("eager", "inductor"):
+                # NOTE: the reference accepts this and fails later; rejecting it keeps the
+                # resolved config valid input for a second resolution.
+                raise ValueError(
+                    f"compilation_config.backend={cc.backend!r} cannot be used with mode "
+                    f"VLLM_COMPILE (resolved from {self.optimization_level.name}); piecewise "
+                    "compilation accepts backend 'eager' or 'inductor', or set mode 1 or 2 to use "
+                    "a torch.compile backend")
         if "all" not in cc.custom_ops and "none" not in cc.custom_ops:  # step 11
             on = cc.backend == "inductor" and cc.mode != CompilationMode.NONE
             cc.custom_ops.append("none" if on else "all")
@@ -153,7 +161,7 @@ class EngineConfig:
         if pc.enable_sp:
             if "-rms_norm" in cc.custom_ops:
                 logger.warning("RMS norm force disabled, sequence parallelism might break")
-            else:
+            elif "+rms_norm" not in cc.custom_ops:  # NOTE: the reference appends it again
                 cc.custom_ops.append("+rms_norm")
         self._resolve_static_graphs()  # step 15
         self._set_compile_ranges()  # step 17
@@ -178,7 +186,8 @@ class EngineConfig:
             fullgraph = bool(cc.use_inductor_graph_partition) or len(cc.splitting_ops) == 0
             if parallel.pipeline_parallel_size > 1 or not fullgraph:
                 if "-rms_norm" not in cc.custom_ops:
-                    cc.custom_ops.append("+rms_norm")
+                    if "+rms_norm" not in cc.custom_ops:
+                        cc.custom_ops.append("+rms_norm")
                 else:
                     logger.warning("Sequence parallelism with a piecewise graph needs the "
                                    "rms_norm custom op, but custom_ops has -rms_norm.")

@@ -12,6 +12,7 @@ import enum
 import hashlib
 import json
 import re
+import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,7 +26,9 @@ __all__ = [
     "ConfigAttributeError",
     "ConfigIndexError",
     "ConfigTypeError",
+    "MAX_CONFIG_DEPTH",
     "assert_hashable",
+    "check_nesting",
     "config",
     "contains_object_print",
     "get_field",
@@ -34,6 +37,7 @@ __all__ = [
     "handle_deprecated",
     "hash_factors",
     "normalize_value",
+    "short_repr",
     "update_config",
 ]
 
@@ -242,3 +246,45 @@ class ConfigTypeError(ValueError, TypeError):
 
 class ConfigAttributeError(ValueError, AttributeError):
     """A config field that must be set first is still None (vLLM: a bare ``AttributeError``)."""
+
+
+MAX_CONFIG_DEPTH = 16
+"""Deepest nesting of lists/dicts accepted in a config value (deeper input is a ValueError
+raised before any recursive code, such as ``repr`` or validation, can hit Python's limit)."""
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel = 3
+_SHORT.maxstring = 60
+_SHORT.maxother = 60
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
+
+
+def short_repr(value: Any, limit: int = 100) -> str:
+    """A ``repr`` of ``value`` for error messages: depth- and length-limited, never raises."""
+    try:
+        text = _SHORT.repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_nesting(value: Any, name: str, max_depth: int = MAX_CONFIG_DEPTH) -> Any:
+    """Return ``value``, or raise ``ValueError`` naming ``name`` when its lists/tuples/sets/dicts
+    nest deeper than ``max_depth`` (walked iteratively, so any depth is safe to check)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Iterable[Any] = list(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            children = item
+        else:
+            continue
+        if depth >= max_depth:
+            raise ValueError(
+                f"{name}: value nested deeper than {max_depth} levels (or self-referencing): "
+                f"{short_repr(value)}; accepted: plain values, lists and objects nested at most "
+                f"{max_depth} deep"
+            )
+        stack.extend((child, depth + 1) for child in children)
+    return value
