@@ -145,6 +145,8 @@ argv_tokens = st.sampled_from([
     "--compilation-config", '{"mode": 3}', "[1]", "--max-num-seqs", "8", "--max-num-batched-tokens",
     "100000000", "-O.max_cudagraph_capture_size=100000000", "--platform", "cuda", "-O.x.y.z=1", "{",
     "-O.cudagraph_capture_sizes=[1,2,4]", "-tp", "2", "-O.inductor_compile_config={\"a\":1}",
+    "-O.compile_sizes=" + "[" * 3000 + "]" * 3000, "-cc", "[" * 3000 + "]" * 3000, "-O.cudagraph_mode",
+    "-O.max_cudagraph_capture_size=-1", "--max-num-batched-tokens", "-5",
 ])
 
 

@@ -40,6 +40,9 @@ _HASH_IGNORED = frozenset(
         "static_forward_context",
         "pass_config",
         "dynamic_shapes_config",
+        # Counters filled while the model is built: run-time state, not configuration.
+        "enabled_custom_ops",
+        "disabled_custom_ops",
     }
 )
 
@@ -262,7 +265,7 @@ class CompilationMethods:
 
     def compute_hash(self) -> str:
         """SHA-256 over everything that changes the compiled graph (paths, timings and
-        runtime state excluded; ``pass_config``/``dynamic_shapes_config`` by their hashes)."""
+        runtime state such as the custom-op counters excluded; ``pass_config``/``dynamic_shapes_config`` by their hashes)."""
         factors = get_hash_factors(self, _HASH_IGNORED)
         factors["pass_config"] = self.pass_config.compute_hash()
         factors["dynamic_shapes_config"] = self.dynamic_shapes_config.compute_hash()
