@@ -235,18 +235,46 @@ def _first_call(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     cfg = module._fk_engine_config
     mode = module._fk_mode
     forward = klass.forward
-    if mode == 1:
-        compilation_counter.stock_torch_compile_count += 1
-        backend = _make_backend(module, cfg, mode)
-        compiled = torch.compile(forward.__get__(module), backend=backend, fullgraph=True, dynamic=True)
-        module._fk_compiler = compiled
-        return compiled(*args, **kwargs)
-    if mode == 3:
-        from forwardkit.compilation.aot import aot_enabled
+    with _backend_errors_unwrapped(cfg, klass, mode):
+        if mode == 1:
+            compilation_counter.stock_torch_compile_count += 1
+            backend = _make_backend(module, cfg, mode)
+            compiled = torch.compile(forward.__get__(module), backend=backend, fullgraph=True, dynamic=True)
+            module._fk_compiler = compiled
+            return compiled(*args, **kwargs)
+        if mode == 3:
+            from forwardkit.compilation.aot import aot_enabled
 
-        if aot_enabled(cfg):
-            return _first_call_aot(module, forward, args, kwargs)
-    return _trace(module, forward, args, kwargs)
+            if aot_enabled(cfg):
+                return _first_call_aot(module, forward, args, kwargs)
+        return _trace(module, forward, args, kwargs)
+
+
+@contextlib.contextmanager
+def _backend_errors_unwrapped(cfg: Any, klass: type, mode: int) -> Any:
+    """Turn Dynamo's ``BackendCompilerFailed`` wrapper into the error a user can act on.
+
+    Mode 3: forwardkit's own backend raised, so its exception (with the library's reason,
+    e.g. an unsafe cache directory) is raised as it is. Modes 1/2: the user's
+    ``compilation_config.backend`` failed, so a ``ValueError`` names that field and the cause.
+    """
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        yield
+    except BackendCompilerFailed as e:
+        inner = getattr(e, "inner_exception", None)
+        if not isinstance(inner, Exception):
+            raise
+        if mode == 3:
+            raise inner from e
+        backend = getattr(cfg.compilation_config, "backend", None)
+        reason = (str(inner).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"compilation_config.backend={backend!r} failed while compiling {klass.__name__} "
+            f"(mode {mode}): {type(inner).__name__}: {reason}; use a registered torch.compile "
+            "backend or a dotted name of a backend function"
+        ) from e
 
 
 def _trace(module: Any, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

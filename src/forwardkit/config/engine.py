@@ -311,6 +311,8 @@ class EngineConfig:
 
     def _final_checks(self) -> None:
         cc, model, parallel = self.compilation_config, self.model_config, self.parallel_config
+        if cc.mode in (CompilationMode.STOCK_TORCH_COMPILE, CompilationMode.DYNAMO_TRACE_ONCE):
+            cc.init_backend(self)  # an unknown backend is a ValueError now, not at start-up
         if self.platform.is_cuda_alike():  # step 23
             if (cc.cudagraph_mode.has_full_cudagraphs() and model is not None
                     and not model.disable_cascade_attn and not cc.cudagraph_mode.has_piecewise_cudagraphs()):
