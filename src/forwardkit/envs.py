@@ -94,6 +94,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FORWARDKIT_DEBUG_DUMP_PATH": _str("FORWARDKIT_DEBUG_DUMP_PATH", None),
     # save/load Dynamo's result (mode 3, Inductor) so a warm start skips the trace (opt-in)
     "FORWARDKIT_USE_AOT_COMPILE": _bool("FORWARDKIT_USE_AOT_COMPILE", False),
+    # with AOT compile on: a missing or unusable saved entry is a FileNotFoundError instead of
+    # a trace (vLLM: VLLM_FORCE_AOT_LOAD), for deployments that must never compile
+    "FORWARDKIT_FORCE_AOT_LOAD": _bool("FORWARDKIT_FORCE_AOT_LOAD", False),
     # CUDA graphs
     "FORWARDKIT_ENABLE_CUDAGRAPH_GC": _bool("FORWARDKIT_ENABLE_CUDAGRAPH_GC", False),
     "FORWARDKIT_DBO_COMM_SMS": _int("FORWARDKIT_DBO_COMM_SMS", 20),

@@ -317,6 +317,7 @@ def _first_call_aot(module: Any, forward: Any, args: tuple[Any, ...], kwargs: di
         fingerprint = model_fingerprint(module, arguments, {**klass._fk_dims, **klass._fk_unbacked})
         entry = AotEntry(module, forward, cfg, module._fk_prefix, fingerprint)
     except Exception as e:  # e.g. an unsafe cache directory: trace as without AOT
+        _check_force_load(None, f"{type(e).__name__}: {e}")
         logger.warning_once("AOT precompile unavailable (%s: %s); tracing", type(e).__name__, str(e))
         return _trace(module, forward, args, kwargs)
     files: set[str] = set()
@@ -327,6 +328,8 @@ def _first_call_aot(module: Any, forward: Any, args: tuple[Any, ...], kwargs: di
         return backend
 
     loaded = entry.load(make_backend)
+    if loaded is None:
+        _check_force_load(entry.cache.local_dir, "no usable saved entry (missing, stale or corrupt)")
     if loaded is not None:
         fn, saved_files = loaded
         files.update(saved_files)
@@ -334,6 +337,7 @@ def _first_call_aot(module: Any, forward: Any, args: tuple[Any, ...], kwargs: di
             out = fn(module, *args, **kwargs)
         except Exception as e:  # a loaded graph that does not run: trace instead
             compilation_counter.num_cache_errors += 1
+            _check_force_load(entry.cache.local_dir, f"the loaded entry failed: {type(e).__name__}: {e}")
             logger.warning("the AOT-compiled %s failed on its first call (%s: %s); tracing again",
                            type(module).__name__, type(e).__name__, e)
         else:
@@ -347,3 +351,14 @@ def _first_call_aot(module: Any, forward: Any, args: tuple[Any, ...], kwargs: di
         logger.warning("AOT compile of %s failed (%s: %s); tracing without it",
                        type(module).__name__, type(e).__name__, e)
         return _trace(module, forward, args, kwargs)
+
+
+def _check_force_load(path: str | None, reason: str) -> None:
+    """Under ``FORWARDKIT_FORCE_AOT_LOAD=1`` a start that would trace raises instead."""
+    from forwardkit import envs
+
+    if envs.FORWARDKIT_FORCE_AOT_LOAD:
+        raise FileNotFoundError(
+            f"FORWARDKIT_FORCE_AOT_LOAD=1 but the AOT compile cache {path or '(unavailable)'} has "
+            f"no loadable entry: {reason}. Run once without FORWARDKIT_FORCE_AOT_LOAD to populate it."
+        )
