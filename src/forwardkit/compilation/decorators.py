@@ -63,6 +63,11 @@ def _mode_of(engine_config: Any) -> int:
     return 0 if mode is None else int(mode)
 
 
+def _evaluate_guards(engine_config: Any) -> bool:
+    dsc = getattr(getattr(engine_config, "compilation_config", None), "dynamic_shapes_config", None)
+    return bool(getattr(dsc, "evaluate_guards", False))
+
+
 def _enforce_eager(engine_config: Any) -> bool:
     mc = getattr(engine_config, "model_config", None)
     return bool(getattr(mc, "enforce_eager", False))
@@ -245,7 +250,7 @@ def _first_call(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
         if mode == 3:
             from forwardkit.compilation.aot import aot_enabled
 
-            if aot_enabled(cfg):
+            if aot_enabled(cfg) and not _evaluate_guards(cfg):  # AOT entries hold no guards
                 return _first_call_aot(module, forward, args, kwargs)
         return _trace(module, forward, args, kwargs)
 
@@ -288,7 +293,7 @@ def _trace(module: Any, forward: Any, args: tuple[Any, ...], kwargs: dict[str, A
     _mark_dynamic(bound, klass._fk_dims, klass._fk_unbacked, str(getattr(dyn, "value", dyn)))
     traced: set[str] = {inspect.getsourcefile(forward) or forward.__code__.co_filename}
     backend = _make_backend(module, cfg, module._fk_mode)
-    compiler = TraceOnceCompiler(module, forward, backend)
+    compiler = TraceOnceCompiler(module, forward, backend, _evaluate_guards(cfg))
     with collect_traced_files(traced):
         if hasattr(backend, "traced_files"):
             backend.traced_files = traced  # hashed into the cache key when the backend runs
