@@ -127,7 +127,7 @@ def _is_stopped(pid: int | None) -> bool:
         return False
 
 
-def _root_cause(procs: list[Any], failed: int) -> tuple[int, str] | None:
+def _root_cause(procs: list[Any], failed: int, payload: str = "") -> tuple[int, str] | None:
     """Another rank that died by a signal or is stopped: the likely cause of ``failed``'s error.
 
     Waits up to 0.5 s in all for ranks that are ending (a peer may have just ended a stopped one).
@@ -139,6 +139,8 @@ def _root_cause(procs: list[Any], failed: int) -> tuple[int, str] | None:
     for r, proc in enumerate(procs):
         if r == failed:
             continue
+        if f"rank {r} (pid {proc.pid}) is stopped (SIGSTOP)" in payload:
+            return r, "was stopped (SIGSTOP) and then ended by its peer"
         if proc.exitcode is not None and proc.exitcode != 0:
             return r, _exit_text(proc.exitcode)
         if proc.exitcode is None and _is_stopped(proc.pid):
@@ -220,7 +222,7 @@ def spawn(
                 else:
                     continue
             if not ok:
-                cause = _root_cause(procs, rank)
+                cause = _root_cause(procs, rank, payload)
                 reason = _last_line(payload)
                 if cause is not None:
                     r, what = cause
