@@ -224,3 +224,12 @@ def test_rejected_inputs_name_the_field_value_and_what_is_accepted(cc, words):
         EngineConfig(model_config=_model(True), platform=PLATFORMS["cuda"], compilation_config=cc)
     for word in words:
         assert word in str(info.value)
+
+
+def test_rejected_resolution_leaves_the_given_configs_unchanged():
+    cc = CompilationConfig(pass_config={"fuse_attn_quant": True}, cudagraph_mode="FULL",
+                           splitting_ops=list(CompilationConfig.ATTENTION_OPS))
+    before = (cc.to_dict(), list(cc.custom_ops), cc.mode, cc.cudagraph_capture_sizes)
+    with pytest.raises(ValueError, match="attention ops should not be in splitting_ops"):
+        EngineConfig(model_config=_model(True), platform=PLATFORMS["cuda"], compilation_config=cc)
+    assert (cc.to_dict(), list(cc.custom_ops), cc.mode, cc.cudagraph_capture_sizes) == before

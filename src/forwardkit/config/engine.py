@@ -21,17 +21,15 @@ Resolution runs under ``use_platform(self.platform)`` because ``CompilationConfi
 ``current_platform``; that briefly swaps the process-wide platform, so build engine configs
 for different platforms from one thread at a time.
 
-The current config lives in a ``contextvars.ContextVar`` (not a process global), so
+The current config lives in a ``contextvars.ContextVar`` (:mod:`.current`, not a process global), so
 threads and asyncio tasks building models concurrently each see their own.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import copy
 import hashlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +108,19 @@ class EngineConfig:
             self.platform = current_platform._get()
         # NOTE: CompilationConfig/PassConfig consult current_platform, so resolve under ours.
         with use_platform(self.platform):
-            self._resolve()
+            self.compilation_config = _to_compilation_config(self.compilation_config)
+            # Resolution mutates the sub-configs in place (as vLLM does); a failure puts them
+            # back, so a rejected config changes nothing the caller passed in.
+            parts = [self.compilation_config, self.compilation_config.pass_config, self.model_config,
+                     self.parallel_config, self.scheduler_config]
+            saved = [(obj, {k: copy.copy(v) for k, v in vars(obj).items()})
+                     for obj in parts if obj is not None]
+            try:
+                self._resolve()
+            except BaseException:
+                for obj, state in saved:
+                    vars(obj).update(state)
+                raise
 
     # ------------------------------------------------------------------ resolution (§5.3)
     def _resolve(self) -> None:
@@ -137,9 +147,9 @@ class EngineConfig:
                 "that are only active during Inductor compilation will be ignored."
             )
         if cc.mode is None:  # step 10
-            cc.mode = (CompilationMode.VLLM_COMPILE if self.optimization_level > OptimizationLevel.O0
-                       else CompilationMode.NONE)
-            if cc.mode == CompilationMode.VLLM_COMPILE and cc.backend not in ("eager", "inductor"):
+            mode = (CompilationMode.VLLM_COMPILE if self.optimization_level > OptimizationLevel.O0
+                    else CompilationMode.NONE)
+            if mode == CompilationMode.VLLM_COMPILE and cc.backend not in ("eager", "inductor"):
                 # NOTE: the reference accepts this and fails later; rejecting it keeps the
                 # resolved config valid input for a second resolution.
                 raise ValueError(
@@ -147,6 +157,7 @@ class EngineConfig:
                     f"VLLM_COMPILE (resolved from {self.optimization_level.name}); piecewise "
                     "compilation accepts backend 'eager' or 'inductor', or set mode 1 or 2 to use "
                     "a torch.compile backend")
+            cc.mode = mode
         if "all" not in cc.custom_ops and "none" not in cc.custom_ops:  # step 11
             on = cc.backend == "inductor" and cc.mode != CompilationMode.NONE
             cc.custom_ops.append("none" if on else "all")
@@ -403,52 +414,10 @@ def _to_compilation_config(value: Any) -> CompilationConfig:
     return value
 
 
-# ---------------------------------------------------------------------- current config
-_CURRENT: contextvars.ContextVar[EngineConfig | None] = contextvars.ContextVar(
-    "forwardkit_current_engine_config", default=None
+# The current-config context lives in its own module; re-exported here (its historical home).
+from forwardkit.config.current import (  # noqa: E402
+    get_current_engine_config,
+    get_current_engine_config_or_none,
+    get_layers_from_engine_config,
+    set_current_engine_config,
 )
-
-
-@contextlib.contextmanager
-def set_current_engine_config(config: EngineConfig, check_compile: bool = False) -> Iterator[EngineConfig]:
-    """Make ``config`` current while a model is built; restores the previous one on exit.
-
-    With ``check_compile``, a normal exit runs ``custom_op_log_check()`` (warns about
-    ``custom_ops`` entries that named no op of the model).
-    """
-    token = _CURRENT.set(config)
-    try:
-        yield config
-    finally:
-        _CURRENT.reset(token)
-    if check_compile:
-        config.compilation_config.custom_op_log_check()
-
-
-def get_current_engine_config_or_none() -> EngineConfig | None:
-    """The current engine config, or None outside :func:`set_current_engine_config`."""
-    return _CURRENT.get()
-
-
-def get_current_engine_config() -> EngineConfig:
-    """The current engine config; outside a context, a fresh default ``EngineConfig()``.
-
-    The fallback is built anew on each call (like vLLM), so layers registered into it
-    are not shared between models; a warning is logged once.
-    """
-    config = _CURRENT.get()
-    if config is None:
-        logger.warning_once(
-            "get_current_engine_config() called outside set_current_engine_config(); "
-            "using a default EngineConfig()."
-        )
-        return EngineConfig()
-    return config
-
-
-def get_layers_from_engine_config(config: EngineConfig, layer_type: type,
-                                  layer_names: list[str] | None = None) -> dict[str, Any]:
-    """Layers of ``static_forward_context`` that are instances of ``layer_type``."""
-    ctx = config.compilation_config.static_forward_context
-    names = list(ctx) if layer_names is None else layer_names
-    return {name: ctx[name] for name in names if isinstance(ctx[name], layer_type)}
