@@ -214,6 +214,7 @@ def test_known_non_idempotent_cases_are_now_stable(cc, platform):
     ({"compile_sizes": [0]}, ["compile_sizes", "got 0", ">= 1"]),
     ({"backend": "aot_eager"}, ["backend='aot_eager'", "VLLM_COMPILE", "'eager' or 'inductor'"]),
     ({"max_cudagraph_capture_size": 10**8}, ["max_cudagraph_capture_size", "100000000", "<="]),
+    ({"splitting_ops": ["nonsense"]}, ["splitting_ops", "'nonsense'", "namespace::op"]),
     ({"compile_sizes": _deep(5000, "list")}, ["compile_sizes", "nested deeper than"]),
     ({"inductor_compile_config": {"x": object()}}, ["inductor_compile_config['x']", "JSON values"]),
     ({"pass_config": {"fi_allreduce_fusion_max_size_mb": float("inf")}},

@@ -185,14 +185,14 @@ CASES = [
     ("39 tp2 no sp", dict(tp=2), dict(sizes=S256, max=256)),
     ("40 user split points", dict(compile_ranges_split_points=[1, 8, 512, 2048, 4096]), dict(pts=[8, 512, 2048])),
     ("40 duplicate split points", dict(compile_ranges_split_points=[8, 8, 16]),
-     dict(pts=[8, 8, 16, 2048], ranges=[Range(1, 8), Range(9, 16), Range(17, 2048)])),
+     dict(pts=[8, 16, 2048], ranges=[Range(1, 8), Range(9, 16), Range(17, 2048)])),  # reference keeps 8 twice
     ("40 allreduce-rms 0.0625MB", dict(tp=2, pass_config={"fuse_allreduce_rms": True, "fi_allreduce_fusion_max_size_mb": 0.0625}),
      dict(pts=[512, 2048])),
     ("40 allreduce-rms 1MB", dict(tp=2, pass_config={"fuse_allreduce_rms": True, "fi_allreduce_fusion_max_size_mb": 1}),
      dict(pts=[2048])),
     ("40 allreduce-rms + user points", dict(tp=2, compile_ranges_split_points=[4, 16, 512],
                                             pass_config={"fuse_allreduce_rms": True, "fi_allreduce_fusion_max_size_mb": 0.0625}),
-     dict(pts=[4, 16, 512, 512, 2048])),
+     dict(pts=[4, 16, 512, 2048])),  # the reference keeps 512 twice
     ("41 spec n=3 seqs 128", dict(spec=SpeculativeConfig(num_speculative_tokens=3)), dict(sizes=S512, max=512, async_=False)),
     ("41 spec n=3 seqs 32", dict(seqs=32, spec=SpeculativeConfig(num_speculative_tokens=3)), dict(sizes=S256, max=256)),
     ("41 spec n=1 seqs 64", dict(seqs=64, spec=SpeculativeConfig(num_speculative_tokens=1)), dict(sizes=S256, max=256)),

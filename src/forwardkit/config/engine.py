@@ -318,12 +318,18 @@ class EngineConfig:
                 raise ConfigAssertionError(f"Invalid compile range split point: {x}")
             if tokens is not None and 1 < x < tokens:
                 points.append(x)
-        cc.compile_ranges_split_points = sorted(points)
+        cc.compile_ranges_split_points = sorted(set(points))  # NOTE: deduplicated (idempotence)
 
     def _final_checks(self) -> None:
         cc, model, parallel = self.compilation_config, self.model_config, self.parallel_config
         if cc.mode in (CompilationMode.STOCK_TORCH_COMPILE, CompilationMode.DYNAMO_TRACE_ONCE):
             cc.init_backend(self)  # an unknown backend is a ValueError now, not at start-up
+        if cc.mode == CompilationMode.VLLM_COMPILE:  # the split needs 'namespace::op' names
+            for op in cc.splitting_ops or []:
+                if "::" not in op or not all(op.split("::", 1)):
+                    raise ValueError(f"compilation_config.splitting_ops entries must be op names "
+                                     f"'namespace::op[.overload]' (e.g. 'forwardkit::unified_attention') "
+                                     f"with mode VLLM_COMPILE, got {op!r:.80}")
         if self.platform.is_cuda_alike():  # step 23
             if (cc.cudagraph_mode.has_full_cudagraphs() and model is not None
                     and not model.disable_cascade_attn and not cc.cudagraph_mode.has_piecewise_cudagraphs()):
