@@ -42,6 +42,8 @@ from forwardkit.config.compilation_methods import CompilationMethods
 from forwardkit.config.compilation_sizes import MAX_CAPTURE_SIZE
 from forwardkit.config.pass_config import DynamicShapesConfig, PassConfig, resolve_inductor_pass
 from forwardkit.config.utils import ConfigAssertionError, check_nesting, short_repr
+from forwardkit.config.utils import is_plain_json as _is_plain_json
+from forwardkit.config.utils import json_object as _json_object
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
 
@@ -407,29 +409,6 @@ _REPR_EXCLUDED = frozenset(
         "traced_files",
     }
 )
-
-
-def _is_plain_json(value: Any) -> bool:
-    """True for values ``json.dumps`` writes as they are (nesting is bounded by validation)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_is_plain_json(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_plain_json(v) for k, v in value.items())
-    return False
-
-
-def _json_object(text: str, what: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"Invalid JSON for {what}: {short_repr(text)} ({e})") from None
-    except RecursionError:
-        raise ValueError(f"Invalid JSON for {what}: nested too deeply ({short_repr(text)})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} must be a JSON object, got {short_repr(text)}")
-    return check_nesting(value, what)
 
 
 # Validates dicts and JSON into CompilationConfig with pydantic (``.validate_json(s)``).

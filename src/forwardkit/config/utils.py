@@ -35,6 +35,8 @@ __all__ = [
     "get_hash_factors",
     "getattr_iter",
     "handle_deprecated",
+    "is_plain_json",
+    "json_object",
     "hash_factors",
     "normalize_value",
     "short_repr",
@@ -288,3 +290,27 @@ def check_nesting(value: Any, name: str, max_depth: int = MAX_CONFIG_DEPTH) -> A
             )
         stack.extend((child, depth + 1) for child in children)
     return value
+
+
+def is_plain_json(value: Any) -> bool:
+    """True for values ``json.dumps`` writes as they are (nesting is bounded by validation)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(is_plain_json(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_plain_json(v) for k, v in value.items())
+    return False
+
+
+def json_object(text: str, what: str) -> dict[str, Any]:
+    """``text`` parsed as a JSON object (ValueError naming ``what`` otherwise; depth bounded)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"Invalid JSON for {what}: {short_repr(text)} ({e})") from None
+    except RecursionError:
+        raise ValueError(f"Invalid JSON for {what}: nested too deeply ({short_repr(text)})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {short_repr(text)}")
+    return check_nesting(value, what)
