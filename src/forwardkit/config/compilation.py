@@ -11,7 +11,13 @@ with these deliberate fixes of reference defects:
 * ``inductor_passes`` names resolve with ``importlib`` (``"os.path.join"`` works);
 * negative ``cudagraph_capture_sizes`` / ``max_cudagraph_capture_size`` /
   ``cudagraph_num_of_warmups`` are rejected;
-* ``compile_sizes`` keeps a deterministic order; ``"+rotary_embedding"`` is not appended twice.
+* ``compile_sizes`` keeps a deterministic order without duplicates; ``"+rotary_embedding"`` is
+  not appended twice;
+* capture sizes and ``compile_sizes`` entries must be >= 1 (and capture sizes <= 65536);
+  ``compile_sizes`` strings other than ``"cudagraph_capture_sizes"`` are rejected up front;
+* every field's value is nested at most ``MAX_CONFIG_DEPTH`` deep, and
+  ``inductor_compile_config`` values must be JSON values or pass objects, so an accepted
+  config always prints, serialises and hashes.
 
 Checks that the reference writes as ``assert`` raise :class:`ConfigAssertionError`, which is
 both a ``ValueError`` and an ``AssertionError``. The enums and ``Range`` are defined in

@@ -10,6 +10,11 @@ mode), so it is kept exactly. Deliberate differences from the reference:
   and an ``AssertionError``); at construction they reach the caller as a pydantic
   ``ValidationError`` (also a ``ValueError``) carrying the message;
 * micro-batching without a model no longer crashes with ``AttributeError``;
+* resolution is idempotent (resolving a resolved config gives the same config): ``+rms_norm``
+  is added once, split points are deduplicated, capture sizes are dropped when graphs end up
+  off, and an out-of-tree backend with a resolved VLLM_COMPILE mode, an unknown mode-1/2
+  backend or a mode-3 splitting op that is not ``namespace::op`` is rejected here;
+* a failed resolution restores the sub-configs it had changed;
 * ``pad_for_cudagraph`` rejects negative batch sizes and explains a missing table;
 * quantisation (blocked-weight ``+quant_fp8``), LoRA and KV-transfer steps are absent
   because forwardkit has none of those features;
