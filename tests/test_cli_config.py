@@ -117,11 +117,15 @@ def test_huge_token_budget_keeps_per_size_structures_small(capsys):
     assert info["max_cudagraph_capture_size"] == 65536 and info["padding"][-1] == [65521, 65536, 65536]
 
 
-def test_printed_hash_is_the_engine_hash_after_the_model_is_built(capsys):
+@pytest.mark.parametrize("eager", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_printed_hash_is_the_engine_hash_after_the_model_is_built(capsys, eager):
     from forwardkit.engine import LLM
 
-    assert main(["config", "--platform", "cpu", "--enforce-eager", "--max-num-seqs", "2", "--json"]) == 0
+    flags = ["--enforce-eager"] if eager else []  # not eager: O2, mode 3, compiled at start-up
+    assert main(["config", "--platform", "cpu", *flags, "--max-num-seqs", "2", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)["hash"]
-    llm = LLM(enforce_eager=True, max_num_seqs=2, platform="cpu")
-    assert llm.engine_config.compilation_config.enabled_custom_ops  # counters were filled
+    llm = LLM(enforce_eager=eager, max_num_seqs=2, platform="cpu")
+    llm.generate(prompt_token_ids=[[1, 2, 3]], use_tqdm=False)
+    cc = llm.engine_config.compilation_config
+    assert cc.enabled_custom_ops or cc.disabled_custom_ops  # counters were filled
     assert llm.engine_config.compute_hash() == printed
