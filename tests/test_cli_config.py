@@ -59,6 +59,13 @@ def test_cpu_and_eager(capsys):
         (["config", "-O.nope=1"], "unknown compilation-config key 'nope'"),
         (["config", "-O9"], "invalid optimization level"),
         (["config", "--platform", "cuda", "-O.max_cudagraph_capture_size=0"], "Maximum cudagraph size"),
+        # Used to hang building a 1e8-entry padding table.
+        (["config", "--platform", "cuda", "--max-num-batched-tokens", "100000000",
+          "-O.max_cudagraph_capture_size=100000000"], "max_cudagraph_capture_size must be <= 65536"),
+        (["config", "-O.compile_sizes=[0]"], "compile_sizes entries must be sizes >= 1"),
+        (["config", "-cc.pass_config.fi_allreduce_fusion_max_size_mb", "Infinity", "-tp", "2",
+          "--platform", "cuda"], "fi_allreduce_fusion_max_size_mb must be a finite number"),
+        (["config", "-O.compile_sizes=" + "[" * 5000 + "]" * 5000], "nested"),
     ],
 )
 def test_bad_values_one_line(argv, needle, capsys):
@@ -101,3 +108,24 @@ def test_console_script():
     bad = subprocess.run([*cmd, "config", "-cc", "{bad"], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode != 0
     assert len(bad.stderr.strip().splitlines()) == 1 and "not valid JSON" in bad.stderr
+
+
+def test_huge_token_budget_keeps_per_size_structures_small(capsys):
+    assert main(["config", "--platform", "cuda", "--max-num-batched-tokens", "100000000",
+                 "-O.max_cudagraph_capture_size=65536", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["max_cudagraph_capture_size"] == 65536 and info["padding"][-1] == [65521, 65536, 65536]
+
+
+@pytest.mark.parametrize("eager", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_printed_hash_is_the_engine_hash_after_the_model_is_built(capsys, eager):
+    from forwardkit.engine import LLM
+
+    flags = ["--enforce-eager"] if eager else []  # not eager: O2, mode 3, compiled at start-up
+    assert main(["config", "--platform", "cpu", *flags, "--max-num-seqs", "2", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)["hash"]
+    llm = LLM(enforce_eager=eager, max_num_seqs=2, platform="cpu")
+    llm.generate(prompt_token_ids=[[1, 2, 3]], use_tqdm=False)
+    cc = llm.engine_config.compilation_config
+    assert cc.enabled_custom_ops or cc.disabled_custom_ops  # counters were filled
+    assert llm.engine_config.compute_hash() == printed

@@ -111,3 +111,15 @@ def test_help_documents_every_flag(capsys):
     for flag in ("--prompt ", "--prompt-token-ids", "--max-tokens", "--temperature", "--top-k",
                  "--top-p", "--seed", "--ignore-eos", "--model", "--max-num-seqs"):
         assert flag in out
+
+
+def test_unsafe_cache_dir_shows_the_library_reason(capsys, tmp_path, monkeypatch):
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o777)
+    monkeypatch.setenv("FORWARDKIT_CACHE_ROOT", str(root))
+    monkeypatch.delenv("FORWARDKIT_DISABLE_COMPILE_CACHE", raising=False)
+    code, _, err = _run(capsys, "-O.mode=3", "--prompt-token-ids", "1,2", "--max-tokens", "1")
+    assert code != 0
+    assert "refusing to use compile cache directory" in err and "counting_backend" not in err
+    assert len(err.strip().splitlines()) == 1

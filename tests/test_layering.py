@@ -80,12 +80,20 @@ def test_no_import_reaches_a_lower_layer(module, path):
 
 
 def _import_graph() -> dict[str, set[str]]:
-    """forwardkit module -> the forwardkit modules it imports (module level or in functions)."""
+    """forwardkit module -> the forwardkit modules it imports at run time (module level or in
+    functions)."""
     names = {m.removesuffix(".__init__") for m, _ in _modules()}
     graph: dict[str, set[str]] = {}
     for module, path in _modules():
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        # imports under ``if TYPE_CHECKING:`` never run, so they cannot form a runtime cycle
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and getattr(block.test, "id", None) == "TYPE_CHECKING"
+                       for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             found: list[str] = []
             if isinstance(node, ast.Import):
                 found = [a.name for a in node.names]

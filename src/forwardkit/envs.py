@@ -96,6 +96,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FORWARDKIT_USE_AOT_COMPILE": _bool("FORWARDKIT_USE_AOT_COMPILE", False),
     # CPU: give bf16 linear weights a oneDNN-packed copy after loading (faster decode matmuls)
     "FORWARDKIT_CPU_PREPACK_WEIGHTS": _bool("FORWARDKIT_CPU_PREPACK_WEIGHTS", True),
+    # with AOT compile on: a missing or unusable saved entry is a FileNotFoundError instead of
+    # a trace (vLLM: VLLM_FORCE_AOT_LOAD), for deployments that must never compile
+    "FORWARDKIT_FORCE_AOT_LOAD": _bool("FORWARDKIT_FORCE_AOT_LOAD", False),
     # CUDA graphs
     "FORWARDKIT_ENABLE_CUDAGRAPH_GC": _bool("FORWARDKIT_ENABLE_CUDAGRAPH_GC", False),
     "FORWARDKIT_DBO_COMM_SMS": _int("FORWARDKIT_DBO_COMM_SMS", 20),

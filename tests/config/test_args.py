@@ -48,6 +48,9 @@ def test_default_level_is_o2():
         (["-O.pass_config.eliminate_noops=false"], {"pass_config": {"eliminate_noops": False}}),
         (["-O.cudagraph_capture_sizes=[1, 2, 4]"], {"cudagraph_capture_sizes": [1, 2, 4]}),
         (["-cc.mode=1"], {"mode": 1}),
+        (["-cc.mode", "1"], {"mode": 1}),  # value after a space, as vLLM accepts
+        (["--compilation-config.cudagraph_capture_sizes", "[1, 2]"], {"cudagraph_capture_sizes": [1, 2]}),
+        (["-O.cudagraph_num_of_warmups", "2"], {"cudagraph_num_of_warmups": 2}),
         (["--compilation-config.backend=eager"], {"backend": "eager"}),
         (["--compilation-config", '{"mode": 3, "custom_ops": ["+rms_norm"]}'], {"mode": 3, "custom_ops": ["+rms_norm"]}),
         (["-cc", '{"mode": 0}'], {"mode": 0}),
@@ -153,6 +156,8 @@ def test_argparse_rejects(argv, capsys):
 def test_normalize_argv():
     assert normalize_engine_argv(["-cc.mode=3", "--compilation-config.backend=eager", "-O3", "--", "-cc.x=1"]) == [
         "-O.mode=3", "-O.backend=eager", "-O3", "--", "-cc.x=1"]
+    assert normalize_engine_argv(["-cc.mode", "3", "-cc.x", "-1", "-cc.y", "--json", "-cc.z"]) == [
+        "-O.mode=3", "-O.x=-1", "-O.y", "--json", "-O.z"]
 
 
 def test_works_as_subcommand_parser():

@@ -179,3 +179,22 @@ def test_cli_and_keyword_paths_agree(argv, kwargs):
     assert cli.compilation_config.cudagraph_capture_sizes == api.compilation_config.cudagraph_capture_sizes
     assert cli.parallel_config.compute_hash() == api.parallel_config.compute_hash()
     assert cli.model_config.compute_hash() == api.model_config.compute_hash()
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"max_num_batched_tokens": -5}, ["max_num_batched_tokens must be >= 1, got -5"]),
+    ({"max_num_seqs": "8"}, ["max_num_seqs must be an integer", "'8'", "str"]),
+    ({"max_model_len": 1.5}, ["max_model_len must be an integer", "1.5"]),
+    ({"enforce_eager": "yes"}, ["enforce_eager must be True or False", "'yes'"]),
+    ({"default_hf_config": [1]}, ["default_hf_config must be a dict", "[1]"]),
+    ({"dtype": 5}, ["dtype must be auto", "5"]),
+    ({"optimization_level": True}, ["optimization_level must be an integer"]),
+    ({"tensor_parallel_size": "x"}, ["tensor_parallel_size"]),
+])
+def test_wrong_typed_arguments_are_value_errors_naming_the_argument(kwargs, words):
+    kwargs = {"default_hf_config": HF, "platform": "cpu", **kwargs}
+    with pytest.raises(ValueError) as info:
+        build_engine_config(**kwargs)
+    assert not isinstance(info.value, TypeError)
+    for word in words:
+        assert word in str(info.value)

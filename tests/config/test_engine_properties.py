@@ -110,7 +110,7 @@ def test_dict_json_and_object_agree(cc):
 
 
 @SETTINGS
-@given(compilation_dicts.filter(lambda d: not d.get("pass_config", {}).get("enable_sp")))
+@given(compilation_dicts)
 def test_resolving_a_resolved_config_is_stable(cc):
     first = _resolve(cc)
     if first[0] != "ok":

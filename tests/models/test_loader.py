@@ -119,3 +119,24 @@ def test_default_model_is_seeded_and_runs():
         hidden = models[0](torch.arange(8), torch.arange(8))
     logits = models[0].compute_logits(hidden[:5])
     assert logits.shape == (5, 4096) and logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header"])
+def test_corrupt_safetensors_names_the_file(llama_dir, tmp_path, damage):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    path = d / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else data[:8] + b"{not json" + data[17:])
+    with pytest.raises(ValueError, match=r"cannot read safetensors file .*model\.safetensors.*truncated or corrupt"):
+        _load(str(d))
+
+
+def test_wrong_typed_config_json_value_is_named(llama_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(llama_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["hidden_size"] = str(cfg["hidden_size"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"'hidden_size' in .*config\.json must be a positive integer, got '64' \(str\)"):
+        _load(str(d))

@@ -7,7 +7,8 @@ Layout (``root`` = ``cache_dir`` or ``FORWARDKIT_CACHE_ROOT``, default ``~/.cach
         .lock                          # fcntl lock taken around every read-modify-write
         cache_key_factors.json         # what went into <hash10>, for humans
         <artifact name>                # binary: one file; unpacked: a directory
-    <root>/inductor_cache/             # Inductor's own cache (C++ kernels), kept with ours
+    <root>/inductor_cache/             # Inductor's own cache (C++ kernels), kept with ours,
+                                       # checksummed too (see compilation/kernel_cache.py)
 
 ``<hash10>`` covers the engine config hash, the torch version, the traced source files and the
 compiler identity. Unlike the reference, a user-supplied ``cache_dir`` is also keyed by that
@@ -33,6 +34,7 @@ import torch
 
 from forwardkit import envs
 from forwardkit.compilation.counters import compilation_counter
+from forwardkit.compilation.kernel_cache import record_kernel_cache, verify_kernel_cache
 from forwardkit.logger import init_logger
 
 __all__ = [
@@ -157,6 +159,7 @@ class CompileCache:
         _make_private_dirs(root, local_dir)
         self.inductor_dir = os.path.join(root, "inductor_cache")
         _make_private_dirs(root, self.inductor_dir)
+        verify_kernel_cache(self.inductor_dir)  # Inductor's kernels get the same checksum rule
         self._lock_path = os.path.join(local_dir, ".lock")
 
     @staticmethod
@@ -247,7 +250,14 @@ class CompileCache:
                 compilation_counter.num_cache_misses += 1
                 return None
         compilation_counter.num_cache_hits += 1
+        self._record_kernels()
         return result
+
+    def _record_kernels(self) -> None:
+        try:
+            record_kernel_cache(self.inductor_dir)
+        except OSError as e:  # only the next start's check is weaker
+            logger.warning_once("Inductor kernel cache: could not record checksums (%s)", e)
 
     def save(self, name: str, saver: Any) -> None:
         """``saver(tmp_path)`` writes the artifact; it is renamed into place and indexed atomically."""
@@ -277,3 +287,4 @@ class CompileCache:
             shutil.rmtree(tmp, ignore_errors=True)
         compilation_counter.num_compiled_artifacts_saved += 1
         compilation_counter.num_cache_entries_updated += 1
+        self._record_kernels()

@@ -63,6 +63,11 @@ def _mode_of(engine_config: Any) -> int:
     return 0 if mode is None else int(mode)
 
 
+def _evaluate_guards(engine_config: Any) -> bool:
+    dsc = getattr(getattr(engine_config, "compilation_config", None), "dynamic_shapes_config", None)
+    return bool(getattr(dsc, "evaluate_guards", False))
+
+
 def _enforce_eager(engine_config: Any) -> bool:
     mc = getattr(engine_config, "model_config", None)
     return bool(getattr(mc, "enforce_eager", False))
@@ -235,18 +240,46 @@ def _first_call(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     cfg = module._fk_engine_config
     mode = module._fk_mode
     forward = klass.forward
-    if mode == 1:
-        compilation_counter.stock_torch_compile_count += 1
-        backend = _make_backend(module, cfg, mode)
-        compiled = torch.compile(forward.__get__(module), backend=backend, fullgraph=True, dynamic=True)
-        module._fk_compiler = compiled
-        return compiled(*args, **kwargs)
-    if mode == 3:
-        from forwardkit.compilation.aot import aot_enabled
+    with _backend_errors_unwrapped(cfg, klass, mode):
+        if mode == 1:
+            compilation_counter.stock_torch_compile_count += 1
+            backend = _make_backend(module, cfg, mode)
+            compiled = torch.compile(forward.__get__(module), backend=backend, fullgraph=True, dynamic=True)
+            module._fk_compiler = compiled
+            return compiled(*args, **kwargs)
+        if mode == 3:
+            from forwardkit.compilation.aot import aot_enabled
 
-        if aot_enabled(cfg):
-            return _first_call_aot(module, forward, args, kwargs)
-    return _trace(module, forward, args, kwargs)
+            if aot_enabled(cfg) and not _evaluate_guards(cfg):  # AOT entries hold no guards
+                return _first_call_aot(module, forward, args, kwargs)
+        return _trace(module, forward, args, kwargs)
+
+
+@contextlib.contextmanager
+def _backend_errors_unwrapped(cfg: Any, klass: type, mode: int) -> Any:
+    """Turn Dynamo's ``BackendCompilerFailed`` wrapper into the error a user can act on.
+
+    Mode 3: forwardkit's own backend raised, so its exception (with the library's reason,
+    e.g. an unsafe cache directory) is raised as it is. Modes 1/2: the user's
+    ``compilation_config.backend`` failed, so a ``ValueError`` names that field and the cause.
+    """
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        yield
+    except BackendCompilerFailed as e:
+        inner = getattr(e, "inner_exception", None)
+        if not isinstance(inner, Exception):
+            raise
+        if mode == 3:
+            raise inner from e
+        backend = getattr(cfg.compilation_config, "backend", None)
+        reason = (str(inner).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"compilation_config.backend={backend!r} failed while compiling {klass.__name__} "
+            f"(mode {mode}): {type(inner).__name__}: {reason}; use a registered torch.compile "
+            "backend or a dotted name of a backend function"
+        ) from e
 
 
 def _trace(module: Any, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -260,7 +293,7 @@ def _trace(module: Any, forward: Any, args: tuple[Any, ...], kwargs: dict[str, A
     _mark_dynamic(bound, klass._fk_dims, klass._fk_unbacked, str(getattr(dyn, "value", dyn)))
     traced: set[str] = {inspect.getsourcefile(forward) or forward.__code__.co_filename}
     backend = _make_backend(module, cfg, module._fk_mode)
-    compiler = TraceOnceCompiler(module, forward, backend)
+    compiler = TraceOnceCompiler(module, forward, backend, _evaluate_guards(cfg))
     with collect_traced_files(traced):
         if hasattr(backend, "traced_files"):
             backend.traced_files = traced  # hashed into the cache key when the backend runs
@@ -289,6 +322,7 @@ def _first_call_aot(module: Any, forward: Any, args: tuple[Any, ...], kwargs: di
         fingerprint = model_fingerprint(module, arguments, {**klass._fk_dims, **klass._fk_unbacked})
         entry = AotEntry(module, forward, cfg, module._fk_prefix, fingerprint)
     except Exception as e:  # e.g. an unsafe cache directory: trace as without AOT
+        _check_force_load(None, f"{type(e).__name__}: {e}")
         logger.warning_once("AOT precompile unavailable (%s: %s); tracing", type(e).__name__, str(e))
         return _trace(module, forward, args, kwargs)
     files: set[str] = set()
@@ -299,6 +333,8 @@ def _first_call_aot(module: Any, forward: Any, args: tuple[Any, ...], kwargs: di
         return backend
 
     loaded = entry.load(make_backend)
+    if loaded is None:
+        _check_force_load(entry.cache.local_dir, "no usable saved entry (missing, stale or corrupt)")
     if loaded is not None:
         fn, saved_files = loaded
         files.update(saved_files)
@@ -306,6 +342,7 @@ def _first_call_aot(module: Any, forward: Any, args: tuple[Any, ...], kwargs: di
             out = fn(module, *args, **kwargs)
         except Exception as e:  # a loaded graph that does not run: trace instead
             compilation_counter.num_cache_errors += 1
+            _check_force_load(entry.cache.local_dir, f"the loaded entry failed: {type(e).__name__}: {e}")
             logger.warning("the AOT-compiled %s failed on its first call (%s: %s); tracing again",
                            type(module).__name__, type(e).__name__, e)
         else:
@@ -319,3 +356,14 @@ def _first_call_aot(module: Any, forward: Any, args: tuple[Any, ...], kwargs: di
         logger.warning("AOT compile of %s failed (%s: %s); tracing without it",
                        type(module).__name__, type(e).__name__, e)
         return _trace(module, forward, args, kwargs)
+
+
+def _check_force_load(path: str | None, reason: str) -> None:
+    """Under ``FORWARDKIT_FORCE_AOT_LOAD=1`` a start that would trace raises instead."""
+    from forwardkit import envs
+
+    if envs.FORWARDKIT_FORCE_AOT_LOAD:
+        raise FileNotFoundError(
+            f"FORWARDKIT_FORCE_AOT_LOAD=1 but the AOT compile cache {path or '(unavailable)'} has "
+            f"no loadable entry: {reason}. Run once without FORWARDKIT_FORCE_AOT_LOAD to populate it."
+        )

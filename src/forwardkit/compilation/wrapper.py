@@ -19,7 +19,7 @@ import torch
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.logger import init_logger
 
-__all__ = ["TraceOnceCompiler", "collect_traced_files"]
+__all__ = ["GuardViolationError", "TraceOnceCompiler", "collect_traced_files"]
 
 logger = init_logger(__name__)
 
@@ -46,11 +46,27 @@ def _drop_all_guards(guards: list[Any]) -> list[bool]:
     return [False] * len(guards)
 
 
-class TraceOnceCompiler:
-    """Compiles ``forward`` of one module instance once; dispatches later calls without Dynamo."""
+def _keep_shape_guards(guards: list[Any]) -> list[bool]:
+    return [getattr(g, "guard_type", None) == "SHAPE_ENV" for g in guards]
 
-    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any], backend: Any) -> None:
+
+class GuardViolationError(RuntimeError):
+    """A call broke a shape guard of the compiled graph (``evaluate_guards=True``)."""
+
+
+class TraceOnceCompiler:
+    """Compiles ``forward`` of one module instance once; dispatches later calls without Dynamo.
+
+    With ``evaluate_guards`` (``dynamic_shapes_config.evaluate_guards``) the shape guards are
+    kept and every call goes through Dynamo's guard check; a call that breaks one raises
+    :class:`GuardViolationError` instead of tracing again or silently running a graph that was
+    specialised for other shapes (vLLM: keep ``SHAPE_ENV`` guards, fail on recompile).
+    """
+
+    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any], backend: Any,
+                 evaluate_guards: bool = False) -> None:
         self.module = module
+        self.evaluate_guards = evaluate_guards
         self.traces = 0
         code = forward.__code__.replace()  # a fresh code object: a private Dynamo cache
         self.code = code
@@ -77,7 +93,7 @@ class TraceOnceCompiler:
             fullgraph=True,
             dynamic=False,
             backend=counting_backend,
-            options={"guard_filter_fn": _drop_all_guards},
+            options={"guard_filter_fn": _keep_shape_guards if evaluate_guards else _drop_all_guards},
         )
 
     def _hook(self, old_code: types.CodeType, new_code: types.CodeType) -> None:
@@ -103,8 +119,25 @@ class TraceOnceCompiler:
         return self.aot_fn(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.evaluate_guards:
+            return self._guarded_call(*args, **kwargs)
         if self.aot_fn is not None:
             return self.aot_fn(self.module, *args, **kwargs)
         if self.transformed is not None:
             return self.transformed(self.module, *args, **kwargs)
         return self.compiled(*args, **kwargs)
+
+    def _guarded_call(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self.compiled(*args, **kwargs)
+        except RuntimeError as e:
+            if "fail_on_recompile" not in str(e):
+                raise
+            failed = [line.strip()[2:].split("  #")[0] for line in str(e).splitlines()
+                      if line.strip().startswith("- ")]
+            raise GuardViolationError(
+                f"{type(self.module).__name__}: this call breaks a shape guard of the compiled "
+                "graph (compilation_config.dynamic_shapes_config.evaluate_guards=True keeps and "
+                f"checks them): {'; '.join(failed) or str(e).splitlines()[0]}"
+            ) from e

@@ -27,6 +27,7 @@ from forwardkit.config.compilation import CompilationConfig, CompilationMode
 from forwardkit.config.engine import EngineConfig, OptimizationLevel
 from forwardkit.config.parallel import ALL2ALL_BACKENDS
 from forwardkit.config.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from forwardkit.config.utils import short_repr
 
 __all__ = [
     "add_engine_args",
@@ -36,21 +37,35 @@ __all__ = [
     "one_line_error",
 ]
 
-_DOTTED = re.compile(r"^(?:-cc|--compilation-config)\.(.*)$")
+_DOTTED = re.compile(r"^(?:-cc|--compilation-config|-O)\.(.*)$")
+_NUMBER = re.compile(r"^-?\d+(\.\d*)?$")
 
 
 def normalize_engine_argv(argv: Sequence[str]) -> list[str]:
     """Rewrite ``-cc.k=v`` / ``--compilation-config.k=v`` to ``-O.k=v`` (argparse can't match them).
 
-    Tokens after a literal ``--`` are left alone.
+    As in vLLM, the value may also follow as the next token (``-cc.mode 3``), unless that
+    token is another flag. Tokens after a literal ``--`` are left alone.
     """
     out: list[str] = []
     rest = False
-    for token in argv:
+    tokens = list(argv)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        i += 1
         if not rest and token == "--":
             rest = True
         match = None if rest else _DOTTED.match(token)
-        out.append(f"-O.{match.group(1)}" if match else token)
+        if not match:
+            out.append(token)
+            continue
+        key = match.group(1)
+        if "=" not in key and i < len(tokens) and tokens[i] != "--" and (
+                not tokens[i].startswith("-") or _NUMBER.match(tokens[i])):
+            key = f"{key}={tokens[i]}"
+            i += 1
+        out.append(f"-O.{key}")
     return out
 
 
@@ -141,6 +156,8 @@ def _parse_value(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+    except RecursionError:
+        raise ValueError(f"compilation-config value nested too deeply: {short_repr(text)}") from None
 
 
 def _set_dotted(target: dict[str, Any], key: str, value: Any) -> None:
@@ -171,7 +188,9 @@ def compilation_overrides_from_args(ns: argparse.Namespace) -> tuple[int | None,
             try:
                 config = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"--compilation-config is not valid JSON ({exc}): {raw!r}") from None
+                raise ValueError(f"--compilation-config is not valid JSON ({exc}): {short_repr(raw)}") from None
+            except RecursionError:
+                raise ValueError(f"--compilation-config is nested too deeply: {short_repr(raw)}") from None
             if not isinstance(config, dict):
                 raise ValueError(f"--compilation-config must be a JSON object or a mode, got {raw!r}")
     for item in getattr(ns, "engine_O", None) or []:

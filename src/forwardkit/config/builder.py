@@ -42,6 +42,7 @@ from forwardkit.config.scheduler import (
     DEFAULT_MAX_NUM_SEQS,
     SchedulerConfig,
 )
+from forwardkit.config.utils import short_repr
 from forwardkit.logger import init_logger
 from forwardkit.platforms import Platform, current_platform, platform_by_name, use_platform
 
@@ -166,6 +167,13 @@ def build_engine_config(
     def label(name: str) -> str:
         return names.get(name, name)
 
+    _check_argument_types(label, model=model, default_hf_config=default_hf_config, dtype=dtype,
+                          max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
+                          optimization_level=optimization_level, data_parallel_size=data_parallel_size,
+                          block_size=block_size, num_gpu_blocks=num_gpu_blocks)
+
     parallel_kwargs, scheduler_kwargs = _split_engine_kwargs(kwargs)
     if data_parallel_size is not None:
         parallel_kwargs["data_parallel_size"] = data_parallel_size
@@ -254,6 +262,35 @@ def _scheduler_config(model_config: ModelConfig | None, max_num_seqs: int | None
         is_encoder_decoder=model_config.is_encoder_decoder if model_config is not None else False,
         **scheduler_kwargs,
     )
+
+
+# Named arguments that must be ints, with the smallest accepted value.
+_INT_ARGS = {"max_model_len": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "optimization_level": 0,
+             "data_parallel_size": 1, "block_size": 1, "num_gpu_blocks": 0}
+
+
+def _check_argument_types(label: Any, **args: Any) -> None:
+    """ValueError naming the first named argument of the wrong type or below its minimum."""
+    for name, minimum in _INT_ARGS.items():
+        value = args[name]
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{label(name)} must be an integer >= {minimum} or None, got "
+                             f"{short_repr(value)} ({type(value).__name__})")
+        if value < minimum:
+            raise ValueError(f"{label(name)} must be >= {minimum}, got {value}")
+    for name in ("enable_chunked_prefill", "enforce_eager"):
+        if not isinstance(args[name], bool):
+            raise ValueError(f"{label(name)} must be True or False, got {short_repr(args[name])}")
+    checks = (("model", (str, os.PathLike), "a local checkpoint directory (str or path) or None"),
+              ("default_hf_config", Mapping, "a dict (a Hugging Face config.json) or None"),
+              ("dtype", (str, torch.dtype), "auto, float32, bfloat16, float16, a torch dtype or None"))
+    for name, kinds, accepted in checks:
+        value = args[name]
+        if value is not None and not isinstance(value, kinds):
+            raise ValueError(f"{label(name)} must be {accepted}, got {short_repr(value)} "
+                             f"({type(value).__name__})")
 
 
 def _model_config(model: str | os.PathLike[str] | None, default_hf_config: Mapping[str, Any] | None,

@@ -11,7 +11,13 @@ with these deliberate fixes of reference defects:
 * ``inductor_passes`` names resolve with ``importlib`` (``"os.path.join"`` works);
 * negative ``cudagraph_capture_sizes`` / ``max_cudagraph_capture_size`` /
   ``cudagraph_num_of_warmups`` are rejected;
-* ``compile_sizes`` keeps a deterministic order; ``"+rotary_embedding"`` is not appended twice.
+* ``compile_sizes`` keeps a deterministic order without duplicates; ``"+rotary_embedding"`` is
+  not appended twice;
+* capture sizes and ``compile_sizes`` entries must be >= 1 (and capture sizes <= 65536);
+  ``compile_sizes`` strings other than ``"cudagraph_capture_sizes"`` are rejected up front;
+* every field's value is nested at most ``MAX_CONFIG_DEPTH`` deep, and
+  ``inductor_compile_config`` values must be JSON values or pass objects, so an accepted
+  config always prints, serialises and hashes.
 
 Checks that the reference writes as ``assert`` raise :class:`ConfigAssertionError`, which is
 both a ``ValueError`` and an ``AssertionError``. The enums and ``Range`` are defined in
@@ -39,8 +45,11 @@ from forwardkit.config.compilation_enums import (
     Range,
 )
 from forwardkit.config.compilation_methods import CompilationMethods
+from forwardkit.config.compilation_sizes import MAX_CAPTURE_SIZE
 from forwardkit.config.pass_config import DynamicShapesConfig, PassConfig, resolve_inductor_pass
-from forwardkit.config.utils import ConfigAssertionError
+from forwardkit.config.utils import ConfigAssertionError, check_nesting, short_repr
+from forwardkit.config.utils import is_plain_json as _is_plain_json
+from forwardkit.config.utils import json_object as _json_object
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
 
@@ -227,11 +236,42 @@ class CompilationConfig(CompilationMethods):
             )
         return value
 
+    @field_validator("inductor_compile_config")
+    @classmethod
+    def _check_inductor_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Option values must be plain JSON values or pass objects with a ``uuid()``, so that
+        every accepted config prints, serialises and hashes."""
+        for key, option in value.items():
+            if not _is_plain_json(option) and not callable(getattr(option, "uuid", None)):
+                raise ValueError(
+                    f"inductor_compile_config[{key!r}] = {short_repr(option)} "
+                    f"({type(option).__name__}) is not accepted; values must be JSON values "
+                    "(bool, int, float, str, None, lists and objects of them) or a pass object "
+                    "with a uuid() method (use inductor_passes for plain functions)"
+                )
+        return value
+
     @field_validator("cudagraph_capture_sizes")
     @classmethod
     def _check_capture_sizes(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and any(s < 0 for s in value):
-            raise ValueError(f"cudagraph_capture_sizes must be >= 0, got {value}")
+        # Deliberate fix: a size of 0 (the reference accepts it) captures nothing and made a
+        # resolved config invalid input for a second resolution.
+        if value is not None and any(s < 1 or s > MAX_CAPTURE_SIZE for s in value):
+            bad = next(s for s in value if s < 1 or s > MAX_CAPTURE_SIZE)
+            raise ValueError(f"cudagraph_capture_sizes entries must be in 1..{MAX_CAPTURE_SIZE}, "
+                             f"got {bad} in {short_repr(value)}")
+        return value
+
+    @field_validator("compile_sizes")
+    @classmethod
+    def _check_compile_sizes(cls, value: list[int | str] | None) -> list[int | str] | None:
+        for entry in value or []:
+            if isinstance(entry, str) and entry != "cudagraph_capture_sizes":
+                raise ValueError(f"compile_sizes entries must be sizes >= 1 or the string "
+                                 f"'cudagraph_capture_sizes', got {short_repr(entry)}")
+            if isinstance(entry, int) and entry < 1:
+                raise ValueError(f"compile_sizes entries must be sizes >= 1 or the string "
+                                 f"'cudagraph_capture_sizes', got {entry}")
         return value
 
     @field_validator("max_cudagraph_capture_size", "cudagraph_num_of_warmups")
@@ -239,7 +279,17 @@ class CompilationConfig(CompilationMethods):
     def _check_non_negative(cls, value: int | None, info: Any) -> int | None:
         if value is not None and value < 0:
             raise ValueError(f"{info.field_name} must be >= 0, got {value}")
+        if info.field_name == "max_cudagraph_capture_size" and value is not None and value > MAX_CAPTURE_SIZE:
+            raise ValueError(f"max_cudagraph_capture_size must be <= {MAX_CAPTURE_SIZE} (one CUDA "
+                             f"graph per capture size), got {value}")
         return value
+
+    # Defined last so that pydantic runs it before every other validator of each field.
+    @field_validator("*", mode="before")
+    @classmethod
+    def _bound_nesting(cls, value: Any, info: Any) -> Any:
+        """Reject values nested deeper than ``MAX_CONFIG_DEPTH`` before anything recurses."""
+        return check_nesting(value, info.field_name)
 
     # ------------------------------------------------------------------ construction
 
@@ -322,7 +372,8 @@ class CompilationConfig(CompilationMethods):
             elif f.name == "debug_dump_path":
                 value = None if value is None else str(value)
             elif f.name == "inductor_compile_config":
-                value = {k: v for k, v in value.items() if k not in self.inductor_passes}
+                value = {k: v for k, v in value.items()
+                         if k not in self.inductor_passes and _is_plain_json(v)}
             elif f.name in ("pass_config", "dynamic_shapes_config"):
                 value = value.to_dict()
             elif isinstance(value, (list, dict)):
@@ -331,7 +382,8 @@ class CompilationConfig(CompilationMethods):
         return out
 
     def to_json(self) -> str:
-        """:meth:`to_dict` as a JSON string (``from_cli`` reads it back)."""
+        """:meth:`to_dict` as a JSON string (``from_cli`` reads it back). Pass objects placed
+        directly in ``inductor_compile_config`` are not JSON and are left out."""
         return json.dumps(self.to_dict())
 
     def __repr__(self) -> str:
@@ -363,16 +415,6 @@ _REPR_EXCLUDED = frozenset(
         "traced_files",
     }
 )
-
-
-def _json_object(text: str, what: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"Invalid JSON for {what}: {text!r} ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} must be a JSON object, got {text!r}")
-    return value
 
 
 # Validates dicts and JSON into CompilationConfig with pydantic (``.validate_json(s)``).

@@ -41,6 +41,9 @@ _HASH_IGNORED = frozenset(
         "static_forward_context",
         "pass_config",
         "dynamic_shapes_config",
+        # Counters filled while the model is built: run-time state, not configuration.
+        "enabled_custom_ops",
+        "disabled_custom_ops",
     }
 )
 
@@ -85,8 +88,8 @@ class CompilationMethods:
         ``cudagraph_capture_sizes`` in place and build ``bs_to_padded_graph_size``.
 
         ``compile_sizes`` keeps first-occurrence order (the reference's order was
-        unspecified); the ``"cudagraph_capture_sizes"`` expansion may duplicate ints, as in
-        the reference.
+        unspecified) without duplicates (the reference could repeat ints after expanding
+        ``"cudagraph_capture_sizes"``, so resolving its output again changed it).
         """
         sizes = self.cudagraph_capture_sizes
         if sizes is None:
@@ -112,7 +115,7 @@ class CompilationMethods:
                 f"largest of cudagraph_capture_sizes ({ordered[-1]})"
             )
         padded_graph_size_table(ordered, self.max_cudagraph_capture_size)  # validate first
-        self.compile_sizes = computed
+        self.compile_sizes = list(dict.fromkeys(computed))
         sizes.sort()
         self.compute_bs_to_padded_graph_size()
 
@@ -265,7 +268,7 @@ class CompilationMethods:
 
     def compute_hash(self) -> str:
         """SHA-256 over everything that changes the compiled graph (paths, timings and
-        runtime state excluded; ``pass_config``/``dynamic_shapes_config`` by their hashes)."""
+        runtime state such as the custom-op counters excluded; ``pass_config``/``dynamic_shapes_config`` by their hashes)."""
         factors = get_hash_factors(self, _HASH_IGNORED)
         factors["pass_config"] = self.pass_config.compute_hash()
         factors["dynamic_shapes_config"] = self.dynamic_shapes_config.compute_hash()

@@ -13,11 +13,17 @@ from forwardkit.config.compilation_enums import Range
 from forwardkit.config.utils import ConfigIndexError, ConfigTypeError
 
 __all__ = [
+    "MAX_CAPTURE_SIZE",
     "compile_ranges_from_split_points",
     "padded_graph_size_table",
     "round_up",
     "round_capture_sizes_for_spec_decode",
 ]
+
+MAX_CAPTURE_SIZE = 1 << 16
+"""Largest accepted CUDA-graph capture size (each size is one captured graph, and the
+padding table has one entry per batch size up to the largest), so per-size structures stay
+small for any accepted config."""
 
 
 def round_up(x: int, multiple: int) -> int:

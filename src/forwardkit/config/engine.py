@@ -10,6 +10,11 @@ mode), so it is kept exactly. Deliberate differences from the reference:
   and an ``AssertionError``); at construction they reach the caller as a pydantic
   ``ValidationError`` (also a ``ValueError``) carrying the message;
 * micro-batching without a model no longer crashes with ``AttributeError``;
+* resolution is idempotent (resolving a resolved config gives the same config): ``+rms_norm``
+  is added once, split points are deduplicated, capture sizes are dropped when graphs end up
+  off, and an out-of-tree backend with a resolved VLLM_COMPILE mode, an unknown mode-1/2
+  backend or a mode-3 splitting op that is not ``namespace::op`` is rejected here;
+* a failed resolution restores the sub-configs it had changed;
 * ``pad_for_cudagraph`` rejects negative batch sizes and explains a missing table;
 * quantisation (blocked-weight ``+quant_fp8``), LoRA and KV-transfer steps are absent
   because forwardkit has none of those features;
@@ -21,17 +26,15 @@ Resolution runs under ``use_platform(self.platform)`` because ``CompilationConfi
 ``current_platform``; that briefly swaps the process-wide platform, so build engine configs
 for different platforms from one thread at a time.
 
-The current config lives in a ``contextvars.ContextVar`` (not a process global), so
+The current config lives in a ``contextvars.ContextVar`` (:mod:`.current`, not a process global), so
 threads and asyncio tasks building models concurrently each see their own.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import copy
 import hashlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +114,19 @@ class EngineConfig:
             self.platform = current_platform._get()
         # NOTE: CompilationConfig/PassConfig consult current_platform, so resolve under ours.
         with use_platform(self.platform):
-            self._resolve()
+            self.compilation_config = _to_compilation_config(self.compilation_config)
+            # Resolution mutates the sub-configs in place (as vLLM does); a failure puts them
+            # back, so a rejected config changes nothing the caller passed in.
+            parts = [self.compilation_config, self.compilation_config.pass_config, self.model_config,
+                     self.parallel_config, self.scheduler_config]
+            saved = [(obj, {k: copy.copy(v) for k, v in vars(obj).items()})
+                     for obj in parts if obj is not None]
+            try:
+                self._resolve()
+            except BaseException:
+                for obj, state in saved:
+                    vars(obj).update(state)
+                raise
 
     # ------------------------------------------------------------------ resolution
     def _resolve(self) -> None:
@@ -138,8 +153,17 @@ class EngineConfig:
                 "that are only active during Inductor compilation will be ignored."
             )
         if cc.mode is None:  # step 10
-            cc.mode = (CompilationMode.VLLM_COMPILE if self.optimization_level > OptimizationLevel.O0
-                       else CompilationMode.NONE)
+            mode = (CompilationMode.VLLM_COMPILE if self.optimization_level > OptimizationLevel.O0
+                    else CompilationMode.NONE)
+            if mode == CompilationMode.VLLM_COMPILE and cc.backend not in ("eager", "inductor"):
+                # NOTE: the reference accepts this and fails later; rejecting it keeps the
+                # resolved config valid input for a second resolution.
+                raise ValueError(
+                    f"compilation_config.backend={cc.backend!r} cannot be used with mode "
+                    f"VLLM_COMPILE (resolved from {self.optimization_level.name}); piecewise "
+                    "compilation accepts backend 'eager' or 'inductor', or set mode 1 or 2 to use "
+                    "a torch.compile backend")
+            cc.mode = mode
         if "all" not in cc.custom_ops and "none" not in cc.custom_ops:  # step 11
             cc.custom_ops.append(custom_ops_default(cc.mode, cc.backend))
         apply_level_defaults(self)  # step 12
@@ -153,7 +177,7 @@ class EngineConfig:
         if pc.enable_sp:
             if "-rms_norm" in cc.custom_ops:
                 logger.warning("RMS norm force disabled, sequence parallelism might break")
-            else:
+            elif "+rms_norm" not in cc.custom_ops:  # NOTE: the reference appends it again
                 cc.custom_ops.append("+rms_norm")
         self._resolve_static_graphs()  # step 15
         self._set_compile_ranges()  # step 17
@@ -188,7 +212,8 @@ class EngineConfig:
         fullgraph = bool(cc.use_inductor_graph_partition) or len(cc.splitting_ops) == 0
         if parallel.pipeline_parallel_size > 1 or not fullgraph:
             if "-rms_norm" not in cc.custom_ops:
-                cc.custom_ops.append("+rms_norm")
+                if "+rms_norm" not in cc.custom_ops:
+                    cc.custom_ops.append("+rms_norm")
             else:
                 logger.warning("Sequence parallelism with a piecewise graph needs the "
                                "rms_norm custom op, but custom_ops has -rms_norm.")
@@ -307,10 +332,18 @@ class EngineConfig:
                 raise ConfigAssertionError(f"Invalid compile range split point: {x}")
             if tokens is not None and 1 < x < tokens:
                 points.append(x)
-        cc.compile_ranges_split_points = sorted(points)
+        cc.compile_ranges_split_points = sorted(set(points))  # NOTE: deduplicated (idempotence)
 
     def _final_checks(self) -> None:
         cc, model, parallel = self.compilation_config, self.model_config, self.parallel_config
+        if cc.mode in (CompilationMode.STOCK_TORCH_COMPILE, CompilationMode.DYNAMO_TRACE_ONCE):
+            cc.init_backend(self)  # an unknown backend is a ValueError now, not at start-up
+        if cc.mode == CompilationMode.VLLM_COMPILE:  # the split needs 'namespace::op' names
+            for op in cc.splitting_ops or []:
+                if "::" not in op or not all(op.split("::", 1)):
+                    raise ValueError(f"compilation_config.splitting_ops entries must be op names "
+                                     f"'namespace::op[.overload]' (e.g. 'forwardkit::unified_attention') "
+                                     f"with mode VLLM_COMPILE, got {op!r:.80}")
         if self.platform.is_cuda_alike():  # step 23
             if (cc.cudagraph_mode.has_full_cudagraphs() and model is not None
                     and not model.disable_cascade_attn and not cc.cudagraph_mode.has_piecewise_cudagraphs()):
@@ -395,52 +428,13 @@ def _to_compilation_config(value: Any) -> CompilationConfig:
     return value
 
 
-# ---------------------------------------------------------------------- current config
-_CURRENT: contextvars.ContextVar[EngineConfig | None] = contextvars.ContextVar(
-    "forwardkit_current_engine_config", default=None
+# The current-config context lives in its own module; re-exported here (its historical home).
+import forwardkit.config.current as _current  # noqa: E402
+from forwardkit.config.current import (  # noqa: E402
+    get_current_engine_config,
+    get_current_engine_config_or_none,
+    get_layers_from_engine_config,
+    set_current_engine_config,
 )
 
-
-@contextlib.contextmanager
-def set_current_engine_config(config: EngineConfig, check_compile: bool = False) -> Iterator[EngineConfig]:
-    """Make ``config`` current while a model is built; restores the previous one on exit.
-
-    With ``check_compile``, a normal exit runs ``custom_op_log_check()`` (warns about
-    ``custom_ops`` entries that named no op of the model).
-    """
-    token = _CURRENT.set(config)
-    try:
-        yield config
-    finally:
-        _CURRENT.reset(token)
-    if check_compile:
-        config.compilation_config.custom_op_log_check()
-
-
-def get_current_engine_config_or_none() -> EngineConfig | None:
-    """The current engine config, or None outside :func:`set_current_engine_config`."""
-    return _CURRENT.get()
-
-
-def get_current_engine_config() -> EngineConfig:
-    """The current engine config; outside a context, a fresh default ``EngineConfig()``.
-
-    The fallback is built anew on each call (like vLLM), so layers registered into it
-    are not shared between models; a warning is logged once.
-    """
-    config = _CURRENT.get()
-    if config is None:
-        logger.warning_once(
-            "get_current_engine_config() called outside set_current_engine_config(); "
-            "using a default EngineConfig()."
-        )
-        return EngineConfig()
-    return config
-
-
-def get_layers_from_engine_config(config: EngineConfig, layer_type: type,
-                                  layer_names: list[str] | None = None) -> dict[str, Any]:
-    """Layers of ``static_forward_context`` that are instances of ``layer_type``."""
-    ctx = config.compilation_config.static_forward_context
-    names = list(ctx) if layer_names is None else layer_names
-    return {name: ctx[name] for name in names if isinstance(ctx[name], layer_type)}
+_current._default_factory = EngineConfig  # the fallback of get_current_engine_config()

@@ -16,7 +16,7 @@ import torch
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
-from forwardkit.config.utils import hash_factors, normalize_value
+from forwardkit.config.utils import hash_factors, normalize_value, short_repr
 
 __all__ = ["ModelConfig", "resolve_dtype"]
 
@@ -60,6 +60,34 @@ def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict[str, Any] | N
     return _DTYPES[key]
 
 
+# config.json keys the models read as sizes (each a positive int when present) or as numbers.
+_SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim",
+              "num_experts_per_tok", "moe_intermediate_size")
+_NUMBER_KEYS = ("rms_norm_eps", "rope_theta")
+
+
+def _check_hf_config(hf_config: dict[str, Any], model: str | None) -> None:
+    """ValueError naming the key (and config.json) whose value has the wrong type."""
+    where = f" in {os.path.join(model, 'config.json')}" if model is not None else ""
+    for key in _SIZE_KEYS:
+        value = hf_config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{key!r}{where} must be a positive integer, got {short_repr(value)} "
+                             f"({type(value).__name__})")
+    for key in _EXPERT_KEYS:  # 0 means "not a MoE model"
+        value = hf_config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{key!r}{where} must be an integer >= 0, got {short_repr(value)} "
+                             f"({type(value).__name__})")
+    for key in _NUMBER_KEYS:
+        value = hf_config.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not 0 < value < float("inf")):
+            raise ValueError(f"{key!r}{where} must be a finite number > 0, got {short_repr(value)} "
+                             f"({type(value).__name__})")
+
+
 @dataclass(config=ConfigDict(extra="forbid", arbitrary_types_allowed=True))
 class ModelConfig:
     """The model an engine runs: checkpoint dir (or None), its HF config and runtime choices."""
@@ -84,6 +112,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.model is not None:
             self.model = os.fspath(self.model)
+        _check_hf_config(self.hf_config, self.model)
         self.dtype = resolve_dtype(self.dtype, self.hf_config)
         if self.runner == "pooling" and self.pooler_config is None:
             self.pooler_config = {}

@@ -71,9 +71,10 @@ class PassConfig:
     @field_validator("fi_allreduce_fusion_max_size_mb")
     @classmethod
     def _check_size_mb(cls, value: float | None) -> float | None:
-        if value is not None and value < 0:
+        if value is not None and not 0 <= value < float("inf"):
             raise ValueError(
-                f"fi_allreduce_fusion_max_size_mb must be >= 0 (megabytes) or None, got {value}"
+                f"fi_allreduce_fusion_max_size_mb must be a finite number >= 0 (megabytes) or "
+                f"None, got {value}"
             )
         return value
 

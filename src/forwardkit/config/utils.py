@@ -12,6 +12,7 @@ import enum
 import hashlib
 import json
 import re
+import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,15 +26,20 @@ __all__ = [
     "ConfigAttributeError",
     "ConfigIndexError",
     "ConfigTypeError",
+    "MAX_CONFIG_DEPTH",
     "assert_hashable",
+    "check_nesting",
     "config",
     "contains_object_print",
     "get_field",
     "get_hash_factors",
     "getattr_iter",
     "handle_deprecated",
+    "is_plain_json",
+    "json_object",
     "hash_factors",
     "normalize_value",
+    "short_repr",
     "update_config",
 ]
 
@@ -242,3 +248,69 @@ class ConfigTypeError(ValueError, TypeError):
 
 class ConfigAttributeError(ValueError, AttributeError):
     """A config field that must be set first is still None (vLLM: a bare ``AttributeError``)."""
+
+
+MAX_CONFIG_DEPTH = 16
+"""Deepest nesting of lists/dicts accepted in a config value (deeper input is a ValueError
+raised before any recursive code, such as ``repr`` or validation, can hit Python's limit)."""
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel = 3
+_SHORT.maxstring = 60
+_SHORT.maxother = 60
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
+
+
+def short_repr(value: Any, limit: int = 100) -> str:
+    """A ``repr`` of ``value`` for error messages: depth- and length-limited, never raises."""
+    try:
+        text = _SHORT.repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_nesting(value: Any, name: str, max_depth: int = MAX_CONFIG_DEPTH) -> Any:
+    """Return ``value``, or raise ``ValueError`` naming ``name`` when its lists/tuples/sets/dicts
+    nest deeper than ``max_depth`` (walked iteratively, so any depth is safe to check)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Iterable[Any] = list(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            children = item
+        else:
+            continue
+        if depth >= max_depth:
+            raise ValueError(
+                f"{name}: value nested deeper than {max_depth} levels (or self-referencing): "
+                f"{short_repr(value)}; accepted: plain values, lists and objects nested at most "
+                f"{max_depth} deep"
+            )
+        stack.extend((child, depth + 1) for child in children)
+    return value
+
+
+def is_plain_json(value: Any) -> bool:
+    """True for values ``json.dumps`` writes as they are (nesting is bounded by validation)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(is_plain_json(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_plain_json(v) for k, v in value.items())
+    return False
+
+
+def json_object(text: str, what: str) -> dict[str, Any]:
+    """``text`` parsed as a JSON object (ValueError naming ``what`` otherwise; depth bounded)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"Invalid JSON for {what}: {short_repr(text)} ({e})") from None
+    except RecursionError:
+        raise ValueError(f"Invalid JSON for {what}: nested too deeply ({short_repr(text)})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {short_repr(text)}")
+    return check_nesting(value, what)

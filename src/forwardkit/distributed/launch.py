@@ -9,11 +9,14 @@ rank and raise :class:`SpawnError` carrying the failing rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import multiprocessing as mp
+import os
 import queue as queue_mod
+import signal
 import socket
 import sys
 import time
@@ -94,12 +97,61 @@ def _stop(procs: list[Any]) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
+            # A stopped (SIGSTOP) rank keeps SIGTERM pending until it continues.
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signal.SIGCONT)
     deadline = time.monotonic() + 5.0
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
             proc.join(1.0)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """True when ``pid`` is in the job-control stopped state (Linux ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+def _root_cause(procs: list[Any], failed: int, payload: str = "") -> tuple[int, str] | None:
+    """Another rank that died by a signal or is stopped: the likely cause of ``failed``'s error.
+
+    Waits up to 0.5 s in all for ranks that are ending (a peer may have just ended a stopped one).
+    """
+    deadline = time.monotonic() + 0.5
+    for r, proc in enumerate(procs):
+        if r != failed and proc.exitcode is None:
+            proc.join(max(0.0, deadline - time.monotonic()))
+    for r, proc in enumerate(procs):
+        if r == failed:
+            continue
+        if f"rank {r} (pid {proc.pid}) is stopped (SIGSTOP)" in payload:
+            return r, "was stopped (SIGSTOP) and then ended by its peer"
+        if proc.exitcode is not None and proc.exitcode != 0:
+            return r, _exit_text(proc.exitcode)
+        if proc.exitcode is None and _is_stopped(proc.pid):
+            return r, "is stopped (SIGSTOP)"
+    return None
+
+
+def _last_line(text: str) -> str:
+    """The exception line of a formatted traceback (its last non-empty line)."""
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no message)"
 
 
 def spawn(
@@ -150,8 +202,11 @@ def spawn(
             except queue_mod.Empty:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(nprocs)) - set(values))
+                    stopped = [r for r in missing if _is_stopped(procs[r].pid)]
+                    note = f" (rank(s) {stopped} stopped, e.g. by SIGSTOP)" if stopped else ""
                     raise SpawnError(
-                        f"spawn: ranks {missing} did not finish within {timeout_s:g} s"
+                        f"spawn: ranks {missing} did not finish within {timeout_s:g} s{note}",
+                        rank=stopped[0] if stopped else None,
                     ) from None
                 for r, proc in enumerate(procs):
                     if r not in values and proc.exitcode is not None:
@@ -161,14 +216,20 @@ def spawn(
                             break
                         except queue_mod.Empty:
                             raise SpawnError(
-                                f"spawn: rank {r} exited with code {proc.exitcode} "
+                                f"spawn: rank {r} {_exit_text(proc.exitcode)} "
                                 "without returning a result", rank=r,
                             ) from None
                 else:
                     continue
             if not ok:
+                cause = _root_cause(procs, rank, payload)
+                reason = _last_line(payload)
+                if cause is not None:
+                    r, what = cause
+                    raise SpawnError(f"spawn: rank {r} {what}; rank {rank} then failed: {reason}\n"
+                                     f"{payload}", rank=r, remote_traceback=payload)
                 raise SpawnError(
-                    f"spawn: rank {rank} failed:\n{payload}", rank=rank, remote_traceback=payload
+                    f"spawn: rank {rank} failed: {reason}\n{payload}", rank=rank, remote_traceback=payload
                 )
             values[rank] = payload
     finally:

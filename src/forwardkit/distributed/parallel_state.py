@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from forwardkit import envs
+from forwardkit.distributed.peers import describe_local_peers, exchange_peer_identities
 from forwardkit.logger import init_logger
 
 __all__ = [
@@ -61,6 +62,8 @@ class DPGroup:
     timeout_s: float
     owns_default_group: bool = False
     _extra_groups: list[Any] = field(default_factory=list, repr=False)
+    peers: list[tuple[int, int, int]] = field(default_factory=list, repr=False)
+    """Per rank: (host id, pid, process start time), to name a dead or stopped local peer."""
 
     def _group(self, use_cpu: bool) -> Any:
         return self.cpu_group if use_cpu else self.device_group
@@ -70,10 +73,13 @@ class DPGroup:
         try:
             work.wait(timeout=datetime.timedelta(seconds=limit))
         except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses with terse text
+            peers = describe_local_peers(self.peers, self.rank, end_stopped=True)
+            why = "; ".join(peers) if peers else ("a peer rank has probably died, stalled, or "
+                                                  "called a different collective")
             raise DPCollectiveError(
                 f"DP {what} on rank {self.rank} of {self.world_size} failed or did not finish "
-                f"within {limit:g} s (FORWARDKIT_DP_TIMEOUT_S): a peer rank has probably died, "
-                f"stalled, or called a different collective. Cause: {exc}"
+                f"within {limit:g} s (FORWARDKIT_DP_TIMEOUT_S): {why}. Cause: "
+                f"{' '.join(str(exc).split())[:500]}"
             ) from exc
 
     def all_reduce(
@@ -282,6 +288,11 @@ def init_dp_group(
             dist.destroy_process_group()
         raise
     _DP_GROUP = DPGroup(me, world, cpu_group, device_group, device, timeout_s, owns, extra)
+    try:
+        _DP_GROUP.peers = exchange_peer_identities(_DP_GROUP)
+    except BaseException:
+        destroy_dp_group()
+        raise
     logger.debug("DP group ready: rank %d of %d, backend %s", me, world, backend)
     return _DP_GROUP
 

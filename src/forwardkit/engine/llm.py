@@ -73,6 +73,9 @@ class LLM:
         engine_config: EngineConfig | None = None,
         **kwargs: Any,
     ) -> None:
+        if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r:.60} "
+                             f"({type(seed).__name__})")
         if engine_config is None:
             engine_config = build_engine_config(
                 model, default_hf_config=default_hf_config(), dtype=dtype, max_num_seqs=max_num_seqs,

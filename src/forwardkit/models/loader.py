@@ -65,9 +65,23 @@ def safetensors_files(model_dir: str) -> list[str]:
 def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of every file, on the CPU."""
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+        try:
+            handle = safe_open(path, framework="pt", device="cpu")
+        except Exception as exc:  # SafetensorError (bad header), OSError, ...
+            raise _corrupt(path, exc) from exc
+        with handle as f:
+            for name in list(f.keys()):  # noqa: SIM118 - safe_open is not a mapping
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as exc:  # truncated data
+                    raise _corrupt(path, exc, name) from exc
+                yield name, tensor
+
+
+def _corrupt(path: str, exc: Exception, tensor: str | None = None) -> ValueError:
+    what = f" (tensor {tensor!r})" if tensor else ""
+    return ValueError(f"cannot read safetensors file {path}{what}: {type(exc).__name__}: {exc}; "
+                      "the file is truncated or corrupt: re-download or re-save the checkpoint")
 
 
 def load_model(engine_config, prepack: bool | None = None) -> nn.Module:
