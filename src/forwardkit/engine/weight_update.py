@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from forwardkit.config.compilation_enums import CompilationMode
+from forwardkit.config.compilation_enums import CompilationMode, CUDAGraphMode
 from forwardkit.logger import init_logger
 from forwardkit.models.weights import WeightLoadError, check_named_weights, load_named_weights
 
@@ -158,8 +158,8 @@ class KVCacheSleeper:
             )
         if self._sizes is not None:
             return 0
-        mode = getattr(self.runner, "cudagraph_mode", None)
-        if mode is not None and int(mode) != 0:
+        mode = getattr(self.runner, "cudagraph_mode", CUDAGraphMode.NONE)
+        if mode != CUDAGraphMode.NONE:
             raise ValueError(
                 f"sleep() with CUDA graphs (cudagraph_mode={mode}) is not supported: captured "
                 "graphs hold the KV cache's addresses, which re-allocation would change"
