@@ -19,7 +19,10 @@ import sys
 
 STATEMENTS = {
     "import torch, pydantic": "import torch, pydantic",
+    # pydantic's top-level import is lazy; its dataclass machinery is what a library using it loads
+    "import torch, pydantic.dataclasses": "import torch, pydantic.dataclasses",
     "import forwardkit": "import forwardkit",
+    "from forwardkit import CompilationConfig": "from forwardkit import CompilationConfig",
     "from forwardkit import LLM, SamplingParams": "from forwardkit import LLM, SamplingParams",
 }
 _TIMER = "import time; _t = time.perf_counter(); {stmt}; print(time.perf_counter() - _t)"
@@ -43,9 +46,11 @@ def main() -> None:
         for label, stmt in STATEMENTS.items():
             samples[label].append(time_import(stmt))
     base = statistics.median(samples["import torch, pydantic"])
+    full = statistics.median(samples["import torch, pydantic.dataclasses"])
     for label, values in samples.items():
         median = statistics.median(values)
-        print(f"{label:45s} median {median:.3f} s  (vs torch+pydantic {median - base:+.3f} s)")
+        print(f"{label:45s} median {median:.3f} s  (vs torch+pydantic {median - base:+.3f} s, "
+              f"vs torch+pydantic.dataclasses {median - full:+.3f} s)")
 
 
 if __name__ == "__main__":
