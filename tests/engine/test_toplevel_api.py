@@ -53,5 +53,10 @@ def test_import_forwardkit_is_light():
     assert _loaded_after(
         "from forwardkit import SamplingParams, CompilationConfig, EngineConfig, set_forward_context"
     ) == []
+    # Sampling parameters and result types need only the standard library, not even torch.
+    probe = "from forwardkit import SamplingParams, RequestOutput, CompletionOutput, Logprob\n"
+    out = subprocess.run([sys.executable, "-c", probe + "import sys; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"
     # Even LLM imports Dynamo / Inductor only when it compiles.
     assert _loaded_after("from forwardkit import LLM") == []

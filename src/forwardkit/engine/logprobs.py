@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # no torch import at run time: ``from forwardkit import Logprob`` stays light
+    import torch
 
 __all__ = ["Logprob", "PromptLogprobs", "SampleLogprobs", "logprob_dicts"]
 
@@ -46,7 +48,7 @@ def logprob_dicts(
         return []
     vocab = logprobs.shape[-1]
     ks = [vocab if k == -1 else min(k, vocab) for k in num_top]
-    chosen = torch.tensor(list(token_ids), dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.new_tensor(list(token_ids)).long()
     chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1))
     ranks = (logprobs >= chosen_lp).sum(dim=-1).tolist()
     chosen_values = chosen_lp.squeeze(-1).tolist()
