@@ -152,6 +152,7 @@ class LLM:
         if not params.stop:
             return None
         tokenizer, skip = self.tokenizer, params.skip_special_tokens
+        assert tokenizer is not None  # generate() refuses stop strings without one
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
 
     # ------------------------------------------------------------------ generation

@@ -8,6 +8,7 @@ states and the LM head runs on just those rows. Steps without such requests pay 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ def plan_prompt_logprobs(requests: list[Request], num_scheduled: list[int]) -> P
 
 
 @torch.inference_mode()
-def record_prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, plan: PromptLogprobPlan) -> None:
+def record_prompt_logprobs(model: Any, hidden: torch.Tensor, plan: PromptLogprobPlan) -> None:
     """Score the planned rows of ``hidden`` with the LM head and store them on their requests."""
     index = torch.tensor(plan.rows, dtype=torch.long, device=hidden.device)
     logprobs = model.compute_logits(hidden.index_select(0, index)).float().log_softmax(dim=-1)

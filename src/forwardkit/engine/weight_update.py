@@ -109,7 +109,7 @@ def update_model_weights(engine_config: Any, model: nn.Module, named_tensors: An
     start = time.perf_counter()
     pairs = _as_pairs(named_tensors)
     target = _unwrap(model)
-    map_name = target.map_weight_name
+    map_name: Any = target.map_weight_name
     try:
         check_named_weights(target, pairs, map_name)
     except WeightLoadError as exc:

@@ -96,7 +96,7 @@ def load_named_weights(
     mismatches are collected and raised together as :class:`WeightLoadError`. ``dry_run``
     (see :func:`check_named_weights`) runs every loader on meta twins and copies nothing.
     """
-    real = dict(model.named_parameters(remove_duplicate=False))
+    real: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     params = real
     caught: tuple[type[Exception], ...] = (WeightShapeError,)
     if dry_run:
