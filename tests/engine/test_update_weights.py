@@ -213,3 +213,21 @@ def test_update_while_asleep(make_checkpoint, tmp_path):
     assert llm.wake_up(tags=["weights"]) == 0 and llm.is_sleeping()
     llm.wake_up(tags=["kv_cache"])
     assert _greedy(llm) == _greedy(_engine(new_path))
+
+
+@pytest.mark.parametrize("mode", [2, 3])
+def test_update_under_dynamo_modes_no_retrace(make_checkpoint, tmp_path, mode):
+    """Mode 2 (one Dynamo trace, guards dropped) and mode 3 (piecewise) with the eager piece
+    backend: Dynamo's graphs take the parameters as inputs, so the update shows, untraced."""
+    path = make_checkpoint("mixtral")
+    built = compilation_counter.clone()
+    llm = _engine(path, enforce_eager=False, compilation_config={"mode": mode, "backend": "eager"})
+    assert compilation_counter.delta(built).get("num_dynamo_traces", 0) >= 1  # really compiled
+    before = _greedy(llm)
+    new_path, _ = _updated_checkpoint(make_checkpoint, tmp_path, "mixtral", 7)
+    started = compilation_counter.clone()
+    llm.update_weights(_hf_model(new_path).state_dict().items())
+    after = _greedy(llm)
+    delta = {k: v for k, v in compilation_counter.delta(started).items() if v}
+    assert delta == {}, delta
+    assert after != before and after == _greedy(_engine(new_path))
