@@ -62,3 +62,14 @@ def test_dp_moe_two_ranks_match_single_process():
     assert "rank 1: experts [2, 3] of 4, 1 prompt(s)" in out, out[-3000:]
     assert "OK: DP tokens match the single-process run on all 2 ranks" in out
     assert "spawned 2 ranks; all returned matching tokens: True" in out
+
+
+@pytest.mark.timeout(300)
+def test_rl_loop_updates_a_compiled_engine():
+    # Mode 3 with the "eager" piece backend: the traced, split model takes the updates.
+    out = run_example("rl_loop.py", "--compile", "eager", "--iterations", "2")
+    lines = re.findall(r"iteration \d: .* greedy tokens match the trainer: (True|False)", out)
+    assert lines == ["True", "True"], out[-3000:]
+    assert "compilation counters after start-up: no change" in out, out[-3000:]
+    assert re.search(r"greedy output changed after [12] of 2 updates", out), out[-3000:]
+    assert "OK: 2 rollout-train-update iterations" in out

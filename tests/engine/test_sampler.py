@@ -114,15 +114,40 @@ def test_row_count_mismatch():
         ({"top_k": -2}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 1.0}, "n"),
         ({"seed": "x"}, "seed"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": -2}, "logprobs"),
+        ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
+        ({"stop": 5}, "stop"),
+        ({"stop": [""]}, "stop"),
     ],
 )
 def test_sampling_params_validation(kwargs, field):
-    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=") as info:
         SamplingParams(**kwargs)
+    # The message shows the bad value and what is accepted.
+    bad = next(iter(kwargs.values())) if len(kwargs) == 1 else kwargs[field]
+    msg = str(info.value)
+    assert repr(bad)[:20] in msg and ("expected" in msg or "must" in msg)
+
+
+def test_sampling_params_lists_normalised():
+    p = SamplingParams(stop="x", stop_token_ids=(3, 4))
+    assert p.stop == ["x"] and p.stop_token_ids == [3, 4]
+    assert SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
+    assert SamplingParams().stop == [] and not SamplingParams().has_penalties
+    assert SamplingParams(repetition_penalty=1.2).has_penalties
 
 
 def test_as_params_list():
@@ -131,3 +156,7 @@ def test_as_params_list():
     assert len(as_params_list(None, 3)) == 3
     with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
         as_params_list([p], 2)
+    with pytest.raises(ValueError, match=r"sampling_params\[1\] is dict"):
+        as_params_list([p, {"temperature": 0}], 2)
+    with pytest.raises(ValueError, match="sampling_params=5 is invalid"):
+        as_params_list(5, 1)

@@ -12,7 +12,6 @@ stepping together (a rank without work runs dummy steps) until all are done.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,12 +20,16 @@ import torch
 from forwardkit.config.builder import build_engine_config
 from forwardkit.config.engine import EngineConfig
 from forwardkit.engine.block_manager import BlockManager
-from forwardkit.engine.outputs import CompletionOutput, RequestOutput
+from forwardkit.engine.inputs import build_requests, parse_prompts
+from forwardkit.engine.outputs import RequestOutput
+from forwardkit.engine.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
 from forwardkit.engine.request import Request
+from forwardkit.engine.result import build_output
 from forwardkit.engine.sampler import Sampler
 from forwardkit.engine.sampling_params import SamplingParams, as_params_list
 from forwardkit.engine.scheduler import Scheduler
 from forwardkit.engine.tokenizer import load_tokenizer
+from forwardkit.engine.weight_update import KVCacheSleeper, update_model_weights
 from forwardkit.logger import init_logger
 from forwardkit.models.default import default_hf_config
 from forwardkit.runner.model_runner import ModelRunner
@@ -34,8 +37,6 @@ from forwardkit.runner.model_runner import ModelRunner
 __all__ = ["LLM"]
 
 logger = init_logger(__name__)
-
-PromptInput = str | dict[str, Any] | Sequence[int]
 
 
 class LLM:
@@ -54,7 +55,9 @@ class LLM:
             (the built-in model's random weights are always the same).
         platform: "cpu", "cuda", a ``Platform`` or None (detected).
         engine_config: a ready ``EngineConfig`` (then the other config arguments must be left alone).
-        **kwargs: more config fields (``max_model_len``, ``num_gpu_blocks``,
+        **kwargs: ``model_shape`` (a named real-architecture shape with seeded random weights,
+            e.g. ``"llama-3.2-1b"``; see ``forwardkit.config.model_shapes``) and more config
+            fields (``max_model_len``, ``num_gpu_blocks``,
             ``enable_chunked_prefill``, ``optimization_level``, ``enable_expert_parallel`` ...).
     """
 
@@ -108,7 +111,7 @@ class LLM:
         )
         self.sampler = Sampler()
         self._seed_rng = torch.Generator().manual_seed(seed)
-        self._ids = itertools.count()
+        self._next_id = 0
 
     @classmethod
     def from_engine_config(cls, engine_config: EngineConfig, seed: int = 0) -> LLM:
@@ -143,57 +146,19 @@ class LLM:
         return self.tokenizer
 
     # ------------------------------------------------------------------ requests
-    def _prompt_list(self, prompts: Any, prompt_token_ids: Any) -> list[tuple[str | None, list[int]]]:
-        if prompts is not None and prompt_token_ids is not None:
-            raise ValueError("pass either prompts or prompt_token_ids, not both")
-        items: list[PromptInput]
-        if prompt_token_ids is not None:
-            ids = list(prompt_token_ids)
-            items = [ids] if ids and isinstance(ids[0], int) else ids
-        elif prompts is None:
-            raise ValueError("generate() needs prompts (text or {'prompt_token_ids': [...]}) "
-                             "or prompt_token_ids")
-        elif isinstance(prompts, (str, dict)):
-            items = [prompts]
-        else:
-            items = list(prompts)
-        return [self._one_prompt(i, item) for i, item in enumerate(items)]
-
-    def _one_prompt(self, index: int, item: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(item, dict):
-            if "prompt_token_ids" in item:
-                return item.get("prompt"), self._check_ids(index, item["prompt_token_ids"])
-            if "prompt" in item:
-                item = item["prompt"]
-            else:
-                raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if not isinstance(item, (str, list, tuple)):
-            raise ValueError(
-                f"prompt {index} is {type(item).__name__} {item!r}; expected text, a list of token "
-                "ids, or a dict with 'prompt_token_ids' (token ids go in prompt_token_ids=[[...]])"
-            )
-        if isinstance(item, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"prompt {index} is text but the model ships no tokenizer "
-                    f"(model={self.engine_config.model_config.model!r}); pass prompt_token_ids"
-                )
-            return item, list(self.tokenizer.encode(item))
-        return None, self._check_ids(index, item)
-
-    def _check_ids(self, index: int, ids: Any) -> list[int]:
-        ids = list(ids)
-        vocab = self.runner.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt {index}: token id {t!r} is not an integer in [0, {vocab})")
-        return ids
-
     def _generator(self, params: SamplingParams) -> torch.Generator:
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         return torch.Generator(device=self.runner.device).manual_seed(seed)
+
+    def _decoder(self, params: SamplingParams) -> Any:
+        """Output ids -> text for stop-string checks (None when ``params`` has no stop strings)."""
+        if not params.stop:
+            return None
+        tokenizer, skip = self.tokenizer, params.skip_special_tokens
+        assert tokenizer is not None  # generate() refuses stop strings without one
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -206,25 +171,39 @@ class LLM:
         """Generate completions; returns one ``RequestOutput`` per prompt, in prompt order.
 
         ``prompts``: a string, a list of strings, or dicts with ``prompt_token_ids`` (or
-        ``prompt``); ``prompt_token_ids``: one list of ids or a list of them. Text needs the
-        checkpoint's tokenizer. Every prompt is checked before any runs: one that can never
-        fit (longer than ``max_model_len`` or the whole KV cache) raises ``ValueError`` naming it.
-        With DP > 1 every rank must call ``generate`` (an empty list is fine).
+        ``prompt``); ``prompt_token_ids``: one list of ids or a list of them. Text and stop
+        strings need the checkpoint's tokenizer. Every input is checked before anything runs
+        (nor are request ids or the engine's seeded generator consumed by a rejected call): a
+        prompt that can never fit (longer than ``max_model_len`` or the whole KV cache) raises
+        ``ValueError`` naming it. With DP > 1 every rank must call ``generate`` (an empty list
+        is fine).
         """
-        if prompts is not None and not isinstance(prompts, (str, dict)) and len(prompts) == 0:
+        if self.is_sleeping():
+            raise RuntimeError("the LLM is asleep (its KV cache is released); call wake_up() first")
+        if isinstance(prompts, (list, tuple)) and len(prompts) == 0 and prompt_token_ids is None:
             pairs: list[tuple[str | None, list[int]]] = []
         else:
-            pairs = self._prompt_list(prompts, prompt_token_ids)
+            model_config = self.engine_config.model_config
+            pairs = parse_prompts(prompts, prompt_token_ids, self.tokenizer, self.runner.vocab_size,
+                                  model_config.model if model_config else None)
         params = as_params_list(sampling_params, len(pairs))
-        requests = []
-        for (text, ids), p in zip(pairs, params):
-            rid = str(next(self._ids))
-            req = Request(rid, ids, p, prompt=text, eos_token_id=self.eos_token_id,
-                          max_model_len=self.runner.max_model_len, generator=self._generator(p))
-            requests.append(req)
-        self.scheduler.add_all(requests)
+        if self.tokenizer is None:
+            for i, p in enumerate(params):
+                if p.stop:
+                    raise ValueError(f"prompt {i}: SamplingParams.stop={p.stop!r} needs the model's "
+                                     "tokenizer, and this model ships none; use stop_token_ids")
+        groups = build_requests(pairs, params, self._next_id, self.eos_token_id,
+                                self.runner.max_model_len, self._decoder)
+        requests = [r for _, children in groups for r in children]
+        for req in requests:
+            self.scheduler.check_fits(req)
+        # Everything is valid: now commit ids, draw seeds and queue.
+        self._next_id += len(groups)
+        for req in requests:
+            req.generator = self._generator(req.sampling_params)
+        self.scheduler.queue_all(requests)  # each was checked once, above
         self._run(len(requests), use_tqdm)
-        return [self._output(r) for r in requests]
+        return [build_output(rid, children, self.tokenizer) for rid, children in groups]
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         bar = None
@@ -259,18 +238,49 @@ class LLM:
             raise RuntimeError(f"scheduler could not schedule any of {len(self.scheduler.waiting)} "
                                "waiting requests (KV cache too small?)")
         batch = out.to_batch()
+        plan = plan_prompt_logprobs(out.requests, out.num_scheduled_tokens)
+        self.runner.keep_hidden = plan is not None
         logits = self.runner.execute(batch)
+        if plan is not None and self.runner.last_hidden is not None:
+            record_prompt_logprobs(self.runner.model, self.runner.last_hidden, plan)
+            self.runner.last_hidden = None
         chosen = [r for r, s in zip(out.requests, batch.sample or ()) if s]
-        tokens = self.sampler(logits, chosen)
-        return self.scheduler.update(out, {r.request_id: t for r, t in zip(chosen, tokens)})
+        tokens, logprobs = self.sampler.sample(logits, chosen)
+        by_id = None
+        if logprobs is not None:
+            by_id = {r.request_id: lp for r, lp in zip(chosen, logprobs) if lp is not None}
+        return self.scheduler.update(out, {r.request_id: t for r, t in zip(chosen, tokens)}, by_id)
 
-    def _output(self, req: Request) -> RequestOutput:
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(
-                req.output_token_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
-            )
-        completion = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason,
-                                      req.stop_reason)
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion],
-                             finished=req.is_finished)
+    # ------------------------------------------------------------------ RL: weights, sleep
+    def update_weights(self, named_tensors: Any) -> dict[str, Any]:
+        """Copy new weights into the running model in place (no recompilation, no re-capture).
+
+        ``named_tensors``: ``(hf_name, tensor)`` pairs (or a dict) in Hugging Face naming, a full
+        or partial set, any real dtype (cast on copy). All or nothing: unknown names and wrong
+        shapes raise ``WeightLoadError`` before any parameter changes. Refused (``ValueError``)
+        when Inductor freezing would keep the old weights in compiled code. Returns
+        ``{"num_tensors", "num_parameters", "seconds"}``.
+        """
+        return update_model_weights(self.engine_config, self.runner.model, named_tensors)
+
+    def sleep(self, level: int = 1) -> int:
+        """Release the KV cache's memory (level 1; the weights stay); returns the bytes freed.
+
+        ``generate`` is refused until ``wake_up``. Level 2 (also discarding weights) is not
+        supported by the reference engine.
+        """
+        return self._kv_sleeper().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> int:
+        """Re-allocate the KV cache released by ``sleep``; returns the bytes allocated."""
+        return self._kv_sleeper().wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether ``sleep`` released the KV cache."""
+        sleeper = getattr(self, "_sleeper", None)
+        return sleeper is not None and sleeper.asleep
+
+    def _kv_sleeper(self) -> KVCacheSleeper:
+        if getattr(self, "_sleeper", None) is None:
+            self._sleeper = KVCacheSleeper(self.runner)
+        return self._sleeper

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -38,6 +39,8 @@ class Request:
         eos_token_id: int | Iterable[int] | None = None,
         max_model_len: int | None = None,
         generator: torch.Generator | None = None,
+        index: int = 0,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
@@ -57,8 +60,22 @@ class Request:
         self.block_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None
         self.generator = generator
+        self.index = index  # completion index within its prompt (n > 1)
+        # Logprobs, only kept when asked for (see SamplingParams.logprobs / prompt_logprobs).
+        wants = sampling_params.logprobs is not None
+        self.output_logprobs: list[Any] | None = [] if wants else None
+        self.cumulative_logprob: float | None = 0.0 if wants else None
+        # position p (>= 1) -> {token: Logprob} for prompt token p; filled chunk by chunk.
+        self.prompt_logprobs: dict[int, Any] | None = (
+            {} if sampling_params.prompt_logprobs is not None else None
+        )
+        # Stop strings: ``decode`` turns output ids into text; ``output_text`` is the (cut) text
+        # once a stop string matched.
+        self.decode = decode if sampling_params.stop else None
+        self.output_text: str | None = None
+        self._checked_text_len = 0
         self.num_preemptions = 0
         # Generation may not go past max_tokens nor past the model's context length.
         limit = sampling_params.max_tokens
@@ -102,9 +119,18 @@ class Request:
             return self.output_token_ids[start - n : stop - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
 
-    def append_token(self, token_id: int) -> bool:
-        """Record a generated token; returns True (and sets ``finish_reason``) if it ends the request."""
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt positions still lack their logprobs."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def append_token(self, token_id: int, logprobs: dict[int, Any] | None = None) -> bool:
+        """Record a generated token (and its logprobs); returns True (and sets
+        ``finish_reason``) if it ends the request."""
         self.output_token_ids.append(token_id)
+        if self.output_logprobs is not None and logprobs is not None:
+            self.output_logprobs.append(logprobs)
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs[token_id].logprob
         params = self.sampling_params
         generated = len(self.output_token_ids)
         if generated >= params.min_tokens:
@@ -114,10 +140,38 @@ class Request:
             if token_id in params.all_stop_token_ids:
                 self.finish_reason, self.stop_reason = "stop", token_id
                 return True
+        finished = False
         if self.max_output_tokens is not None and generated >= self.max_output_tokens:
-            self.finish_reason = "length"
-            return True
-        return False
+            self.finish_reason, finished = "length", True
+        if self.decode is not None and self._match_stop_string(generated >= params.min_tokens):
+            return True  # a stop string wins over "length" on the same token, as in vLLM
+        return finished
+
+    def _match_stop_string(self, allowed: bool) -> bool:
+        """Search the newly decoded text for a stop string; on a match cut the text and stop.
+
+        Text decoded before ``min_tokens`` is reached (``allowed`` False) is never searched later.
+        """
+        assert self.decode is not None
+        text = self.decode(self.output_token_ids)
+        params = self.sampling_params
+        stops = params.stop or []
+        longest = max(len(s) for s in stops)
+        start = max(0, self._checked_text_len - longest + 1)
+        self._checked_text_len = len(text)
+        if not allowed:
+            return False
+        best: tuple[int, str] | None = None
+        for stop in stops:
+            at = text.find(stop, start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return False
+        at, stop = best
+        self.output_text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+        self.finish_reason, self.stop_reason = "stop", stop
+        return True
 
     def __repr__(self) -> str:
         return (

@@ -1,4 +1,5 @@
-"""``Sampler``: next tokens from last-token logits, per request (greedy, temperature, top-k/p, min-p)."""
+"""``Sampler``: next tokens from last-token logits, per request (greedy, temperature, top-k/p,
+min-p, penalties), with the sampled tokens' logprobs when a request asks for them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from forwardkit.engine.logprobs import Logprob, logprob_dicts
+from forwardkit.engine.penalties import apply_penalties
 from forwardkit.engine.request import Request
 
 __all__ = ["Sampler", "apply_top_k_top_p", "apply_min_p"]
@@ -55,23 +58,47 @@ def _exponential_sample(probs: torch.Tensor, generator: torch.Generator | None) 
 class Sampler:
     """Turns one logits row per request into a token id.
 
-    Greedy requests take the argmax. Others: logits / temperature, then top-k, top-p and
-    min-p masks, softmax, and one draw from the request's own ``torch.Generator`` (so a
-    request's tokens do not depend on which other requests share its batches). Until a
-    request has ``min_tokens`` outputs its EOS and stop tokens are masked.
+    Requests asking for ``logprobs`` get the raw log-softmax of their row (before any of the
+    steps below). Until a request has ``min_tokens`` outputs its EOS and stop tokens are
+    masked; then penalties (only for requests that set one). Greedy requests take the argmax.
+    Others: logits / temperature, then top-k, top-p and min-p masks, softmax, and one draw from
+    the request's own ``torch.Generator`` (so a request's tokens do not depend on which other
+    requests share its batches).
     """
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         """Sample one token per row of ``logits`` (float, ``[len(requests), vocab]``)."""
+        return self.sample(logits, requests)[0]
+
+    def sample(
+        self, logits: torch.Tensor, requests: Sequence[Request]
+    ) -> tuple[list[int], list[dict[int, Logprob] | None] | None]:
+        """Tokens, and per row the logprob dict (None for rows that did not ask; the whole list
+        is None when no row asked)."""
         if logits.shape[0] != len(requests):
             raise ValueError(
                 f"sampler got {logits.shape[0]} logits rows for {len(requests)} requests"
             )
         if not requests:
-            return []
+            return [], None
         logits = logits.float().clone()
-        self._mask_min_tokens(logits, requests)
         params = [r.sampling_params for r in requests]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = logits[want].log_softmax(dim=-1) if want else None
+        self._mask_min_tokens(logits, requests)
+        if any(p.has_penalties for p in params):
+            apply_penalties(logits, requests)
+        tokens = self._draw(logits, requests, params)
+        if raw is None:
+            return tokens, None
+        dicts = logprob_dicts(raw, [tokens[i] for i in want], [params[i].logprobs or 0 for i in want])
+        per_row: list[dict[int, Logprob] | None] = [None] * len(requests)
+        for i, d in zip(want, dicts):
+            per_row[i] = d
+        return tokens, per_row
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, requests: Sequence[Request], params: list) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:

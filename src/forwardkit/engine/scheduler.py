@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from forwardkit.engine.block_manager import BlockManager
 from forwardkit.engine.request import Request, RequestStatus
@@ -124,6 +125,10 @@ class Scheduler:
         """Check every request with ``check_fits``, then queue them all (or none)."""
         for request in requests:
             self.check_fits(request)
+        self.queue_all(requests)
+
+    def queue_all(self, requests: list[Request]) -> None:
+        """Queue requests already checked with ``check_fits``."""
         for request in requests:
             request.status = RequestStatus.WAITING
             self.waiting.append(request)
@@ -191,8 +196,10 @@ class Scheduler:
         self.waiting.appendleft(request)
         logger.debug("preempted %s (KV cache full)", request.request_id)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance scheduled requests after a step; ``sampled`` maps request id -> new token.
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               logprobs: dict[str, Any] | None = None) -> list[Request]:
+        """Advance scheduled requests after a step; ``sampled`` maps request id -> new token
+        (``logprobs``: request id -> that token's logprob dict, for requests that asked).
 
         Returns the requests that finished this step (their blocks are already freed).
         """
@@ -204,7 +211,7 @@ class Scheduler:
             token = sampled.get(req.request_id)
             if token is None:
                 continue  # partial prefill: nothing sampled yet
-            if req.append_token(token):
+            if req.append_token(token, logprobs.get(req.request_id) if logprobs else None):
                 req.status = RequestStatus.FINISHED
                 self.running.remove(req)
                 self.block_manager.free(req)

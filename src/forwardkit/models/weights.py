@@ -11,7 +11,9 @@ import torch.nn as nn
 from forwardkit.layers.fused_moe import FusedMoE
 from forwardkit.layers.linear import MergedLinear, WeightShapeError
 
-__all__ = ["WeightLoadError", "expected_shards", "load_named_weights", "missing_parameters"]
+__all__ = [
+    "WeightLoadError", "check_named_weights", "expected_shards", "load_named_weights", "missing_parameters",
+]
 
 _LIST_LIMIT = 20
 
@@ -63,17 +65,44 @@ def _is_complete(module: nn.Module, leaf: str, got: set[Hashable]) -> bool:
     return need <= got
 
 
-def load_named_weights(
+def _meta_twin(tensor: torch.Tensor) -> torch.Tensor:
+    """A storage-less tensor of the same shape and dtype (loaders run on it without copying)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+def check_named_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
     map_name: Callable[[str], tuple[str, Any] | None],
 ) -> set[str]:
+    """Dry run of :func:`load_named_weights`: same name mapping and ``weight_loader`` calls, but
+    on storage-less (meta) twins of the parameters, so nothing in ``model`` changes.
+
+    Raises :class:`WeightLoadError` for unknown names and wrong shapes; returns the parameter
+    names a real load would complete.
+    """
+    return load_named_weights(model, weights, map_name, dry_run=True)
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    map_name: Callable[[str], tuple[str, Any] | None],
+    dry_run: bool = False,
+) -> set[str]:
     """Copy each ``(hf_name, tensor)`` to the parameter ``map_name`` names (None: skip).
 
     Returns the names of parameters that are now completely loaded. Unexpected names and shape
-    mismatches are collected and raised together as :class:`WeightLoadError`.
+    mismatches are collected and raised together as :class:`WeightLoadError`. ``dry_run``
+    (see :func:`check_named_weights`) runs every loader on meta twins and copies nothing.
     """
-    params = dict(model.named_parameters(remove_duplicate=False))
+    real: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    params = real
+    caught: tuple[type[Exception], ...] = (WeightShapeError,)
+    if dry_run:
+        twins = {id(p): _meta_twin(p) for p in real.values()}
+        params = {name: twins[id(p)] for name, p in real.items()}
+        caught = (WeightShapeError, ValueError)  # a real load would stop at any loader error
     owners = {name: model.get_submodule(name.rpartition(".")[0]) for name in params}
     coverage: dict[str, set[Hashable]] = {}
     unexpected: list[str] = []
@@ -87,7 +116,9 @@ def load_named_weights(
         if param is None:
             unexpected.append(hf_name)
             continue
-        loader = getattr(param, "weight_loader", None)
+        loader = getattr(real[name], "weight_loader", None)
+        if dry_run:
+            tensor = _meta_twin(tensor)
         try:
             if loader is None:
                 if shard is not None:
@@ -98,7 +129,7 @@ def load_named_weights(
                     param.data.copy_(tensor)
             else:
                 loader(param, tensor, shard) if shard is not None else loader(param, tensor)
-        except WeightShapeError as exc:
+        except caught as exc:
             mismatched.append(f"{hf_name} ({exc})")
             continue
         coverage.setdefault(name, set()).add(shard)

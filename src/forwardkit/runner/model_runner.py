@@ -105,6 +105,9 @@ class ModelRunner:
         self.buffers = InputBuffers(self.max_num_tokens, self.device)
         self._init_cudagraphs()
         self.last_step: StepInfo | None = None
+        # Set by the engine for steps that need more than last-token logits (prompt logprobs).
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ start-up
     def _place(self, model: nn.Module) -> nn.Module:
@@ -191,6 +194,7 @@ class ModelRunner:
                                  batch_descriptor=desc):
             hidden = self.model(input_ids, positions)
         self.last_step = StepInfo(mode, desc, n, across_dp)
+        self.last_hidden = hidden if self.keep_hidden else None
         rows = batch.logits_indices()
         if len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1:
             selected = hidden  # every row is a sampled last token (unpadded decode step)

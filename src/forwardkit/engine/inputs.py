@@ -1,0 +1,129 @@
+"""Checking ``LLM.generate``'s inputs and turning them into requests, before any state changes.
+
+``parse_prompts`` accepts the prompt forms vLLM's ``LLM.generate`` does (text, token-id lists,
+``{"prompt_token_ids": ...}`` / ``{"prompt": ...}`` dicts) and raises ``ValueError`` naming the
+argument, the bad value and what is accepted. ``build_requests`` makes one ``Request`` per
+completion (``n`` per prompt; completion ``i`` of a seeded prompt samples with ``seed + i``)
+without touching the engine's id counter or seeded random generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from forwardkit.engine.request import Request
+from forwardkit.engine.sampling_params import SamplingParams
+
+__all__ = ["build_requests", "parse_prompts"]
+
+_ACCEPTED_PROMPTS = ("expected a string, a list of strings, a dict with 'prompt_token_ids' or "
+                     "'prompt', or a list of such dicts (token ids go in prompt_token_ids=[[...]])")
+_ACCEPTED_ITEM = ("expected text, a list of token ids, or a dict with 'prompt_token_ids' "
+                  "(token ids go in prompt_token_ids=[[...]])")
+_ACCEPTED_IDS = "expected a list of integer token ids or a list of such lists"
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_prompts(
+    prompts: Any, prompt_token_ids: Any, tokenizer: Any, vocab_size: int, model_name: str | None = None
+) -> list[tuple[str | None, list[int]]]:
+    """``(text or None, token ids)`` per prompt; raises ``ValueError`` on any malformed input."""
+    if prompts is not None and prompt_token_ids is not None:
+        raise ValueError("pass either prompts or prompt_token_ids, not both")
+    items: list[Any]
+    if prompt_token_ids is not None:
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids={_short(prompt_token_ids)} is invalid; {_ACCEPTED_IDS}")
+        ids = list(prompt_token_ids)
+        if ids and not isinstance(ids[0], (list, tuple)):
+            items = [ids]
+        else:
+            for i, one in enumerate(ids):
+                if not isinstance(one, (list, tuple)):
+                    raise ValueError(
+                        f"prompt_token_ids[{i}]={_short(one)} is invalid; {_ACCEPTED_IDS}"
+                    )
+            items = ids
+    elif prompts is None:
+        raise ValueError("generate() needs prompts (text or {'prompt_token_ids': [...]}) "
+                         "or prompt_token_ids")
+    elif isinstance(prompts, (str, dict)):
+        items = [prompts]
+    elif isinstance(prompts, (list, tuple)):
+        items = list(prompts)
+    else:
+        raise ValueError(f"prompts={_short(prompts)} is invalid; {_ACCEPTED_PROMPTS}")
+    return [_one_prompt(i, item, tokenizer, vocab_size, model_name) for i, item in enumerate(items)]
+
+
+def _one_prompt(index: int, item: Any, tokenizer: Any, vocab: int,
+                model_name: str | None) -> tuple[str | None, list[int]]:
+    if isinstance(item, dict):
+        if "prompt_token_ids" in item:
+            return item.get("prompt"), _check_ids(index, item["prompt_token_ids"], vocab)
+        if "prompt" in item:
+            item = item["prompt"]
+        else:
+            raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    if not isinstance(item, (str, list, tuple)):
+        raise ValueError(f"prompt {index} is {type(item).__name__} {_short(item)}; {_ACCEPTED_ITEM}")
+    if isinstance(item, str):
+        if tokenizer is None:
+            raise ValueError(
+                f"prompt {index} is text but the model ships no tokenizer "
+                f"(model={model_name!r}); pass prompt_token_ids"
+            )
+        return item, list(tokenizer.encode(item))
+    return None, _check_ids(index, item, vocab)
+
+
+def _check_ids(index: int, ids: Any, vocab: int) -> list[int]:
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"prompt {index}: prompt_token_ids={_short(ids)} is invalid; "
+                         "expected a list of integer token ids")
+    ids = list(ids)
+    for t in ids:
+        if not _is_id(t) or not 0 <= t < vocab:
+            raise ValueError(f"prompt {index}: token id {_short(t)} is not an integer in [0, {vocab})")
+    return ids
+
+
+def build_requests(
+    pairs: Sequence[tuple[str | None, list[int]]],
+    params: Sequence[SamplingParams],
+    first_id: int,
+    eos_token_id: Any,
+    max_model_len: int,
+    decode: Callable[[SamplingParams], Callable[[list[int]], str] | None],
+) -> list[tuple[str, list[Request]]]:
+    """``(request id, completions)`` per prompt, without random generators (assigned later).
+
+    A prompt with ``n > 1`` gets children ``"{i}_{id}"`` with ``n=1`` and, when the prompt is
+    seeded, ``seed + i`` (vLLM's parallel sampling); only child 0 computes prompt logprobs.
+    """
+    groups = []
+    for offset, ((text, ids), p) in enumerate(zip(pairs, params)):
+        rid = str(first_id + offset)
+        if p.n == 1:
+            children = [(rid, p)]
+        else:
+            children = [(f"{i}_{rid}", p.clone(n=1, seed=None if p.seed is None else p.seed + i))
+                        for i in range(p.n)]
+        reqs = []
+        for i, (child_id, cp) in enumerate(children):
+            req = Request(child_id, ids, cp, prompt=text, eos_token_id=eos_token_id,
+                          max_model_len=max_model_len, index=i, decode=decode(cp))
+            if i > 0:
+                req.prompt_logprobs = None  # the siblings share the prompt: computed once
+            reqs.append(req)
+        groups.append((rid, reqs))
+    return groups
