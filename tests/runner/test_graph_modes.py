@@ -169,3 +169,34 @@ def test_replay_reads_captured_storage(recording_graphs, eager_logits):
     got = runner.execute(STEPS["decode"])
     assert runner.last_step.mode == M.PIECEWISE
     assert not torch.allclose(got, eager_logits["decode"], rtol=1e-3, atol=1e-3)
+
+
+def test_full_mode_with_full_capable_attention(recording_graphs, eager_logits, monkeypatch):
+    """FULL as such, with the backend claiming full-graph support for every batch: one FULL
+    graph per capture size around the model, no piece graphs; decodes replay it. (Mixed
+    batches would need metadata of one shape per padded size, which the torch-native backend
+    does not provide; that is why it does not claim this support.)"""
+    from forwardkit.layers.attention_backend import AttentionCGSupport, TorchNativeAttentionBackend
+
+    monkeypatch.setattr(TorchNativeAttentionBackend, "cudagraph_support", AttentionCGSupport.ALWAYS)
+    runner = _start("FULL")
+    assert runner.cudagraph_mode == M.FULL
+    assert {label: set(w.concrete_cudagraph_entries) for label, w in _wrappers(runner).items()} == {
+        "full": MIXED_KEYS}
+    for name, key in (("over-size", None), ("decode", d(4))):
+        counts = _replays(runner)
+        got = runner.execute(STEPS[name])
+        stepped = {k for k, v in _replays(runner).items() if v != counts[k]}
+        assert stepped == (set() if key is None else {("full", key)}), name
+        torch.testing.assert_close(got, eager_logits[name], rtol=1e-5, atol=1e-5)
+
+
+def test_capture_is_logged_per_mode(recording_graphs, fk_log_records):
+    runner = _start("FULL_AND_PIECEWISE")
+    lines = [r.getMessage() for r in fk_log_records]
+    assert any(line.startswith("Graph capturing finished in") for line in lines)
+    # 3 decode sizes in the FULL graph; 3 mixed sizes x 3 compiled pieces
+    assert any("cudagraph_mode FULL_AND_PIECEWISE: captured 3 FULL graphs, 9 PIECEWISE graphs"
+               in line and "3 compiled pieces wrapped" in line for line in lines), lines
+    assert runner.capture_stats["keys"] == {"PIECEWISE": 3, "FULL": 3}
+    assert runner.capture_stats["graph_memory_bytes"] is None  # measured on a GPU only
