@@ -159,3 +159,18 @@ def test_real_config_e34_decisions():
         out = plan(planner, per_req, **kw)
         assert (out.cudagraph_mode, out.batch_descriptor) == (mode, desc), (per_req, kw)
         assert out.cudagraph_stats is None  # EngineConfig has no observability_config: metrics off
+
+
+def test_dp_padding_follows_the_configured_mode_even_when_this_rank_runs_eagerly():
+    """vLLM's rule: the config asks for graphs -> ranks pad to one count, even where the runner
+    resolved NONE (no GPU here), so every rank runs the same shapes."""
+    calls = []
+
+    def coordinate(**kw):
+        calls.append(kw)
+        return False, torch.tensor([8, 8], dtype=torch.int32), 0
+
+    planner = StepPlanner(make_cfg(mode=M.FULL_DECODE_ONLY, dp_size=2, dp_rank=0), M.NONE, coordinate)
+    out = plan(planner, [1] * 3)
+    assert calls[0]["allow_dp_padding"] is True
+    assert (out.cudagraph_mode, out.batch_descriptor) == (M.NONE, d(8))

@@ -117,6 +117,10 @@ class StepPlanner:
         parallel = engine_config.parallel_config
         self.dp_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
         self.dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        # vLLM pads across DP ranks whenever the config asks for graphs, even where this rank
+        # runs eagerly (so the ranks' shapes agree); read once, like the mode.
+        configured = getattr(engine_config.compilation_config, "cudagraph_mode", None)
+        self.allow_dp_padding = CUDAGraphMode.parse(configured or CUDAGraphMode.NONE) != CUDAGraphMode.NONE
         observability = getattr(engine_config, "observability_config", None)
         self.collect_stats = bool(getattr(observability, "cudagraph_metrics", False))
 
@@ -168,7 +172,7 @@ class StepPlanner:
                 num_tokens_unpadded=num_tokens,
                 parallel_config=cfg.parallel_config,
                 allow_microbatching=False,
-                allow_dp_padding=self.cudagraph_mode != CUDAGraphMode.NONE,
+                allow_dp_padding=self.allow_dp_padding,
                 num_tokens_padded=num_tokens_padded,
                 uniform_decode=uniform,
                 num_scheduled_tokens_per_request=num_scheduled_tokens,
