@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                         "llama-3.2-1b; env MODEL_SHAPE)")
     p.add_argument("--trace", default="mixed", help="bench trace (default mixed)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per bench run")
-    p.add_argument("--out-dir", default="gpu_check_out", help="where the JSON files go")
+    p.add_argument("--out-dir", default=os.environ.get("OUT") or "gpu_check_out",
+                   help="where the bench JSON files go (default $OUT, else gpu_check_out)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="total time budget; runs that no longer fit are skipped (default 480)")
     p.add_argument("--skip-tests", action="store_true", help="do not run the GPU-marked tests")
