@@ -106,3 +106,45 @@ def test_inductor_failure_is_wrapped(monkeypatch):
         c.compile_or_load(gm, [torch.randn(4)], Range(4, 4), "f", "piece 3/5")
     with pytest.raises(ValueError, match="'tvm'"):
         compiler_mod.PieceCompiler("tvm", {}, None)
+
+
+def test_piece_wrapper_wraps_every_compiled_piece_and_nothing_else(make_config):
+    """The runner's seam: a factory set on the model wraps each compiled piece (with its index
+    and the piece count); splitting ops stay outside and run eagerly."""
+    import toy_model
+
+    from forwardkit.compilation.backend import set_piece_wrapper
+    from forwardkit.compilation.piecewise import PiecewiseBackend
+
+    made, calls = [], []
+
+    def factory(piece, index, total):
+        assert isinstance(piece, PiecewiseBackend)
+        made.append((index, total, piece.name))
+
+        def run(*args):
+            calls.append(index)
+            return piece(*args)
+
+        return run
+
+    model, ref = CompiledToyModel(engine_config=make_config(mode=3), num_layers=2), ToyModel(num_layers=2)
+    assert set_piece_wrapper(model, factory) == 1  # one compiled module
+    x = torch.randn(6, 32)
+    expected = ref(x)
+    before = toy_model.CALLS["attn"]
+    torch.testing.assert_close(model(x), expected)
+    assert made == [(0, 3, "submod_0"), (1, 3, "submod_2"), (2, 3, "submod_4")]
+    assert calls == [0, 1, 2]  # each wrapper in graph order, once
+    assert toy_model.CALLS["attn"] - before == 2  # attention ran between the wrapped pieces
+    with pytest.raises(RuntimeError, match="before the first forward pass"):
+        set_piece_wrapper(model, factory)
+
+
+def test_no_piece_wrapper_leaves_bare_pieces(make_config):
+    from forwardkit.compilation.piecewise import PiecewiseBackend
+
+    model = CompiledToyModel(engine_config=make_config(mode=3), num_layers=1)
+    model(torch.randn(3, 32))
+    split = model._fk_backend.split_gm
+    assert all(isinstance(split.__dict__[n], PiecewiseBackend) for n in ("submod_0", "submod_2"))

@@ -1,4 +1,4 @@
-"""CudagraphDispatcher and the runner-side decision helper, on fake and real configs."""
+"""CudagraphDispatcher: graph keys, padding and runtime mode per batch (vLLM 0.14.0 semantics)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,7 @@ from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.cudagraph.dispatcher import (
     CudagraphDispatcher,
     cudagraphs_available,
-    determine_batch_execution_and_padding,
-    is_uniform_decode,
 )
-from forwardkit.cudagraph.metrics import CUDAGraphStat
 from forwardkit.forward_context import BatchDescriptor as d
 from forwardkit.platforms import CpuPlatform, CudaPlatform
 
@@ -70,7 +67,7 @@ def make_cfg(
 def dispatcher_for(mode: CUDAGraphMode = M.FULL_AND_PIECEWISE, init: bool = True, **kw) -> CudagraphDispatcher:
     disp = CudagraphDispatcher(make_cfg(mode=mode, **kw))
     if init:
-        disp.initialize_cudagraph_keys(mode, disp.uniform_decode_query_len)
+        disp.initialize_cudagraph_keys(mode)
     return disp
 
 
@@ -151,14 +148,17 @@ def test_spec_decode_query_len_2_keys_and_dispatch():
         disp.dispatch(1, True, False)
 
 
-def test_uniform_decode_query_len_passed_to_init_wins():
-    """Unlike vLLM, keys and padding use one value (the one passed to initialize_cudagraph_keys)."""
-    disp = CudagraphDispatcher(make_cfg(sizes=(1, 2, 4, 8)))
-    disp.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE, 2)
-    assert disp.uniform_decode_query_len == 2
-    assert disp.dispatch(3, True, False) == (M.FULL, d(4, 2, True))
-    with pytest.raises(ValueError, match="uniform_decode_query_len must be a positive int"):
-        disp.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE, 0)
+def test_mode_is_fixed_once_by_initialize():
+    disp = CudagraphDispatcher(make_cfg(mode=M.FULL_AND_PIECEWISE))
+    assert disp.cudagraph_mode == M.NONE  # nothing resolved yet
+    disp.initialize_cudagraph_keys("FULL_DECODE_ONLY")  # a mode name is accepted
+    assert disp.cudagraph_mode == M.FULL_DECODE_ONLY
+    with pytest.raises(RuntimeError, match="keys were built for FULL_DECODE_ONLY"):
+        disp.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE)
+    with pytest.raises(AttributeError):
+        disp.cudagraph_mode = M.NONE  # read-only
+    assert disp.cudagraph_mode == M.FULL_DECODE_ONLY
+    assert disp.cudagraph_keys[M.PIECEWISE] == set()
 
 
 # ---- LoRA ---------------------------------------------------------------------------------
@@ -210,14 +210,6 @@ def test_invalid_inputs_raise_clear_errors():
         disp.dispatch(-1)
     with pytest.raises(ValueError, match="invalid cudagraph_mode 'SOMETIMES'"):
         disp.initialize_cudagraph_keys("SOMETIMES")
-
-
-def test_mode_name_string_accepted_and_reinit_rebuilds_keys():
-    disp = dispatcher_for(M.FULL_AND_PIECEWISE)
-    disp.initialize_cudagraph_keys("FULL_DECODE_ONLY")
-    assert disp.cudagraph_mode == M.FULL_DECODE_ONLY
-    assert disp.cudagraph_keys[M.PIECEWISE] == set()
-    assert disp.dispatch(3, False) == (M.NONE, d(3))
 
 
 def test_padding_without_table_uses_capture_sizes():
@@ -272,124 +264,6 @@ def test_cpu_platform_logs_once_that_graphs_are_off(cpu_platform, fk_log_records
     assert "platform cpu" in lines[0]
 
 
-# ---- uniform decode ------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("args", "force", "expected"),
-    [
-        ((1, 1, 8, 8), None, True),
-        ((1, 1, 7, 8), None, False),
-        ((3, 3, 12, 4), None, True),
-        ((3, 3, 11, 4), None, False),
-        ((2, 1, 8, 4), None, False),
-        ((5, 1, 5, 1), None, False),
-        ((1, 1, 1, 1), None, True),
-        ((4, 1, 4, 1), True, True),
-        ((1, 1, 4, 4), False, False),
-    ],
-)
-def test_is_uniform_decode(args, force, expected):
-    assert is_uniform_decode(*args, force_uniform_decode=force) is expected
-
-
-# ---- runner decisions, one rank ------------------------------------------------------------------------
-def run_decision(disp, per_req: list[int], **kw):
-    return determine_batch_execution_and_padding(disp, sum(per_req), len(per_req), per_req, max(per_req), **kw)
-
-
-SINGLE_RANK_CASES = [
-    ([1] * 5, {}, M.FULL, d(8, 8, True), (5, 8, 3)),
-    ([1] * 5, {"use_cascade_attn": True}, M.PIECEWISE, d(8), (5, 8, 3)),
-    ([4, 1, 1, 7], {}, M.PIECEWISE, d(16), (13, 16, 3)),
-    ([1] * 10, {}, M.PIECEWISE, d(16), (10, 16, 6)),
-    ([10, 10], {}, M.NONE, d(20), (20, 20, 0)),
-    ([1] * 5, {"force_eager": True}, M.NONE, d(5), (5, 5, 0)),
-    ([1] * 5, {"force_uniform_decode": False}, M.PIECEWISE, d(8), (5, 8, 3)),
-]
-
-
-@pytest.mark.parametrize(("per_req", "kw", "mode", "desc", "stat"), SINGLE_RANK_CASES)
-def test_runner_decision_single_rank(per_req, kw, mode, desc, stat):
-    disp = dispatcher_for(metrics=True)
-    out = run_decision(disp, per_req, **kw)
-    assert out.cudagraph_mode == mode
-    assert out.batch_descriptor == desc
-    assert out.should_ubatch is False
-    assert out.num_tokens_across_dp is None
-    assert out.cudagraph_stats == CUDAGraphStat(*stat, str(mode))
-    m, desc_, ub, across, stats = out  # unpacks like vLLM's 5-tuple
-    assert (m, desc_, ub, across) == (mode, desc, False, None)
-
-
-def test_stats_only_with_metrics_on():
-    assert run_decision(dispatcher_for(metrics=False), [1] * 5).cudagraph_stats is None
-
-
-def test_lora_flag_from_active_adapters_and_force():
-    disp = dispatcher_for(sizes=(1, 2, 4), lora=True)
-    assert run_decision(disp, [1] * 3, has_active_lora=True).batch_descriptor == d(4, 4, True, True)
-    assert run_decision(disp, [1] * 3, has_active_lora=True, force_has_lora=False).batch_descriptor == d(4, 4, True)
-
-
-def test_sequence_parallel_pads_to_tp_multiple():
-    disp = dispatcher_for(mode=M.NONE, tp=4, enable_sp=True)
-    out = run_decision(disp, [2, 3])
-    assert (out.cudagraph_mode, out.batch_descriptor) == (M.NONE, d(8))
-
-
-# ---- two DP ranks (the all-reduce simulated: max padded count, min mode) -------------------------------------
-def simulate_two_ranks(per_req_0: list[int], per_req_1: list[int]):
-    """Run both ranks' decisions; a fake coordinator plays the all-reduce with both inputs."""
-    local = {}
-    for rank, per_req in ((0, per_req_0), (1, per_req_1)):
-        disp = dispatcher_for(metrics=True)
-        out = run_decision(disp, per_req)
-        local[rank] = (out.batch_descriptor.num_tokens, out.cudagraph_mode.value)
-    padded = max(n for n, _ in local.values())
-    synced = min(m for _, m in local.values())
-    results, calls = [], []
-
-    def coordinate(**kw):
-        calls.append(kw)
-        return False, torch.tensor([padded, padded], dtype=torch.int32), synced
-
-    for rank, per_req in ((0, per_req_0), (1, per_req_1)):
-        disp = dispatcher_for(metrics=True, dp_size=2, dp_rank=rank)
-        results.append(run_decision(disp, per_req, coordinate_fn=coordinate))
-    return results, calls
-
-
-@pytest.mark.parametrize(
-    ("r0", "r1", "across", "res0", "res1"),
-    [
-        ([1] * 5, [1] * 3, [8, 8], (M.FULL, d(8, 8, True), (5, 8, 3)), (M.FULL, d(8, 8, True), (3, 8, 5))),
-        ([1] * 5, [4, 1, 1, 7], [16, 16], (M.PIECEWISE, d(16), (5, 16, 11)), (M.PIECEWISE, d(16), (13, 16, 3))),
-        ([1] * 5, [10, 10], [20, 20], (M.NONE, d(20), (5, 20, 15)), (M.NONE, d(20), (20, 20, 0))),
-    ],
-)
-def test_runner_decision_two_simulated_dp_ranks(r0, r1, across, res0, res1):
-    results, calls = simulate_two_ranks(r0, r1)
-    for out, (mode, desc, stat) in zip(results, (res0, res1)):
-        assert out.num_tokens_across_dp.tolist() == across
-        assert (out.cudagraph_mode, out.batch_descriptor) == (mode, desc)
-        assert out.cudagraph_stats == CUDAGraphStat(*stat, str(mode))
-    assert calls[0]["num_tokens_unpadded"] == sum(r0)
-    assert calls[0]["allow_dp_padding"] is True
-    assert calls[0]["parallel_config"].data_parallel_rank == 0
-
-
-def test_dp_no_padding_when_graphs_off():
-    calls = []
-
-    def coordinate(**kw):
-        calls.append(kw)
-        return False, torch.tensor([5, 3], dtype=torch.int32), 0
-
-    disp = dispatcher_for(mode=M.NONE, dp_size=2, dp_rank=1)
-    out = run_decision(disp, [1] * 3, coordinate_fn=coordinate)
-    assert calls[0]["allow_dp_padding"] is False
-    assert (out.cudagraph_mode, out.batch_descriptor) == (M.NONE, d(3))
-
-
 # ---- the same examples with the real EngineConfig / CompilationConfig ----------------------------------
 def real_cfg(max_num_seqs: int = 8, **kw):
     from forwardkit.config.engine import EngineConfig
@@ -409,7 +283,7 @@ def test_real_config_defaults_give_same_keys_and_dispatch():
     cc = cfg.compilation_config
     assert cc.cudagraph_mode == M.FULL_AND_PIECEWISE and cc.cudagraph_capture_sizes == [1, 2, 4, 8, 16]
     disp = CudagraphDispatcher(cfg)
-    disp.initialize_cudagraph_keys(cc.cudagraph_mode, cfg.uniform_decode_query_len)
+    disp.initialize_cudagraph_keys(cc.cudagraph_mode)
     assert (disp.cudagraph_keys[M.PIECEWISE], disp.cudagraph_keys[M.FULL]) == KEYS_PER_MODE[M.FULL_AND_PIECEWISE]
     for mode, args, kwargs, expected in DISPATCH_CASES:
         if mode == M.FULL_AND_PIECEWISE:
@@ -434,7 +308,7 @@ def test_real_config_spec_decode_keys():
     cc.compute_bs_to_padded_graph_size()
     disp = CudagraphDispatcher(cfg)
     assert disp.uniform_decode_query_len == 3
-    disp.initialize_cudagraph_keys(cc.cudagraph_mode, 3)
+    disp.initialize_cudagraph_keys(cc.cudagraph_mode)
     assert disp.cudagraph_keys[M.FULL] == {d(3, 1, True), d(6, 2, True), d(9, 3, True), d(12, 4, True)}
     assert disp.dispatch(6, True, False) == (M.FULL, d(6, 2, True))
     assert disp.dispatch(13, True, False) == (M.PIECEWISE, d(24))
@@ -446,15 +320,6 @@ def test_real_config_piecewise_without_attention_split_raises():
     cfg.compilation_config.cudagraph_mode = M.PIECEWISE
     with pytest.raises(AssertionError, match=r"^Compilation mode should be CompilationMode.VLLM_COMPILE when cudagraph_mode piecewise cuda"):
         CudagraphDispatcher(cfg)
-
-
-def test_real_config_runner_decisions():
-    disp = CudagraphDispatcher(real_cfg())
-    disp.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE)
-    for per_req, kw, mode, desc, _ in SINGLE_RANK_CASES:
-        out = run_decision(disp, per_req, **kw)
-        assert (out.cudagraph_mode, out.batch_descriptor) == (mode, desc), (per_req, kw)
-        assert out.cudagraph_stats is None  # EngineConfig has no observability_config: metrics off
 
 
 def test_real_cpu_config_dispatches_none():

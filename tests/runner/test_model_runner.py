@@ -206,19 +206,22 @@ def test_resolve_cudagraph_mode(configured, support, split, expected):
     """Lower the configured mode to what the attention backend supports."""
     from types import SimpleNamespace
 
-    from forwardkit.runner.setup import resolve_cudagraph_mode
+    from forwardkit.runner.planner import resolve_graph_mode
 
     cc = SimpleNamespace(cudagraph_mode=configured, is_attention_compiled_piecewise=lambda: split,
                          splitting_ops_contain_attention=lambda: split)
-    assert resolve_cudagraph_mode(cc, support) == expected
+    assert resolve_graph_mode(cc, support) == expected
 
 
 def test_resolve_full_without_any_support_is_an_error():
     from types import SimpleNamespace
 
-    from forwardkit.runner.setup import resolve_cudagraph_mode
+    from forwardkit.runner.planner import resolve_graph_mode
 
     cc = SimpleNamespace(cudagraph_mode="FULL", is_attention_compiled_piecewise=lambda: True,
                          splitting_ops_contain_attention=lambda: True)
     with pytest.raises(ValueError, match="supports none"):
-        resolve_cudagraph_mode(cc, 0)
+        resolve_graph_mode(cc, 0)
+    # off whatever the config says: enforce_eager, or a device that cannot capture
+    assert resolve_graph_mode(cc, 3, enforce_eager=True) == CUDAGraphMode.NONE
+    assert resolve_graph_mode(cc, 3, can_capture=False) == CUDAGraphMode.NONE

@@ -115,6 +115,8 @@ def run_bench(args: Any, names: list[str], steps: list[Step], *, trace_name: str
                 r.step_ms.append(ms)
                 r.step_tokens.append(batch.num_tokens)
                 r.padded_tokens.append(padded)
+                last = contenders[name].runner.last_step
+                r.step_modes.append(last.mode.name if last is not None else "NONE")
             else:
                 _timed_step(contenders[name], batch)
 

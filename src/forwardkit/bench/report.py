@@ -31,6 +31,7 @@ class ContenderResult:
     step_ms: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
     padded_tokens: list[int] = field(default_factory=list)
+    step_modes: list[str] = field(default_factory=list)  # CUDA-graph runtime mode of each step
     recompiles: int = 0
 
     @property
@@ -54,6 +55,18 @@ class ContenderResult:
         """Share of computed token rows that were padding."""
         padded = sum(self.padded_tokens)
         return (padded - sum(self.step_tokens)) / padded if padded else 0.0
+
+    @property
+    def graph_modes(self) -> dict[str, int]:
+        """Steps per CUDA-graph runtime mode (FULL, PIECEWISE, NONE), most used first."""
+        counts: dict[str, int] = defaultdict(int)
+        for mode in self.step_modes:
+            counts[mode] += 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def format_graph_modes(self) -> str:
+        """The table cell: ``FULL 12/PIECEWISE 4/NONE 2`` (``-`` when not recorded)."""
+        return "/".join(f"{m} {n}" for m, n in self.graph_modes.items()) or "-"
 
     def by_tokens(self) -> dict[int, list[float]]:
         """Step latencies grouped by the step's real token count."""
@@ -96,6 +109,7 @@ class BenchReport:
                     "recompiles": r.recompiles,
                     "padded_fraction": r.padded_fraction,
                     "steps": len(r.step_ms),
+                    "graph_modes": r.graph_modes,
                 }
                 for name, r in self.contenders.items()
             },
@@ -119,14 +133,14 @@ class BenchReport:
         """The per-contender summary table shown on the terminal."""
         header = (
             f"{'contender':<16}{'median ms':>10}{'p99 ms':>10}{'tok/s':>11}{'vs eager':>10}"
-            f"{'startup s':>11}{'recompiles':>11}{'padded':>8}"
+            f"{'startup s':>11}{'recompiles':>11}{'padded':>8}  graph modes (steps)"
         )
         lines = [header, "-" * len(header)]
         for name, r in self.contenders.items():
             lines.append(
                 f"{name:<16}{r.median_step_ms:>10.3f}{r.p99_step_ms:>10.3f}{r.tokens_per_s:>11.0f}"
                 f"{self.speedup(name):>9.2f}x{r.startup_s:>11.2f}{r.recompiles:>11d}"
-                f"{r.padded_fraction:>7.1%}"
+                f"{r.padded_fraction:>7.1%}  {r.format_graph_modes()}"
             )
         return "\n".join(lines)
 

@@ -4,6 +4,11 @@ Dynamo hands it one FX graph (parameters lifted as inputs, the token count as a 
 It splits the graph at ``splitting_ops`` (kept eager), swaps every other piece for a lazy
 :class:`~forwardkit.compilation.piecewise.PiecewiseBackend`, and returns the stitched module.
 One backend instance compiles exactly one graph.
+
+Piecewise CUDA graphs: the graph layer sits below this one, so the backend never builds a
+graph wrapper itself. The model runner hands it a :data:`PieceWrapperFactory` (through
+:func:`set_piece_wrapper` on the model, read when the backend is built); every compiled
+piece is then replaced by ``factory(piece, index, num_pieces)`` instead of the bare piece.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,11 +33,41 @@ from forwardkit.compilation.piecewise import ArtifactStore, PiecewiseBackend
 from forwardkit.compilation.split import SplitItem, split_graph
 from forwardkit.logger import init_logger
 
-__all__ = ["DEFAULT_SPLITTING_OPS", "ForwardkitBackend", "PiecewiseCompileInterpreter"]
+__all__ = [
+    "DEFAULT_SPLITTING_OPS",
+    "ForwardkitBackend",
+    "PieceWrapperFactory",
+    "PiecewiseCompileInterpreter",
+    "set_piece_wrapper",
+]
 
 logger = init_logger(__name__)
 
 DEFAULT_SPLITTING_OPS = ["forwardkit::unified_attention", "forwardkit::unified_attention_with_output"]
+
+# (piece, index among the compiled pieces, number of compiled pieces) -> what runs instead.
+PieceWrapperFactory = Callable[[PiecewiseBackend, int, int], Callable[..., Any]]
+
+
+def set_piece_wrapper(model: torch.nn.Module, factory: PieceWrapperFactory | None) -> int:
+    """Have every compiled piece of ``model``'s compiled submodules wrapped by ``factory``.
+
+    Must run before the model's first forward (the backend reads it when it is built at the
+    first trace); a submodule that is already compiled raises ``RuntimeError``. ``None``
+    removes the factory. Returns the number of submodules that will compile (those marked
+    ``@support_torch_compile`` and not skipped by mode, ``enforce_eager`` or a gate).
+    """
+    modules = [m for m in model.modules() if getattr(type(m), "_forwardkit_compile_decorated", False)]
+    if any(getattr(m, "_fk_compiler", None) is not None for m in modules):
+        raise RuntimeError(
+            "set_piece_wrapper: the model has already been compiled (it ran a forward); the "
+            "piece wrapper must be set before the first forward pass"
+        )
+    compiled = 0
+    for m in modules:
+        m._fk_piece_wrapper = factory
+        compiled += not getattr(m, "_fk_do_not_compile", True)
+    return compiled
 
 
 class PiecewiseCompileInterpreter(torch.fx.Interpreter):
@@ -99,8 +134,10 @@ def _user_passes_and_options(cc: Any) -> tuple[dict[str, Any], list[Any]]:
 class ForwardkitBackend:
     """Split-and-compile backend built from an engine config (``CompilationConfig.init_backend``)."""
 
-    def __init__(self, engine_config: Any, prefix: str = "") -> None:
+    def __init__(self, engine_config: Any, prefix: str = "",
+                 piece_wrapper: PieceWrapperFactory | None = None) -> None:
         self.engine_config = engine_config
+        self.piece_wrapper = piece_wrapper
         self.compilation_config = cc = engine_config.compilation_config
         self.prefix = prefix or "backbone"
         self.backend_name = getattr(cc, "backend", "") or "inductor"
@@ -194,7 +231,11 @@ class ForwardkitBackend:
                 on_all_compiled=self._all_compiled,
             )
             self.piece_backends.append(piece)
-            return piece
+            if self.piece_wrapper is None or getattr(cc, "use_inductor_graph_partition", False):
+                return piece
+            # NOTE: a single-piece graph is still wrapped (the wrapper only acts on PIECEWISE
+            # steps); splitting pieces (attention) are never here, so they stay eager.
+            return self.piece_wrapper(piece, index, len(compile_names))
 
         fakes = [
             n.meta.get("example_value", a)

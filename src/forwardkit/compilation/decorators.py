@@ -213,8 +213,10 @@ def _make_backend(module: Any, cfg: Any, mode: int) -> Any:
         from forwardkit.compilation.backend import ForwardkitBackend
 
         backend = cc.init_backend(cfg) if hasattr(cc, "init_backend") else ForwardkitBackend(cfg)
-        if isinstance(backend, ForwardkitBackend) and module._fk_prefix:
-            backend.prefix = module._fk_prefix
+        if isinstance(backend, ForwardkitBackend):
+            if module._fk_prefix:
+                backend.prefix = module._fk_prefix
+            backend.piece_wrapper = getattr(module, "_fk_piece_wrapper", None)
         module._fk_backend = backend
         return backend
     name = cc.init_backend(cfg) if hasattr(cc, "init_backend") else (cc.backend or "inductor")

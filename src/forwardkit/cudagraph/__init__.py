@@ -1,6 +1,6 @@
 """CUDA graphs: which graph serves a batch (``dispatcher``) and capture/replay (``wrapper``).
 
-* :mod:`forwardkit.cudagraph.dispatcher` — ``CudagraphDispatcher``, ``determine_batch_execution_and_padding``.
+* :mod:`forwardkit.cudagraph.dispatcher` — ``CudagraphDispatcher`` (graph keys, padding, mode per batch).
 * :mod:`forwardkit.cudagraph.wrapper` — ``CUDAGraphWrapper``, ``CUDAGraphOptions``, ``CUDAGraphEntry``.
 * :mod:`forwardkit.cudagraph.monitor` — capture guard, capture counter, gc freeze for capture.
 * :mod:`forwardkit.cudagraph.metrics` — ``CUDAGraphStat``, ``CUDAGraphLogging``.
@@ -16,9 +16,7 @@ from typing import Any
 
 _EXPORTS = {
     "CudagraphDispatcher": "dispatcher",
-    "BatchExecution": "dispatcher",
     "cudagraphs_available": "dispatcher",
-    "determine_batch_execution_and_padding": "dispatcher",
     "CUDAGraphWrapper": "wrapper",
     "CUDAGraphOptions": "wrapper",
     "CUDAGraphEntry": "wrapper",

@@ -3,32 +3,24 @@
 The dispatcher keeps one set of graph keys (``BatchDescriptor``) per runtime mode
 (PIECEWISE, FULL). Per step it pads the token count to a capture size and picks FULL
 for uniform-decode batches when full graphs exist, PIECEWISE for everything else when
-piecewise graphs exist, and NONE (eager, unpadded) otherwise.
-:func:`determine_batch_execution_and_padding` is the runner-side decision around it.
+piecewise graphs exist, and NONE (eager, unpadded) otherwise. The runner's step planner
+(``forwardkit.runner.planner``) owns the per-step decision around it (DP agreement, forced
+eager steps). The graph mode it serves is fixed once, by :meth:`initialize_cudagraph_keys`.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from forwardkit.config.compilation import CUDAGraphMode
-from forwardkit.cudagraph.metrics import CUDAGraphStat
 from forwardkit.forward_context import BatchDescriptor
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
 
-__all__ = [
-    "BatchExecution",
-    "CudagraphDispatcher",
-    "as_cudagraph_mode",
-    "cudagraphs_available",
-    "determine_batch_execution_and_padding",
-    "is_uniform_decode",
-]
+__all__ = ["CudagraphDispatcher", "as_cudagraph_mode", "cudagraphs_available"]
 
 logger = init_logger(__name__)
 
@@ -65,12 +57,6 @@ def as_cudagraph_mode(mode: Any) -> CUDAGraphMode:
     )
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 class CudagraphDispatcher:
     """Maps a step's ``(num_tokens, uniform_decode, has_lora)`` to a runtime mode and graph key.
 
@@ -78,13 +64,15 @@ class CudagraphDispatcher:
     ``cudagraph_capture_sizes``, ``max_cudagraph_capture_size``, ``bs_to_padded_graph_size``,
     ``cudagraph_specialize_lora``, ``is_attention_compiled_piecewise()``),
     ``scheduler_config.max_num_seqs``, ``speculative_config`` and ``lora_config`` (both may be
-    absent/None). Until :meth:`initialize_cudagraph_keys` runs, :meth:`dispatch` returns NONE.
+    absent/None). Until :meth:`initialize_cudagraph_keys` runs, :meth:`dispatch` returns NONE
+    and :attr:`cudagraph_mode` is NONE; that call fixes the mode for the dispatcher's life.
     """
 
     def __init__(self, engine_config: Any) -> None:
         self.engine_config = engine_config
         self.compilation_config = engine_config.compilation_config
-        self.cudagraph_mode: CUDAGraphMode = as_cudagraph_mode(self.compilation_config.cudagraph_mode)
+        configured = as_cudagraph_mode(self.compilation_config.cudagraph_mode)
+        self._cudagraph_mode = CUDAGraphMode.NONE
         self.cudagraph_keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {
             CUDAGraphMode.PIECEWISE: set(),
             CUDAGraphMode.FULL: set(),
@@ -94,9 +82,9 @@ class CudagraphDispatcher:
         num_spec = 0 if spec is None else int(getattr(spec, "num_speculative_tokens", 0) or 0)
         self.uniform_decode_query_len = 1 + num_spec
 
-        if self.cudagraph_mode.requires_piecewise_compilation():
+        if configured.requires_piecewise_compilation():
             assert self.compilation_config.is_attention_compiled_piecewise(), (
-                _PIECEWISE_ASSERT + f"cudagraph_mode={self.cudagraph_mode}, "
+                _PIECEWISE_ASSERT + f"cudagraph_mode={configured}, "
                 f"compilation_mode={getattr(self.compilation_config, 'mode', None)}, "
                 f"splitting_ops={getattr(self.compilation_config, 'splitting_ops', None)}"
             )
@@ -107,6 +95,11 @@ class CudagraphDispatcher:
                 "run eagerly (runtime mode NONE).",
                 getattr(platform, "name", "?"),
             )
+
+    @property
+    def cudagraph_mode(self) -> CUDAGraphMode:
+        """The graph mode the keys were built for (NONE before :meth:`initialize_cudagraph_keys`)."""
+        return self._cudagraph_mode
 
     # ---- configuration reads (done per call: sizes may be adjusted after construction) ----
     @property
@@ -162,22 +155,21 @@ class CudagraphDispatcher:
         )
         self.cudagraph_keys[runtime_mode].add(batch_descriptor)
 
-    def initialize_cudagraph_keys(
-        self, cudagraph_mode: CUDAGraphMode | str, uniform_decode_query_len: int | None = None
-    ) -> None:
-        """Build the key sets for the resolved ``cudagraph_mode`` (call after backend resolution).
+    def initialize_cudagraph_keys(self, cudagraph_mode: CUDAGraphMode | str) -> None:
+        """Fix the resolved ``cudagraph_mode`` and build its key sets; allowed once.
 
-        ``uniform_decode_query_len`` defaults to ``1 + num_speculative_tokens`` from the config.
-        Unlike vLLM (which pads with the config's value) a value passed here also replaces the one used for padding, so
-        keys and dispatch can never disagree. Calling again rebuilds the keys from scratch.
+        Call after the attention backend's support is known (the runner's start-up). The
+        uniform-decode query length is ``1 + num_speculative_tokens`` from the config, so keys
+        and padding always use the same value. A second call raises ``RuntimeError``: the
+        mode and keys are fixed for the dispatcher's life.
         """
         mode = as_cudagraph_mode(cudagraph_mode)
-        if uniform_decode_query_len is not None:
-            self.uniform_decode_query_len = _positive_int(
-                "uniform_decode_query_len", uniform_decode_query_len
+        if self.keys_initialized:
+            raise RuntimeError(
+                f"initialize_cudagraph_keys({mode}) called again: the keys were built for "
+                f"{self._cudagraph_mode} and the graph mode is fixed once at start-up"
             )
-        self.cudagraph_mode = mode
-        self.cudagraph_keys = {CUDAGraphMode.PIECEWISE: set(), CUDAGraphMode.FULL: set()}
+        self._cudagraph_mode = mode
         for runtime_mode, descs in self._key_groups():
             for desc in descs:
                 self.add_cudagraph_key(runtime_mode, desc)
@@ -249,132 +241,3 @@ class CudagraphDispatcher:
         if relaxed in self.cudagraph_keys[CUDAGraphMode.PIECEWISE]:
             return CUDAGraphMode.PIECEWISE, relaxed
         return CUDAGraphMode.NONE, BatchDescriptor(num_tokens)
-
-
-# ---------------------------------------------------------------------------------------------
-# Runner-side decision (vLLM: GPUModelRunner._determine_batch_execution_and_padding)
-# ---------------------------------------------------------------------------------------------
-class BatchExecution(NamedTuple):
-    """How a step runs; unpacks like vLLM's 5-tuple."""
-
-    cudagraph_mode: CUDAGraphMode
-    batch_descriptor: BatchDescriptor
-    should_ubatch: bool
-    num_tokens_across_dp: torch.Tensor | None
-    cudagraph_stats: CUDAGraphStat | None
-
-
-def is_uniform_decode(
-    max_num_scheduled_tokens: int,
-    uniform_decode_query_len: int,
-    num_tokens: int,
-    num_reqs: int,
-    force_uniform_decode: bool | None = None,
-) -> bool:
-    """Every request has exactly ``uniform_decode_query_len`` tokens (unless forced)."""
-    if force_uniform_decode is not None:
-        return bool(force_uniform_decode)
-    return (
-        max_num_scheduled_tokens == uniform_decode_query_len
-        and num_tokens == max_num_scheduled_tokens * num_reqs
-    )
-
-
-def _sp_pad(engine_config: Any, num_tokens: int) -> tuple[int, int]:
-    """Round up to a multiple of TP when sequence parallelism is on; returns (padded, tp)."""
-    pass_config = getattr(engine_config.compilation_config, "pass_config", None)
-    enable_sp = bool(getattr(pass_config, "enable_sp", False)) if pass_config is not None else False
-    tp = int(getattr(engine_config.parallel_config, "tensor_parallel_size", 1) or 1)
-    if enable_sp and tp > 1:
-        return -(-num_tokens // tp) * tp, tp
-    return num_tokens, 1
-
-
-def _default_coordinate(**kwargs: Any) -> tuple[bool, torch.Tensor | None, int]:
-    from forwardkit.distributed import coordinate_batch_across_dp  # step-state layer
-
-    return coordinate_batch_across_dp(**kwargs)
-
-
-def determine_batch_execution_and_padding(
-    dispatcher: CudagraphDispatcher,
-    num_tokens: int,
-    num_reqs: int,
-    num_scheduled_tokens: Sequence[int] | None,
-    max_num_scheduled_tokens: int,
-    *,
-    use_cascade_attn: bool = False,
-    allow_microbatching: bool = True,
-    force_eager: bool = False,
-    force_uniform_decode: bool | None = None,
-    force_has_lora: bool | None = None,
-    has_active_lora: bool = False,
-    num_encoder_reqs: int = 0,
-    coordinate_fn: Callable[..., tuple[bool, Any, int]] | None = None,
-) -> BatchExecution:
-    """Decide mode, padded descriptor, micro-batching and DP token counts for one step.
-
-    ``has_active_lora`` is whether any LoRA adapter is active in the batch (the runner's
-    input batch); ``force_*`` override the derived values (dummy runs). With
-    ``data_parallel_size > 1`` the ranks agree through ``coordinate_fn`` (default
-    ``forwardkit.distributed.coordinate_batch_across_dp``, a collective every rank must call),
-    then re-dispatch at the agreed padded count with FULL disabled when any rank could not use
-    FULL. A CUDAGraphStat is produced when
-    ``observability_config.cudagraph_metrics`` is on.
-    """
-    cfg = dispatcher.engine_config
-    uq = dispatcher.uniform_decode_query_len
-    uniform_decode = is_uniform_decode(
-        max_num_scheduled_tokens, uq, num_tokens, num_reqs, force_uniform_decode
-    )
-    model_config = getattr(cfg, "model_config", None)
-    has_encoder_output = bool(getattr(model_config, "is_encoder_decoder", False)) and num_encoder_reqs > 0
-    has_lora = has_active_lora if force_has_lora is None else bool(force_has_lora)
-    num_tokens_padded, tp = _sp_pad(cfg, num_tokens)
-
-    def dispatch(n: int, disable_full: bool) -> tuple[CUDAGraphMode, BatchDescriptor]:
-        if force_eager:
-            return CUDAGraphMode.NONE, BatchDescriptor(n)
-        return dispatcher.dispatch(n, uniform_decode, has_lora, disable_full)
-
-    mode, desc = dispatch(num_tokens_padded, use_cascade_attn or has_encoder_output)
-    num_tokens_padded = desc.num_tokens
-    assert num_tokens_padded % tp == 0, (
-        f"padded token count {num_tokens_padded} is not a multiple of the TP size {tp} needed by "
-        "sequence parallelism; make every capture size a multiple of it"
-    )
-
-    should_ubatch, num_tokens_across_dp = False, None
-    parallel_config = cfg.parallel_config
-    if int(getattr(parallel_config, "data_parallel_size", 1)) > 1:
-        coordinate = coordinate_fn or _default_coordinate
-        should_ubatch, num_tokens_across_dp, synced_mode = coordinate(
-            num_tokens_unpadded=num_tokens,
-            parallel_config=parallel_config,
-            allow_microbatching=allow_microbatching,
-            allow_dp_padding=dispatcher.compilation_config.cudagraph_mode != CUDAGraphMode.NONE,
-            num_tokens_padded=num_tokens_padded,
-            uniform_decode=uniform_decode,
-            num_scheduled_tokens_per_request=num_scheduled_tokens,
-            cudagraph_mode=mode.value,
-        )
-        if num_tokens_across_dp is not None:
-            num_tokens_padded = int(num_tokens_across_dp[parallel_config.data_parallel_rank])
-            mode, desc = dispatch(
-                num_tokens_padded, synced_mode <= CUDAGraphMode.PIECEWISE.value
-            )
-            assert desc.num_tokens == num_tokens_padded, (
-                f"re-dispatch after DP sync padded {num_tokens_padded} tokens to {desc.num_tokens}; "
-                "the agreed per-rank token counts would be wrong"
-            )
-
-    stats = None
-    observability = getattr(cfg, "observability_config", None)
-    if observability is not None and getattr(observability, "cudagraph_metrics", False):
-        stats = CUDAGraphStat(
-            num_unpadded_tokens=num_tokens,
-            num_padded_tokens=desc.num_tokens,
-            num_paddings=desc.num_tokens - num_tokens,
-            runtime_mode=str(mode),
-        )
-    return BatchExecution(mode, desc, should_ubatch, num_tokens_across_dp, stats)

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 from forwardkit import envs
 from forwardkit.compilation.counters import compilation_counter
 
 __all__ = [
     "capture_session",
+    "captured_by_mode",
     "cudagraph_capturing_enabled",
     "freeze_gc_for_capture",
     "record_capture",
@@ -46,9 +49,15 @@ def validate_cudagraph_capturing_enabled() -> None:
         )
 
 
-def record_capture() -> int:
-    """Count one finished capture; returns the process total."""
+# Finished captures per runtime mode name ("FULL", "PIECEWISE"), for the capture log line.
+captured_by_mode: Counter[str] = Counter()
+
+
+def record_capture(runtime_mode: Any = None) -> int:
+    """Count one finished capture (per ``runtime_mode`` too); returns the process total."""
     compilation_counter.num_cudagraph_captured += 1
+    if runtime_mode is not None:
+        captured_by_mode[getattr(runtime_mode, "name", str(runtime_mode))] += 1
     return compilation_counter.num_cudagraph_captured
 
 

@@ -149,6 +149,14 @@ class GraphBackend:
         """Weak references to ``output`` (see :func:`weak_ref_tensors`)."""
         return weak_ref_tensors(output)
 
+    def on_captured(self, graph: Any, rerun: Callable[[], Any], output: Any) -> None:
+        """Told after each capture what it ran; a real graph recorded its kernels already.
+
+        ``rerun`` calls the runnable again with the captured arguments (the same tensors) and
+        ``output`` is what replays of ``graph`` return. A stand-in graph that replays by
+        re-running (tests on CPU) keeps both; the default does nothing.
+        """
+
 
 @contextlib.contextmanager
 def _gc_and_empty_cache_disabled() -> Iterator[None]:
@@ -273,7 +281,8 @@ class CUDAGraphWrapper:
                     output = backend.weak_ref(output)
         entry.output = backend.weak_ref(output)
         entry.cudagraph = graph
-        monitor.record_capture()
+        backend.on_captured(graph, lambda: self.runnable(*args, **kwargs), entry.output)
+        monitor.record_capture(self.runtime_mode)
         return output
 
     def _replay(self, entry: CUDAGraphEntry, args: tuple[Any, ...]) -> Any:

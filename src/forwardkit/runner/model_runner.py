@@ -1,10 +1,12 @@
-"""``ModelRunner``: one forward step = inputs -> padding -> DP agreement -> attention
-metadata -> forward context -> model -> last-token logits.
+"""``ModelRunner``: one forward step = inputs -> plan (padding, DP agreement, graph mode) ->
+attention metadata -> forward context -> model -> last-token logits.
 
 The model is whatever ``forwardkit.models.loader.load_model`` returns (eager, or with its
-inner module compiled by ``support_torch_compile``); full-model CUDA graphs wrap it in a
-``CUDAGraphWrapper`` here, piecewise graphs live inside the compiled model. Either way the
-runner only sets the forward context, so nothing else changes between eager and graphs.
+inner module compiled by ``support_torch_compile``). CUDA graphs: for modes with piecewise
+graphs the runner hands the compiled model a factory (``set_piece_wrapper``) that wraps every
+compiled piece in a PIECEWISE ``CUDAGraphWrapper``; for modes with full graphs it wraps the
+whole model in a FULL one. All wrappers share one ``GraphBackend`` and so one graph pool.
+Per step the runner only sets the forward context; the wrappers act on it.
 """
 
 from __future__ import annotations
@@ -16,23 +18,22 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from forwardkit.compilation.backend import set_piece_wrapper
+from forwardkit.compilation.piecewise import PiecewiseBackend
 from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.config.engine import EngineConfig, set_current_engine_config
 from forwardkit.cudagraph import monitor
-from forwardkit.cudagraph.dispatcher import (
-    CudagraphDispatcher,
-    cudagraphs_available,
-    determine_batch_execution_and_padding,
-)
-from forwardkit.distributed import coordinate_batch_across_dp
-from forwardkit.forward_context import BatchDescriptor, set_forward_context
+from forwardkit.cudagraph.dispatcher import cudagraphs_available
+from forwardkit.cudagraph.wrapper import CUDAGraphWrapper, GraphBackend, piecewise_cudagraph_options
+from forwardkit.forward_context import set_forward_context
 from forwardkit.layers.attention import build_attention_metadata
 from forwardkit.layers.kv_cache import attention_layers, bind_kv_cache, kv_cache_bytes_per_block
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
 from forwardkit.runner.batch import StepBatch
 from forwardkit.runner.input_buffers import InputBuffers, int64_tensor
-from forwardkit.runner.setup import num_kv_blocks, resolve_cudagraph_mode
+from forwardkit.runner.planner import StepPlanner, resolve_graph_mode
+from forwardkit.runner.setup import num_kv_blocks
 from forwardkit.runner.static_metadata import StaticMetadataPool
 
 __all__ = ["ModelRunner", "StepInfo"]
@@ -108,6 +109,7 @@ class ModelRunner:
         # Set by the engine for steps that need more than last-token logits (prompt logprobs).
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
+        self.capture_stats: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ start-up
     def _place(self, model: nn.Module) -> nn.Module:
@@ -141,28 +143,46 @@ class ModelRunner:
         self.attn_cg_support = min(int(layer.backend.cudagraph_support) for layer in layers.values())
 
     def _init_cudagraphs(self) -> None:
-        cc = self.compilation_config
-        self.dispatcher = CudagraphDispatcher(self.engine_config)
-        self.cudagraph_mode = CUDAGraphMode.NONE
-        self.static_metadata = StaticMetadataPool()
-        configured = CUDAGraphMode.parse(cc.cudagraph_mode or CUDAGraphMode.NONE)
+        """Resolve the graph mode once, build the step planner and install the graph wrappers."""
         eager = self.model_config is not None and self.model_config.enforce_eager
-        if configured == CUDAGraphMode.NONE or eager:
-            return
-        if not self._graphs_supported():
+        can_capture = self._graphs_supported()
+        configured = CUDAGraphMode.parse(self.compilation_config.cudagraph_mode or CUDAGraphMode.NONE)
+        if configured != CUDAGraphMode.NONE and not eager and not can_capture:
             logger.info_once("CUDA graphs are off on %s: every step runs eagerly (mode NONE).",
                              self.device)
-            return
-        mode = resolve_cudagraph_mode(cc, self.attn_cg_support)
-        if mode != configured:
-            cc.cudagraph_mode = mode
-        self.cudagraph_mode = mode
-        self.dispatcher.cudagraph_mode = mode
-        self.dispatcher.initialize_cudagraph_keys(mode, 1)
+        mode = resolve_graph_mode(self.compilation_config, self.attn_cg_support,
+                                  enforce_eager=eager, can_capture=can_capture)
+        self.planner = StepPlanner(self.engine_config, mode)
+        self.static_metadata = StaticMetadataPool()
+        # One backend for every wrapper: one graph memory pool for FULL and PIECEWISE captures.
+        self.graph_backend = GraphBackend()
+        self.piece_wrappers: list[CUDAGraphWrapper] = []
+        if mode.has_piecewise_cudagraphs():
+            compiled = set_piece_wrapper(self.model, self._wrap_piece)
+            if compiled == 0:
+                logger.warning("cudagraph_mode %s: the model has no compiled submodule, so no "
+                               "piecewise graphs will be captured", mode)
         if mode.has_full_cudagraphs():
-            from forwardkit.cudagraph.wrapper import CUDAGraphWrapper  # graphs layer
+            self.model = CUDAGraphWrapper(self.model, self.engine_config, CUDAGraphMode.FULL,
+                                          graph_backend=self.graph_backend)
 
-            self.model = CUDAGraphWrapper(self.model, self.engine_config, CUDAGraphMode.FULL)
+    def _wrap_piece(self, piece: PiecewiseBackend, index: int, num_pieces: int) -> CUDAGraphWrapper:
+        """The piece-wrapper factory handed to the compilation backend (one wrapper per piece)."""
+        wrapper = CUDAGraphWrapper(piece, self.engine_config, CUDAGraphMode.PIECEWISE,
+                                   piecewise_cudagraph_options(index, num_pieces),
+                                   graph_backend=self.graph_backend)
+        self.piece_wrappers.append(wrapper)
+        return wrapper
+
+    @property
+    def cudagraph_mode(self) -> CUDAGraphMode:
+        """The graph mode resolved at start-up (read-only; the planner owns it)."""
+        return self.planner.cudagraph_mode
+
+    @property
+    def dispatcher(self) -> Any:
+        """The planner's ``CudagraphDispatcher`` (graph keys)."""
+        return self.planner.dispatcher
 
     def _graphs_supported(self) -> bool:
         """Whether this runner's device can capture CUDA graphs."""
@@ -184,9 +204,14 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         n = batch.num_tokens
         self.buffers.check_fits(n)
-        execution = self._decide(batch, pad_to)
-        mode, desc, across_dp = execution
+        if pad_to is not None and pad_to > self.max_num_tokens:
+            raise ValueError(f"pad_to={pad_to} exceeds the input buffers "
+                             f"({self.max_num_tokens} tokens)")
+        plan = self.planner.plan(n, batch.num_reqs, batch.query_lens, batch.max_query_len,
+                                 pad_to=pad_to)
+        mode, desc, across_dp = plan.cudagraph_mode, plan.batch_descriptor, plan.num_tokens_across_dp
         padded = desc.num_tokens
+        self.buffers.check_fits(padded)
         attn_md = self._metadata(batch.query_lens, batch.seq_lens, batch.block_tables, padded, mode)
         input_ids, positions = self.buffers.fill(batch, padded)
         with set_forward_context(attn_md, self.engine_config, num_tokens=padded,
@@ -201,28 +226,6 @@ class ModelRunner:
         else:
             selected = hidden.index_select(0, int64_tensor(rows).to(hidden.device))
         return self.model.compute_logits(selected).float()
-
-    def _decide(self, batch: StepBatch, pad_to: int | None) -> tuple[Any, Any, Any]:
-        """Runtime mode, padded descriptor and DP token counts."""
-        coordinate = None
-        if pad_to is not None:
-            if pad_to > self.max_num_tokens:
-                raise ValueError(f"pad_to={pad_to} exceeds the input buffers "
-                                 f"({self.max_num_tokens} tokens)")
-
-            def coordinate(**kw: Any) -> Any:
-                kw["num_tokens_padded"] = max(kw["num_tokens_padded"], pad_to)
-                return coordinate_batch_across_dp(**kw)
-
-        mode, desc, _, across_dp, _ = determine_batch_execution_and_padding(
-            self.dispatcher, batch.num_tokens, batch.num_reqs, batch.query_lens,
-            batch.max_query_len, allow_microbatching=False, force_eager=pad_to is not None,
-            coordinate_fn=coordinate,
-        )
-        if pad_to is not None and desc.num_tokens < pad_to:
-            desc = BatchDescriptor(pad_to)
-        self.buffers.check_fits(desc.num_tokens)
-        return mode, desc, across_dp
 
     def _metadata(self, query_lens: list[int], seq_lens: list[int],
                   block_tables: list[list[int]], padded: int, mode: CUDAGraphMode) -> dict[str, Any]:
@@ -268,10 +271,10 @@ class ModelRunner:
             raise ValueError(f"dummy run of {num_tokens} tokens exceeds max_num_tokens "
                              f"{self.max_num_tokens}")
         lens = self._dummy_shapes(num_tokens, uniform_decode)
-        mode, desc, _, across_dp, _ = determine_batch_execution_and_padding(
-            self.dispatcher, num_tokens, len(lens), lens, max(lens), allow_microbatching=False,
-            force_eager=runtime_mode == CUDAGraphMode.NONE, force_uniform_decode=uniform_decode,
-        )
+        plan = self.planner.plan(num_tokens, len(lens), lens, max(lens),
+                                 force_eager=runtime_mode == CUDAGraphMode.NONE,
+                                 force_uniform_decode=uniform_decode)
+        mode, desc, across_dp = plan.cudagraph_mode, plan.batch_descriptor, plan.num_tokens_across_dp
         if runtime_mode is not None:
             assert mode == runtime_mode, (
                 f"Cudagraph runtime mode mismatch in dummy_run: requested {runtime_mode}, "
@@ -328,18 +331,24 @@ class ModelRunner:
         return sorted(set(sizes), reverse=True)
 
     def capture_model(self) -> float:
-        """Capture every CUDA graph the dispatcher has keys for; returns seconds.
+        """Capture every CUDA graph the planner has keys for; returns seconds.
 
         A no-op (with a log line) when graphs are off. Mixed-batch sizes first, then the
-        uniform-decode FULL sizes, largest first within each group.
+        uniform-decode FULL sizes, largest first within each group. Afterwards
+        :attr:`capture_stats` holds the graphs captured per runtime mode, the seconds taken
+        and, on a GPU, the device memory the graphs took; one INFO line reports them.
         """
         if self.cudagraph_mode == CUDAGraphMode.NONE:
             logger.info_once("Skipping CUDA graph capture: cudagraph mode is NONE.")
             return 0.0
         start = time.perf_counter()
+        before = dict(monitor.captured_by_mode)
+        free_before = self._free_device_memory()
         warmups = int(getattr(self.compilation_config, "cudagraph_num_of_warmups", 0) or 0)
+        keys: dict[str, int] = {}
         with monitor.capture_session():
-            for mode, descs in self.dispatcher.get_capture_descs():
+            for mode, descs in self.planner.capture_descs():
+                keys[mode.name] = keys.get(mode.name, 0) + len(descs)
                 for desc in descs:
                     for _ in range(warmups):
                         self.dummy_run(desc.num_tokens, CUDAGraphMode.NONE, desc.uniform,
@@ -349,5 +358,22 @@ class ModelRunner:
         if sync is not None:
             sync()
         elapsed = time.perf_counter() - start
-        logger.info("Graph capturing finished in %.0f secs", elapsed)
+        free_after = self._free_device_memory()
+        graph_bytes = None if free_before is None or free_after is None else free_before - free_after
+        captured = {m: n - before.get(m, 0) for m, n in monitor.captured_by_mode.items()
+                    if n - before.get(m, 0) > 0}
+        self.capture_stats = {"mode": self.cudagraph_mode.name, "keys": keys, "graphs": captured,
+                              "seconds": elapsed, "graph_memory_bytes": graph_bytes}
+        memory = "" if graph_bytes is None else f", took {graph_bytes / 2**30:.2f} GiB"
+        logger.info("Graph capturing finished in %.0f secs%s", elapsed, memory)
+        logger.info("cudagraph_mode %s: captured %s (graph keys per runtime mode: %s; %d "
+                    "compiled pieces wrapped)", self.cudagraph_mode.name,
+                    ", ".join(f"{n} {m} graphs" for m, n in sorted(captured.items())) or "nothing",
+                    keys, len(self.piece_wrappers))
         return elapsed
+
+    def _free_device_memory(self) -> int | None:
+        """Free device memory in bytes on a GPU; None elsewhere."""
+        if self.device.type != "cuda":
+            return None
+        return int(torch.cuda.mem_get_info(self.device)[0])

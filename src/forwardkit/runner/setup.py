@@ -1,17 +1,15 @@
-"""Start-up decisions of the model runner: KV-cache size and the CUDA-graph mode the
-attention backend can honour."""
+"""Start-up decision of the model runner: the KV-cache size. The
+CUDA-graph mode is resolved by ``forwardkit.runner.planner.resolve_graph_mode``."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
-from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.logger import init_logger
 
-__all__ = ["CPU_KV_CACHE_BYTES", "GPU_KV_CACHE_FRACTION", "num_kv_blocks", "resolve_cudagraph_mode"]
+__all__ = ["CPU_KV_CACHE_BYTES", "GPU_KV_CACHE_FRACTION", "num_kv_blocks"]
 
 logger = init_logger(__name__)
 
@@ -58,33 +56,3 @@ def num_kv_blocks(
             "%.0f MiB)", blocks, block_size, wanted, max_num_seqs, max_model_len, budget / 2**20,
         )
     return blocks
-
-
-def resolve_cudagraph_mode(compilation_config: Any, support: int) -> CUDAGraphMode:
-    """Lower the configured ``cudagraph_mode`` to what attention supports (vLLM's rules).
-
-    ``support`` is the minimum ``AttentionCGSupport`` over the attention layers
-    (0 NEVER, 1 single-token decode, 2 uniform batch, 3 always). Uniform decode query length
-    is 1 (no speculative decoding), so vLLM's rule for speculative decode lengths never fires.
-    """
-    mode = CUDAGraphMode.parse(compilation_config.cudagraph_mode)
-    piecewise_attn = bool(compilation_config.is_attention_compiled_piecewise())
-    attn_split = bool(compilation_config.splitting_ops_contain_attention())
-    always, never = 3, 0
-    if mode.mixed_mode() == CUDAGraphMode.FULL and support < always:
-        if support == never:
-            raise ValueError(
-                f"cudagraph_mode={mode} needs full CUDA graphs but the attention backend "
-                "supports none; use PIECEWISE or NONE"
-            )
-        new = CUDAGraphMode.FULL_AND_PIECEWISE if attn_split else CUDAGraphMode.FULL_DECODE_ONLY
-        logger.warning(
-            "cudagraph_mode %s: attention supports full graphs for uniform decode batches only; "
-            "using %s", mode, new,
-        )
-        mode = new
-    if mode.decode_mode() == CUDAGraphMode.FULL and support == never:
-        mode = CUDAGraphMode.PIECEWISE if piecewise_attn else CUDAGraphMode.NONE
-    if mode.has_full_cudagraphs() and support == never:
-        raise ValueError(f"cudagraph_mode={mode} needs full CUDA graphs the backend cannot run")
-    return mode

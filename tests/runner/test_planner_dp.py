@@ -1,4 +1,4 @@
-"""Runner decisions across two real DP ranks (gloo on loopback)."""
+"""The runner's step planner across two real DP ranks (gloo on loopback)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,8 @@ ROWS = [([1] * 5, [1] * 3), ([1] * 5, [4, 1, 1, 7]), ([1] * 5, [10, 10])]
 
 
 def _rank_main(rank: int, nprocs: int, port: int) -> list[tuple]:
-    from forwardkit.cudagraph.dispatcher import (
-        CudagraphDispatcher,
-        determine_batch_execution_and_padding,
-    )
     from forwardkit.distributed import destroy_dp_group, init_dp_group
+    from forwardkit.runner.planner import StepPlanner
 
     sizes = [1, 2, 4, 8, 16]
     parallel = NS(
@@ -40,16 +37,15 @@ def _rank_main(rank: int, nprocs: int, port: int) -> list[tuple]:
         lora_config=None, parallel_config=parallel, observability_config=NS(cudagraph_metrics=True),
         model_config=None,
     )
-    disp = CudagraphDispatcher(cfg)
-    disp.initialize_cudagraph_keys(M.FULL_AND_PIECEWISE, 1)
+    planner = StepPlanner(cfg, M.FULL_AND_PIECEWISE)
     init_dp_group(parallel, backend="gloo", timeout_s=60)
     try:
         out = []
         for row in ROWS:
             per_req = row[rank]
-            r = determine_batch_execution_and_padding(disp, sum(per_req), len(per_req), per_req, max(per_req))
+            r = planner.plan(sum(per_req), len(per_req), per_req, max(per_req))
             stat = r.cudagraph_stats
-            out.append((r.cudagraph_mode.name, tuple(r.batch_descriptor), r.should_ubatch,
+            out.append((r.cudagraph_mode.name, tuple(r.batch_descriptor), False,
                         r.num_tokens_across_dp.tolist(),
                         (stat.num_unpadded_tokens, stat.num_padded_tokens, stat.num_paddings)))
         return out

@@ -1,0 +1,196 @@
+"""``StepPlanner``: the one owner of per-step batch planning (padding, DP agreement, graph mode).
+
+At start-up the runner resolves the CUDA-graph mode once (:func:`resolve_graph_mode`: what the
+config asks for, lowered to what the device and the attention backend can honour) and builds
+a planner with it; the mode is read-only from then on. Per step :meth:`StepPlanner.plan`
+decides, in order (vLLM: ``GPUModelRunner._determine_batch_execution_and_padding``):
+
+1. whether the batch is a uniform decode (every request ``uniform_decode_query_len`` tokens);
+2. sequence-parallel rounding to a TP multiple;
+3. the dispatcher's runtime mode and padded ``BatchDescriptor`` (NONE, unpadded, when forced);
+4. with ``data_parallel_size > 1``: one all-reduce so every rank agrees on the padded count
+   and the lowest mode, then a re-dispatch at the agreed count with FULL disabled when any
+   rank could not run FULL;
+5. an optional ``CUDAGraphStat`` when ``observability_config.cudagraph_metrics`` is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.cudagraph.dispatcher import CudagraphDispatcher
+from forwardkit.cudagraph.metrics import CUDAGraphStat
+from forwardkit.distributed import coordinate_batch_across_dp
+from forwardkit.forward_context import BatchDescriptor
+from forwardkit.logger import init_logger
+
+__all__ = ["StepPlan", "StepPlanner", "is_uniform_decode", "resolve_graph_mode"]
+
+logger = init_logger(__name__)
+
+ALWAYS, NEVER = 3, 0  # AttentionCGSupport values used below
+
+
+class StepPlan(NamedTuple):
+    """How one step runs: runtime mode, padded descriptor, DP token counts, optional stat."""
+
+    cudagraph_mode: CUDAGraphMode
+    batch_descriptor: BatchDescriptor
+    num_tokens_across_dp: torch.Tensor | None
+    cudagraph_stats: CUDAGraphStat | None
+
+
+def resolve_graph_mode(compilation_config: Any, support: int, *, enforce_eager: bool = False,
+                       can_capture: bool = True) -> CUDAGraphMode:
+    """The graph mode the runner will serve, decided once at start-up.
+
+    NONE when the config's mode is NONE, ``enforce_eager`` is set or the device cannot capture
+    graphs. Otherwise the configured mode lowered to what attention supports (``support`` is
+    the minimum ``AttentionCGSupport`` over the attention layers: 0 NEVER, 1 single-token
+    decode, 2 uniform batch, 3 always). No speculative decoding: the uniform decode query
+    length is 1, so every support level above NEVER can run uniform-decode FULL graphs.
+    """
+    mode = CUDAGraphMode.parse(compilation_config.cudagraph_mode or CUDAGraphMode.NONE)
+    if mode == CUDAGraphMode.NONE or enforce_eager or not can_capture:
+        return CUDAGraphMode.NONE
+    piecewise_attn = bool(compilation_config.is_attention_compiled_piecewise())
+    attn_split = bool(compilation_config.splitting_ops_contain_attention())
+    if mode.mixed_mode() == CUDAGraphMode.FULL and support < ALWAYS:
+        if support == NEVER:
+            raise ValueError(
+                f"cudagraph_mode={mode} needs full CUDA graphs but the attention backend "
+                "supports none; use PIECEWISE or NONE"
+            )
+        new = CUDAGraphMode.FULL_AND_PIECEWISE if attn_split else CUDAGraphMode.FULL_DECODE_ONLY
+        logger.warning(
+            "cudagraph_mode %s: attention supports full graphs for uniform decode batches only; "
+            "using %s", mode, new,
+        )
+        mode = new
+    if mode.decode_mode() == CUDAGraphMode.FULL and support == NEVER:
+        mode = CUDAGraphMode.PIECEWISE if piecewise_attn else CUDAGraphMode.NONE
+    return mode
+
+
+def is_uniform_decode(max_num_scheduled_tokens: int, uniform_decode_query_len: int,
+                      num_tokens: int, num_reqs: int) -> bool:
+    """Every request has exactly ``uniform_decode_query_len`` tokens."""
+    return (
+        max_num_scheduled_tokens == uniform_decode_query_len
+        and num_tokens == max_num_scheduled_tokens * num_reqs
+    )
+
+
+def _sp_pad(engine_config: Any, num_tokens: int) -> tuple[int, int]:
+    """Round up to a multiple of TP when sequence parallelism is on; returns (padded, tp)."""
+    pass_config = getattr(engine_config.compilation_config, "pass_config", None)
+    enable_sp = bool(getattr(pass_config, "enable_sp", False)) if pass_config is not None else False
+    tp = int(getattr(engine_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    if enable_sp and tp > 1:
+        return -(-num_tokens // tp) * tp, tp
+    return num_tokens, 1
+
+
+class StepPlanner:
+    """Decides padding, DP agreement and runtime mode for every step of one runner.
+
+    Args:
+        engine_config: read by attribute (``compilation_config``, ``scheduler_config``,
+            ``parallel_config``, optional ``speculative_config``, ``lora_config``,
+            ``observability_config``).
+        cudagraph_mode: the resolved mode (:func:`resolve_graph_mode`); fixed for the
+            planner's life and readable as :attr:`cudagraph_mode`.
+        coordinate_fn: the DP agreement collective (default
+            ``forwardkit.distributed.coordinate_batch_across_dp``); every rank must call it.
+    """
+
+    def __init__(self, engine_config: Any, cudagraph_mode: CUDAGraphMode,
+                 coordinate_fn: Callable[..., tuple[bool, Any, int]] | None = None) -> None:
+        self.engine_config = engine_config
+        self.dispatcher = CudagraphDispatcher(engine_config)
+        self.dispatcher.initialize_cudagraph_keys(cudagraph_mode)
+        self.coordinate_fn = coordinate_fn or coordinate_batch_across_dp
+        parallel = engine_config.parallel_config
+        self.dp_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
+        self.dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        # vLLM pads across DP ranks whenever the config asks for graphs, even where this rank
+        # runs eagerly (so the ranks' shapes agree); read once, like the mode.
+        configured = getattr(engine_config.compilation_config, "cudagraph_mode", None)
+        self.allow_dp_padding = CUDAGraphMode.parse(configured or CUDAGraphMode.NONE) != CUDAGraphMode.NONE
+        observability = getattr(engine_config, "observability_config", None)
+        self.collect_stats = bool(getattr(observability, "cudagraph_metrics", False))
+
+    @property
+    def cudagraph_mode(self) -> CUDAGraphMode:
+        """The resolved graph mode (read-only)."""
+        return self.dispatcher.cudagraph_mode
+
+    @property
+    def uniform_decode_query_len(self) -> int:
+        """Tokens per request of a uniform-decode step (1 + speculative tokens)."""
+        return self.dispatcher.uniform_decode_query_len
+
+    def capture_descs(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:
+        """What start-up captures, in capture order (see ``CudagraphDispatcher.get_capture_descs``)."""
+        return self.dispatcher.get_capture_descs()
+
+    def plan(self, num_tokens: int, num_reqs: int, num_scheduled_tokens: Sequence[int],
+             max_num_scheduled_tokens: int, *, force_eager: bool = False,
+             force_uniform_decode: bool | None = None, pad_to: int | None = None) -> StepPlan:
+        """Plan one step of ``num_tokens`` tokens over ``num_reqs`` requests.
+
+        ``force_eager`` (warm-up, ``pad_to``) dispatches NONE; ``force_uniform_decode``
+        overrides the derived uniform-decode flag (dummy runs); ``pad_to`` forces an eager step
+        padded to at least that many tokens (tests use it to show padding never changes
+        results). With DP > 1 this is a collective: every rank must plan every step.
+        """
+        cfg = self.engine_config
+        uniform = (bool(force_uniform_decode) if force_uniform_decode is not None else
+                   is_uniform_decode(max_num_scheduled_tokens, self.uniform_decode_query_len,
+                                     num_tokens, num_reqs))
+        eager = force_eager or pad_to is not None
+        num_tokens_padded, tp = _sp_pad(cfg, num_tokens)
+
+        def dispatch(n: int, disable_full: bool) -> tuple[CUDAGraphMode, BatchDescriptor]:
+            if eager:
+                return CUDAGraphMode.NONE, BatchDescriptor(max(n, pad_to or 0))
+            return self.dispatcher.dispatch(n, uniform, False, disable_full)
+
+        mode, desc = dispatch(num_tokens_padded, False)
+        num_tokens_padded = desc.num_tokens
+        assert num_tokens_padded % tp == 0, (
+            f"padded token count {num_tokens_padded} is not a multiple of the TP size {tp} needed "
+            "by sequence parallelism; make every capture size a multiple of it"
+        )
+        across_dp = None
+        if self.dp_size > 1:
+            _, across_dp, synced_mode = self.coordinate_fn(
+                num_tokens_unpadded=num_tokens,
+                parallel_config=cfg.parallel_config,
+                allow_microbatching=False,
+                allow_dp_padding=self.allow_dp_padding,
+                num_tokens_padded=num_tokens_padded,
+                uniform_decode=uniform,
+                num_scheduled_tokens_per_request=num_scheduled_tokens,
+                cudagraph_mode=mode.value,
+            )
+            if across_dp is not None:
+                num_tokens_padded = int(across_dp[self.dp_rank])
+                mode, desc = dispatch(num_tokens_padded, synced_mode <= CUDAGraphMode.PIECEWISE.value)
+                assert desc.num_tokens == num_tokens_padded, (
+                    f"re-dispatch after DP sync padded {num_tokens_padded} tokens to "
+                    f"{desc.num_tokens}; the agreed per-rank token counts would be wrong"
+                )
+        stats = None
+        if self.collect_stats:
+            stats = CUDAGraphStat(
+                num_unpadded_tokens=num_tokens,
+                num_padded_tokens=desc.num_tokens,
+                num_paddings=desc.num_tokens - num_tokens,
+                runtime_mode=str(mode),
+            )
+        return StepPlan(mode, desc, across_dp, stats)

@@ -1,0 +1,175 @@
+"""StepPlanner: uniform-decode detection, padding, DP agreement and runtime mode per step."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.cudagraph.metrics import CUDAGraphStat
+from forwardkit.forward_context import BatchDescriptor as d
+from forwardkit.platforms import CudaPlatform
+from forwardkit.runner.planner import StepPlanner, is_uniform_decode
+
+M = CUDAGraphMode
+SIZES = [1, 2, 4, 8, 16]
+
+
+def make_cfg(mode=M.FULL_AND_PIECEWISE, metrics=False, dp_size=1, dp_rank=0, tp=1, enable_sp=False):
+    """A SimpleNamespace engine config with only the attributes the planner reads."""
+    cc = NS(
+        cudagraph_mode=mode, cudagraph_capture_sizes=SIZES, max_cudagraph_capture_size=16,
+        bs_to_padded_graph_size=[0] + [min(s for s in SIZES if s >= b) for b in range(1, 17)],
+        cudagraph_specialize_lora=True, is_attention_compiled_piecewise=lambda: True,
+        pass_config=NS(enable_sp=enable_sp),
+    )
+    return NS(
+        compilation_config=cc, scheduler_config=NS(max_num_seqs=8), speculative_config=None,
+        lora_config=None, model_config=None, observability_config=NS(cudagraph_metrics=metrics),
+        parallel_config=NS(data_parallel_size=dp_size, data_parallel_rank=dp_rank,
+                           tensor_parallel_size=tp),
+    )
+
+
+def planner_for(mode=M.FULL_AND_PIECEWISE, coordinate_fn=None, **kw) -> StepPlanner:
+    return StepPlanner(make_cfg(mode=mode, **kw), mode, coordinate_fn)
+
+
+def plan(planner: StepPlanner, per_req: list[int], **kw):
+    return planner.plan(sum(per_req), len(per_req), per_req, max(per_req), **kw)
+
+
+# ---- uniform decode ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((1, 1, 8, 8), True), ((1, 1, 7, 8), False), ((3, 3, 12, 4), True), ((3, 3, 11, 4), False),
+        ((2, 1, 8, 4), False), ((5, 1, 5, 1), False), ((1, 1, 1, 1), True),
+    ],
+)
+def test_e33_is_uniform_decode(args, expected):
+    assert is_uniform_decode(*args) is expected
+
+
+# ---- one rank ------------------------------------------------------------------------------
+ONE_RANK_CASES = [
+    ([1] * 5, {}, M.FULL, d(8, 8, True), (5, 8, 3)),
+    ([4, 1, 1, 7], {}, M.PIECEWISE, d(16), (13, 16, 3)),
+    ([1] * 10, {}, M.PIECEWISE, d(16), (10, 16, 6)),
+    ([10, 10], {}, M.NONE, d(20), (20, 20, 0)),
+    ([1] * 5, {"force_eager": True}, M.NONE, d(5), (5, 5, 0)),
+    ([1] * 5, {"force_uniform_decode": False}, M.PIECEWISE, d(8), (5, 8, 3)),
+    ([1, 1, 2], {"force_uniform_decode": True}, M.FULL, d(4, 4, True), (4, 4, 0)),
+    ([1] * 5, {"pad_to": 12}, M.NONE, d(12), (5, 12, 7)),
+]
+
+
+@pytest.mark.parametrize(("per_req", "kw", "mode", "desc", "stat"), ONE_RANK_CASES)
+def test_e34_single_rank(per_req, kw, mode, desc, stat):
+    out = plan(planner_for(metrics=True), per_req, **kw)
+    assert (out.cudagraph_mode, out.batch_descriptor) == (mode, desc)
+    assert out.num_tokens_across_dp is None
+    assert out.cudagraph_stats == CUDAGraphStat(*stat, str(mode))
+
+
+def test_stats_only_with_metrics_on():
+    assert plan(planner_for(metrics=False), [1] * 5).cudagraph_stats is None
+
+
+def test_sequence_parallel_pads_to_tp_multiple():
+    out = plan(planner_for(mode=M.NONE, tp=4, enable_sp=True), [2, 3])
+    assert (out.cudagraph_mode, out.batch_descriptor) == (M.NONE, d(8))
+
+
+def test_mode_is_fixed_and_read_only():
+    planner = planner_for(M.PIECEWISE)
+    assert planner.cudagraph_mode == M.PIECEWISE
+    with pytest.raises(AttributeError):
+        planner.cudagraph_mode = M.NONE
+    with pytest.raises(RuntimeError, match="fixed once at start-up"):
+        planner.dispatcher.initialize_cudagraph_keys(M.FULL)
+    assert plan(planner, [1] * 3).cudagraph_mode == M.PIECEWISE
+
+
+# ---- two DP ranks (the all-reduce simulated: max padded count, min mode) ----------------------
+def simulate_two_ranks(per_req_0: list[int], per_req_1: list[int]):
+    """Plan on both ranks; a fake coordinator plays the all-reduce with both inputs."""
+    local = {}
+    for rank, per_req in ((0, per_req_0), (1, per_req_1)):
+        out = plan(planner_for(metrics=True), per_req)
+        local[rank] = (out.batch_descriptor.num_tokens, out.cudagraph_mode.value)
+    padded = max(n for n, _ in local.values())
+    synced = min(m for _, m in local.values())
+    results, calls = [], []
+
+    def coordinate(**kw):
+        calls.append(kw)
+        return False, torch.tensor([padded, padded], dtype=torch.int32), synced
+
+    for rank, per_req in ((0, per_req_0), (1, per_req_1)):
+        planner = planner_for(metrics=True, dp_size=2, dp_rank=rank, coordinate_fn=coordinate)
+        results.append(plan(planner, per_req))
+    return results, calls
+
+
+@pytest.mark.parametrize(
+    ("r0", "r1", "across", "res0", "res1"),
+    [
+        ([1] * 5, [1] * 3, [8, 8], (M.FULL, d(8, 8, True), (5, 8, 3)), (M.FULL, d(8, 8, True), (3, 8, 5))),
+        ([1] * 5, [4, 1, 1, 7], [16, 16], (M.PIECEWISE, d(16), (5, 16, 11)), (M.PIECEWISE, d(16), (13, 16, 3))),
+        ([1] * 5, [10, 10], [20, 20], (M.NONE, d(20), (5, 20, 15)), (M.NONE, d(20), (20, 20, 0))),
+    ],
+)
+def test_e35_two_dp_ranks(r0, r1, across, res0, res1):
+    results, calls = simulate_two_ranks(r0, r1)
+    for out, (mode, desc, stat) in zip(results, (res0, res1)):
+        assert out.num_tokens_across_dp.tolist() == across
+        assert (out.cudagraph_mode, out.batch_descriptor) == (mode, desc)
+        assert out.cudagraph_stats == CUDAGraphStat(*stat, str(mode))
+    assert calls[0]["num_tokens_unpadded"] == sum(r0)
+    assert calls[0]["allow_dp_padding"] is True
+    assert calls[0]["allow_microbatching"] is False
+    assert calls[0]["parallel_config"].data_parallel_rank == 0
+
+
+def test_dp_no_padding_when_graphs_off():
+    calls = []
+
+    def coordinate(**kw):
+        calls.append(kw)
+        return False, torch.tensor([5, 3], dtype=torch.int32), 0
+
+    out = plan(planner_for(mode=M.NONE, dp_size=2, dp_rank=1, coordinate_fn=coordinate), [1] * 3)
+    assert calls[0]["allow_dp_padding"] is False
+    assert (out.cudagraph_mode, out.batch_descriptor) == (M.NONE, d(3))
+
+
+def test_real_config_e34_decisions():
+    from forwardkit.config.engine import EngineConfig
+    from forwardkit.config.model import ModelConfig
+    from forwardkit.config.scheduler import SchedulerConfig
+
+    cfg = EngineConfig(model_config=ModelConfig(), scheduler_config=SchedulerConfig(max_num_seqs=8),
+                       platform=CudaPlatform(device_capability=90))
+    planner = StepPlanner(cfg, M.FULL_AND_PIECEWISE)
+    for per_req, kw, mode, desc, _ in ONE_RANK_CASES:
+        out = plan(planner, per_req, **kw)
+        assert (out.cudagraph_mode, out.batch_descriptor) == (mode, desc), (per_req, kw)
+        assert out.cudagraph_stats is None  # EngineConfig has no observability_config: metrics off
+
+
+def test_dp_padding_follows_the_configured_mode_even_when_this_rank_runs_eagerly():
+    """vLLM's rule: the config asks for graphs -> ranks pad to one count, even where the runner
+    resolved NONE (no GPU here), so every rank runs the same shapes."""
+    calls = []
+
+    def coordinate(**kw):
+        calls.append(kw)
+        return False, torch.tensor([8, 8], dtype=torch.int32), 0
+
+    planner = StepPlanner(make_cfg(mode=M.FULL_DECODE_ONLY, dp_size=2, dp_rank=0), M.NONE, coordinate)
+    out = plan(planner, [1] * 3)
+    assert calls[0]["allow_dp_padding"] is True
+    assert (out.cudagraph_mode, out.batch_descriptor) == (M.NONE, d(8))
