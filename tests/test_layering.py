@@ -22,11 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 # Imports inside a function that reach down on purpose, each with the reason.
-ALLOWED_LAZY = {
-    # CompilationConfig.init_backend returns forwardkit's mode-3 backend (as vLLM's does), only
-    # when called. (The CustomOp registry and the custom-op rule live in config/custom_ops.py.)
-    ("config", "compilation"),
-}
+ALLOWED_LAZY: set[tuple[str, str]] = set()  # no exceptions: every import respects the layers
 
 
 def _layer_of(module: str) -> int:

@@ -594,6 +594,14 @@ def test_init_backend():
         CompilationConfig(mode=1, backend="nope_backend").init_backend(None)
 
 
+def test_init_backend_mode_3_builds_the_registered_piecewise_backend():
+    from forwardkit.compilation.backend import ForwardkitBackend
+    from forwardkit.config import EngineConfig
+
+    cfg = EngineConfig(compilation_config={"mode": 3, "backend": "eager"})
+    assert isinstance(cfg.compilation_config.init_backend(cfg), ForwardkitBackend)
+
+
 # ---------------------------------------------------------------- hashing
 
 

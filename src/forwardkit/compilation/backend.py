@@ -31,6 +31,7 @@ from forwardkit.compilation.counters import compilation_counter, log_summary
 from forwardkit.compilation.passes import PostGradPassManager
 from forwardkit.compilation.piecewise import ArtifactStore, PiecewiseBackend
 from forwardkit.compilation.split import SplitItem, split_graph
+from forwardkit.config.compilation_methods import register_piecewise_backend
 from forwardkit.logger import init_logger
 
 __all__ = [
@@ -263,11 +264,5 @@ class ForwardkitBackend:
         """Every range and size of the last piece is compiled: log the summary once."""
         log_summary(time.perf_counter() - self._start, self._counters_at_start)
 
-    def compile_all(self) -> None:
-        """Compile every range (not the sizes, which need real inputs) of every piece now."""
-        for piece in self.piece_backends:
-            for r in piece.ranges:
-                if r in piece.todo:
-                    piece.store.get(piece.fingerprint, r, piece.graph, piece.fake_inputs, piece.name)
-                    piece.todo.discard(r)
 
+register_piecewise_backend(ForwardkitBackend)  # CompilationConfig.init_backend builds it for mode 3

@@ -9,6 +9,7 @@ AssertionError at once).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from forwardkit.config.compilation_enums import CompilationMode, CUDAGraphMode, Range
@@ -48,6 +49,18 @@ _HASH_IGNORED = frozenset(
 )
 
 
+# The mode-3 backend factory (``ForwardkitBackend``). The compilation layer registers it when it
+# is imported (``register_piecewise_backend``), so this layer never imports that one.
+_piecewise_backend: Callable[[Any], Any] | None = None
+
+
+def register_piecewise_backend(factory: Callable[[Any], Any]) -> None:
+    """Install the factory ``init_backend`` uses for VLLM_COMPILE (called by
+    ``forwardkit.compilation.backend`` at import)."""
+    global _piecewise_backend
+    _piecewise_backend = factory
+
+
 class CompilationMethods:
     """Behaviour of ``CompilationConfig``; see that class for the fields."""
 
@@ -77,9 +90,10 @@ class CompilationMethods:
             return _resolve_qualname(self.backend, registered)
         if self.backend not in ("eager", "inductor"):
             logger.info("Using out-of-tree backend %r for piecewise compilation", self.backend)
-        from forwardkit.compilation.backend import ForwardkitBackend
-
-        return ForwardkitBackend(vllm_config)
+        if _piecewise_backend is None:
+            raise RuntimeError("init_backend() for VLLM_COMPILE needs forwardkit.compilation.backend; "
+                               "import it (any forwardkit model or support_torch_compile does)")
+        return _piecewise_backend(vllm_config)
 
     # ------------------------------------------------------------------ sizes
 
