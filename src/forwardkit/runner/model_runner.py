@@ -18,8 +18,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from forwardkit.compilation.backend import set_piece_wrapper
-from forwardkit.compilation.piecewise import PiecewiseBackend
 from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.config.engine import EngineConfig, set_current_engine_config
 from forwardkit.cudagraph import monitor
@@ -158,6 +156,10 @@ class ModelRunner:
         self.graph_backend = GraphBackend()
         self.piece_wrappers: list[CUDAGraphWrapper] = []
         if mode.has_piecewise_cudagraphs():
+            # NOTE: imported here: the compile backend pulls in Inductor, which an eager
+            # engine (and ``from forwardkit import LLM``) never needs.
+            from forwardkit.compilation.backend import set_piece_wrapper
+
             compiled = set_piece_wrapper(self.model, self._wrap_piece)
             if compiled == 0:
                 logger.warning("cudagraph_mode %s: the model has no compiled submodule, so no "
@@ -166,7 +168,7 @@ class ModelRunner:
             self.model = CUDAGraphWrapper(self.model, self.engine_config, CUDAGraphMode.FULL,
                                           graph_backend=self.graph_backend)
 
-    def _wrap_piece(self, piece: PiecewiseBackend, index: int, num_pieces: int) -> CUDAGraphWrapper:
+    def _wrap_piece(self, piece: Any, index: int, num_pieces: int) -> CUDAGraphWrapper:
         """The piece-wrapper factory handed to the compilation backend (one wrapper per piece)."""
         wrapper = CUDAGraphWrapper(piece, self.engine_config, CUDAGraphMode.PIECEWISE,
                                    piecewise_cudagraph_options(index, num_pieces),
