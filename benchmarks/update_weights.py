@@ -24,6 +24,7 @@ import torch
 from forwardkit.config.builder import build_engine_config
 from forwardkit.config.engine import set_current_engine_config
 from forwardkit.engine.weight_update import update_model_weights
+from forwardkit.layers.linear import prepack_weights
 from forwardkit.models.llama import LlamaForCausalLM
 
 
@@ -68,17 +69,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--source-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--no-prepack", action="store_true",
+                        help="skip the oneDNN-packed weight copies an engine on a bf16 CPU keeps "
+                             "(then an update does not re-derive them)")
     args = parser.parse_args()
     hf = llama_1b_config(args.layers)
     cfg = build_engine_config(None, default_hf_config=hf, dtype="bfloat16", enforce_eager=True,
                               max_model_len=4096)
     with set_current_engine_config(cfg), torch.device("cpu"):
         model = LlamaForCausalLM(cfg).eval()
+    packed = 0 if args.no_prepack else prepack_weights(model)  # as load_model does
     params = sum(p.numel() for p in model.parameters())
     weights = hf_weight_set(hf, getattr(torch, args.source_dtype))
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
     print(f"model: {params / 1e9:.3f} B parameters (bf16); update: {len(weights)} tensors, "
-          f"{nbytes / 2**30:.2f} GiB of {args.source_dtype}; torch threads: {torch.get_num_threads()}")
+          f"{nbytes / 2**30:.2f} GiB of {args.source_dtype}; torch threads: {torch.get_num_threads()}; "
+          f"{packed} packed linear weights re-derived per update")
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()

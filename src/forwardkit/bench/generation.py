@@ -46,8 +46,9 @@ class GenerationResult:
 
 
 def measure_stream_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes/s a GEMV streams over a matrix larger than the caches (best of fp32 ``torch.mv``
-    and, where supported, a oneDNN-packed bf16 GEMV: the higher figure is the roof)."""
+    """Bytes/s the memory streams: the best of a GEMV over a 1 GiB matrix (fp32 ``torch.mv``,
+    and a oneDNN-packed bf16 GEMV where supported) and a plain read of 1 GiB (``sum``). The
+    highest figure is the roof, so bandwidth use is never flattered by a slow GEMV kernel."""
     from forwardkit.layers import cpu_gemm
 
     cols = 4096
@@ -56,6 +57,9 @@ def measure_stream_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     matrix = torch.randn(rows, cols)
     vec = torch.randn(cols)
     best = max(best, _rate(lambda: torch.mv(matrix, vec), matrix.numel() * 4, repeats))
+    best = max(best, _rate(lambda: matrix.sum(), matrix.numel() * 4, repeats))
+    halves = matrix.view(-1).to(torch.bfloat16)  # 0.5 GiB; read twice as one 1 GiB stream
+    best = max(best, _rate(lambda: (halves.sum(), halves.sum()), halves.numel() * 4, repeats))
     if cpu_gemm.prepack_supported(torch.bfloat16):
         bf = matrix.view(-1)[: rows * cols].to(torch.bfloat16).view(rows, cols)
         del matrix

@@ -244,7 +244,7 @@ def _format(report: dict[str, Any]) -> str:
         f"prompts of {report['prompt_len']} tokens, {report['new_tokens']} decode tokens timed, "
         f"median of {report['repeats']}",
         f"machine: {report['machine']}; streaming bandwidth {report['stream_gb_s']:.1f} GB/s "
-        f"(GEMV over 1 GiB); weight bytes per decode step "
+        f"(best of a 1 GiB GEMV and a 1 GiB read); weight bytes per decode step "
         + ", ".join(f"B={b}: {int(v) / 1e9:.2f} GB" for b, v in report["weight_bytes_per_step"].items()),
         "", head, "-" * len(head)]
     for name, c in report["contenders"].items():

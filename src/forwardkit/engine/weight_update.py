@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from forwardkit.config.compilation_enums import CompilationMode, CUDAGraphMode
+from forwardkit.layers import cpu_gemm
 from forwardkit.logger import init_logger
 from forwardkit.models.weights import WeightLoadError, check_named_weights, load_named_weights
 
@@ -117,7 +118,8 @@ def update_model_weights(engine_config: Any, model: nn.Module, named_tensors: An
             exc.missing, exc.unexpected, exc.mismatched,
             source="update_weights (nothing was changed): the given weights",
         ) from None
-    updated = load_named_weights(target, pairs, map_name)
+    with cpu_gemm.batched_refresh():  # a packed weight is re-derived once, after all its shards
+        updated = load_named_weights(target, pairs, map_name)
     if target.parameters().__next__().device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

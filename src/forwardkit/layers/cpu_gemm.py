@@ -18,15 +18,17 @@ fit in memory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from forwardkit.logger import init_logger
 
-__all__ = ["linear", "pack_weight", "packed_weight_count", "prepack_supported", "refresh_packed",
+__all__ = ["batched_refresh", "linear", "pack_weight", "packed_weight_count", "prepack_supported", "refresh_packed",
            "unpack_weight"]
 
 logger = init_logger(__name__)
@@ -64,15 +66,41 @@ def unpack_weight(weight: torch.Tensor) -> None:
     _PACKED.pop(weight.data_ptr(), None)
 
 
+# Inside ``batched_refresh``: data_ptr -> weight whose packed copy is re-derived at the end.
+_deferred: dict[int, torch.Tensor] | None = None
+
+
 def refresh_packed(written: torch.Tensor) -> None:
     """Re-derive the packed copy of the weight that ``written`` (the weight or a slice of it)
     belongs to, after ``written`` was modified in place."""
-    if not _PACKED:
+    if not _PACKED or written.device.type == "meta":
         return
-    entry = _PACKED.get(written.untyped_storage().data_ptr())
+    ptr = written.untyped_storage().data_ptr()
+    entry = _PACKED.get(ptr)
     weight = entry[0]() if entry is not None else None
-    if weight is not None:
+    if weight is None:
+        return
+    if _deferred is not None:
+        _deferred[ptr] = weight
+    else:
         pack_weight(weight)
+
+
+@contextlib.contextmanager
+def batched_refresh() -> Iterator[None]:
+    """Within the block, writes only mark packed weights stale; each is re-derived once at the
+    end (a merged q/k/v weight written shard by shard is repacked once, not three times)."""
+    global _deferred
+    if _deferred is not None:  # nested: the outer block repacks
+        yield
+        return
+    _deferred = {}
+    try:
+        yield
+    finally:
+        todo, _deferred = _deferred, None
+        for weight in todo.values():
+            pack_weight(weight)
 
 
 def packed_weight_count() -> int:
