@@ -96,6 +96,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FORWARDKIT_USE_AOT_COMPILE": _bool("FORWARDKIT_USE_AOT_COMPILE", False),
     # CPU: give bf16 linear weights a oneDNN-packed copy after loading (faster decode matmuls)
     "FORWARDKIT_CPU_PREPACK_WEIGHTS": _bool("FORWARDKIT_CPU_PREPACK_WEIGHTS", True),
+    # CPU: the native few-row bf16 linear for decode products of prepacked layers (AVX-512-BF16)
+    "FORWARDKIT_CPU_NATIVE_LINEAR": _bool("FORWARDKIT_CPU_NATIVE_LINEAR", True),
     # with AOT compile on: a missing or unusable saved entry is a FileNotFoundError instead of
     # a trace (vLLM: VLLM_FORCE_AOT_LOAD), for deployments that must never compile
     "FORWARDKIT_FORCE_AOT_LOAD": _bool("FORWARDKIT_FORCE_AOT_LOAD", False),

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from forwardkit.layers import native_linear
 from forwardkit.logger import init_logger
 
 __all__ = ["batched_refresh", "linear", "pack_weight", "packed_weight_count", "prepack_supported", "refresh_packed",
@@ -128,6 +129,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     entry = _PACKED.get(weight.data_ptr())
     if entry is None:
         return F.linear(x, weight, bias)
+    out = native_linear.linear_rows(x, weight, bias)  # 1-2 rows: the plain weight streams faster
+    if out is not None:
+        return out
     return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
 
 

@@ -18,6 +18,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from forwardkit import envs
+from forwardkit.layers import hugepages
 from forwardkit.layers.linear import prepack_weights
 from forwardkit.logger import init_logger
 from forwardkit.models import get_model_class
@@ -88,8 +89,8 @@ def load_model(engine_config, prepack: bool | None = None) -> nn.Module:
     """Build, load and return the model of ``engine_config`` in eval mode on the platform device.
 
     ``prepack`` gives bf16 linear weights on the CPU a oneDNN-packed copy (see
-    ``layers.cpu_gemm``); None = ``FORWARDKIT_CPU_PREPACK_WEIGHTS`` (on by default). A plain
-    PyTorch baseline passes False.
+    ``layers.cpu_gemm``) and puts the CPU weights on huge pages (``layers.hugepages``); None =
+    ``FORWARDKIT_CPU_PREPACK_WEIGHTS`` (on by default). A plain PyTorch baseline passes False.
     """
     from forwardkit.config.engine import set_current_engine_config
 
@@ -102,6 +103,10 @@ def load_model(engine_config, prepack: bool | None = None) -> nn.Module:
     files = safetensors_files(model_dir) if model_dir is not None else []
     with set_current_engine_config(engine_config), torch.device(device):
         model = model_cls(engine_config)
+    prepack = envs.FORWARDKIT_CPU_PREPACK_WEIGHTS if prepack is None else prepack
+    if prepack and device.type == "cpu":
+        for param in model.parameters():  # before the first write: faulted in as huge pages
+            hugepages.advise(param)
     if model_dir is None:
         init_random_weights(model)
         logger.info_once("Built %s with seeded random weights (no checkpoint)", model_cls.__name__)
@@ -116,6 +121,6 @@ def load_model(engine_config, prepack: bool | None = None) -> nn.Module:
         if missing:
             raise WeightLoadError(missing=missing, source=f"checkpoint {model_dir}")
         logger.info("Loaded %s from %s (%d files)", model_cls.__name__, model_dir, len(files))
-    if envs.FORWARDKIT_CPU_PREPACK_WEIGHTS if prepack is None else prepack:
+    if prepack:
         prepack_weights(model)
     return model.eval()

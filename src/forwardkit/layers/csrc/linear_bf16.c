@@ -1,0 +1,96 @@
+/* bf16 linear for few rows on CPUs with AVX-512-BF16: y[M,N] = x[M,K] @ w[N,K]^T (+ bias).
+ *
+ * Decoding multiplies one to a few activation rows by each weight matrix, so the product is
+ * bound by how fast the weights stream from memory. The weight is read in its plain row-major
+ * layout (no packed copy), a block of R rows at a time, each row against every activation row,
+ * with fp32 accumulation by VDPBF16PS (32 products per instruction). Rows blocks are split
+ * over the OpenMP threads of the process (the same runtime as PyTorch's). The result is
+ * rounded to bf16 (round to nearest even), as PyTorch's bf16 matmul does.
+ *
+ * Built at first use by forwardkit.layers.native_linear with the system C compiler.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define FK_ABI_VERSION 1
+
+int fk_abi_version(void) { return FK_ABI_VERSION; }
+
+static inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* One block of `nr` (<= R) weight rows starting at n0 against MR activation rows starting at m0. */
+#define FK_BLOCK(MR, R)                                                                        \
+  static void fk_block_##MR##_##R(const uint16_t* x, const uint16_t* w, const uint16_t* bias,  \
+                                  uint16_t* y, long m0, long n0, long nr, long N, long K) {    \
+    __m512 acc[MR][R];                                                                         \
+    const uint16_t* wr[R];                                                                     \
+    for (int j = 0; j < R; j++) {                                                              \
+      wr[j] = w + (n0 + (j < nr ? j : 0)) * K;                                                 \
+      for (int i = 0; i < MR; i++) acc[i][j] = _mm512_setzero_ps();                            \
+    }                                                                                          \
+    long k = 0;                                                                                \
+    for (; k + 32 <= K; k += 32) {                                                             \
+      __m512bh xv[MR];                                                                         \
+      for (int i = 0; i < MR; i++)                                                             \
+        xv[i] = (__m512bh)_mm512_loadu_si512((const void*)(x + (m0 + i) * K + k));             \
+      for (int j = 0; j < R; j++) {                                                            \
+        __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(wr[j] + k));                  \
+        for (int i = 0; i < MR; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[i]);       \
+      }                                                                                        \
+    }                                                                                          \
+    if (k < K) { /* tail: masked loads read zeros past K */                                    \
+      __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);                                     \
+      __m512bh xv[MR];                                                                         \
+      for (int i = 0; i < MR; i++)                                                             \
+        xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const void*)(x + (m0 + i) * K + k)); \
+      for (int j = 0; j < R; j++) {                                                            \
+        __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const void*)(wr[j] + k));      \
+        for (int i = 0; i < MR; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[i]);       \
+      }                                                                                        \
+    }                                                                                          \
+    for (int i = 0; i < MR; i++)                                                               \
+      for (int j = 0; j < nr; j++) {                                                           \
+        float s = _mm512_reduce_add_ps(acc[i][j]);                                             \
+        if (bias) s += from_bf16(bias[n0 + j]);                                                \
+        y[(m0 + i) * N + n0 + j] = to_bf16(s);                                                 \
+      }                                                                                        \
+  }
+
+FK_BLOCK(1, 8)
+FK_BLOCK(2, 8)
+FK_BLOCK(3, 4)
+FK_BLOCK(4, 4)
+
+/* Returns 0 on success, -1 when M is outside 1..4 (the caller then uses another path). */
+int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                   long M, long N, long K) {
+  if (M < 1 || M > 4 || N < 1 || K < 1) return -1;
+  const long R = M <= 2 ? 8 : 4;
+  const long nblocks = (N + R - 1) / R;
+#pragma omp parallel for schedule(static)
+  for (long b = 0; b < nblocks; b++) {
+    const long n0 = b * R;
+    const long nr = N - n0 < R ? N - n0 : R;
+    switch (M) {
+      case 1: fk_block_1_8(x, w, bias, y, 0, n0, nr, N, K); break;
+      case 2: fk_block_2_8(x, w, bias, y, 0, n0, nr, N, K); break;
+      case 3: fk_block_3_4(x, w, bias, y, 0, n0, nr, N, K); break;
+      default: fk_block_4_4(x, w, bias, y, 0, n0, nr, N, K); break;
+    }
+  }
+  return 0;
+}

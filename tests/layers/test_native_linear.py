@@ -1,0 +1,137 @@
+"""The native few-row bf16 linear and huge-page backing of CPU weights."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forwardkit.layers import cpu_gemm, hugepages, native_linear
+
+BF16 = torch.bfloat16
+needs_kernel = pytest.mark.skipif(not native_linear.cpu_has_avx512_bf16(),
+                                  reason="the CPU has no AVX-512-BF16 (the native kernel's instructions)")
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch):
+    """The kernel loader re-run under this test's environment, and again after it."""
+    native_linear._kernel.cache_clear()
+    yield monkeypatch
+    native_linear._kernel.cache_clear()
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize(("n", "k"), [(8, 32), (13, 70), (3072, 2048), (257, 1000)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float32_linear(rows, n, k, with_bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16)
+    b = torch.randn(n, generator=gen).to(BF16) if with_bias else None
+    out = native_linear.linear_rows(x, w, b)
+    assert out is not None and out.dtype == BF16 and out.shape == (rows, n)
+    ref = _reference(x, w, b)
+    # fp32 accumulation, one rounding to bf16: within bf16's half-ulp of the fp32 result
+    torch.testing.assert_close(out.float(), ref, rtol=8e-3, atol=1e-3 * ref.abs().max().item())
+    assert torch.equal(out, native_linear.linear_rows(x, w, b))  # deterministic
+
+
+@needs_kernel
+def test_leading_dims_and_non_contiguous_input():
+    x = torch.randn(1, 64, 2).to(BF16)[..., 0]  # [1, 64], not contiguous
+    w = torch.randn(24, 64).to(BF16)
+    out = native_linear.linear_rows(x, w, None)
+    assert out is not None and out.shape == (1, 24)
+    torch.testing.assert_close(out.float(), _reference(x, w, None), rtol=8e-3, atol=1e-2)
+
+
+@needs_kernel
+def test_declines_what_it_does_not_cover():
+    w = torch.randn(16, 64).to(BF16)
+    x1 = torch.randn(1, 64).to(BF16)
+    assert native_linear.linear_rows(torch.randn(native_linear.MAX_ROWS + 1, 64).to(BF16), w, None) is None
+    assert native_linear.linear_rows(x1.float(), w.float(), None) is None
+    assert native_linear.linear_rows(x1, w.t().contiguous().t(), None) is None  # strided weight
+    assert native_linear.linear_rows(x1, w, torch.zeros(16)) is None  # fp32 bias
+    assert native_linear.linear_rows(torch.randn(0, 64).to(BF16), w, None) is None
+
+
+@needs_kernel
+def test_packed_layers_use_it_for_few_rows_only(monkeypatch):
+    w = torch.randn(40, 96).to(BF16)
+    cpu_gemm.pack_weight(w)
+    try:
+        calls = []
+        real = native_linear.linear_rows
+
+        def spy(x, weight, bias):
+            out = real(x, weight, bias)
+            calls.append(out is not None)
+            return out
+
+        monkeypatch.setattr(native_linear, "linear_rows", spy)
+        for rows in (1, 2, 7):
+            x = torch.randn(rows, 96).to(BF16)
+            torch.testing.assert_close(cpu_gemm.linear(x, w).float(), _reference(x, w, None),
+                                       rtol=2e-2, atol=2e-2)
+        assert calls == [True, True, False]  # 7 rows go to oneDNN's packed matmul
+        calls.clear()
+        cpu_gemm.linear(torch.randn(1, 40).to(BF16), torch.randn(8, 40).to(BF16))  # not packed
+        assert calls == []
+    finally:
+        cpu_gemm.unpack_weight(w)
+
+
+def test_switched_off_by_environment(fresh_kernel):
+    fresh_kernel.setenv("FORWARDKIT_CPU_NATIVE_LINEAR", "0")
+    assert not native_linear.available()
+    x, w = torch.randn(1, 32).to(BF16), torch.randn(8, 32).to(BF16)
+    assert native_linear.linear_rows(x, w, None) is None
+
+
+@needs_kernel
+def test_missing_compiler_disables_with_a_reason(fresh_kernel, tmp_path):
+    fresh_kernel.setenv("FORWARDKIT_CACHE_ROOT", str(tmp_path))  # nothing built there yet
+    fresh_kernel.setenv("CC", "no-such-compiler-xyz")
+    with pytest.raises(RuntimeError, match="no C compiler 'no-such-compiler-xyz'"):
+        native_linear._build(tmp_path / "native")
+    assert not native_linear.available()  # the engine falls back instead of failing
+
+
+@needs_kernel
+def test_build_is_cached_by_source(fresh_kernel, tmp_path):
+    fresh_kernel.setenv("FORWARDKIT_CACHE_ROOT", str(tmp_path))
+    assert native_linear.available()
+    built = sorted((tmp_path / "native").glob("linear_bf16-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    native_linear._kernel.cache_clear()
+    assert native_linear.available()
+    assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    assert sorted((tmp_path / "native").iterdir()) == built  # no temporary files left
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux")
+def test_huge_pages_cover_the_aligned_interior_and_keep_values():
+    t = torch.empty(3 * hugepages.HUGE_PAGE // 4)  # 6 MiB of float32
+    covered = hugepages.advise(t)
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32))
+    with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+        enabled = "[never]" not in f.read()
+    if enabled:
+        assert hugepages.HUGE_PAGE <= covered <= t.numel() * 4
+        assert covered % hugepages.HUGE_PAGE == 0
+    else:
+        assert covered == 0
+    hugepages.collapse(t)
+    assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32))
+    assert hugepages.advise(torch.empty(100)) == 0  # smaller than a huge page: nothing to do
+    assert hugepages.advise(torch.empty(8, device="meta")) == 0
