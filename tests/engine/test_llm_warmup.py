@@ -28,7 +28,7 @@ def test_eager_model_skips_warm_up():
 def test_cpu_warm_up_runs_a_small_step_per_range_and_covers_the_whole_range():
     llm = LLM(max_num_batched_tokens=64, max_num_seqs=8,
               compilation_config={"mode": 3, "backend": "eager"})
-    assert llm.runner.warm_up_compile_ranges() == [16]  # range [1, 64]: 16 tokens, not 64
+    assert llm.runner.warm_up_compile_ranges() == [2]  # range [1, 64]: 2 tokens, not 64
     started = compilation_counter.clone()
     out = llm.generate(prompt_token_ids=[list(range(1, 61))],  # a 60-token prefill step
                        sampling_params=SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)

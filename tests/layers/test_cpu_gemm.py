@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from forwardkit.layers import cpu_gemm
+from forwardkit.layers import cpu_gemm, native_linear
 from forwardkit.layers.linear import (
     Linear,
     LMHead,
@@ -62,6 +62,7 @@ def test_writes_through_weight_loaders_refresh_the_packed_copy():
             layer.weight.normal_()
     prepack_weights(torch.nn.ModuleList([merged, plain]))
     x = torch.randn(3, 32, dtype=BF16)
+    merged(x), plain(x)  # packs both: the writes below must re-derive the packed copies
     new_k = torch.randn(8, 32)  # float32 source, cast on copy
     merged.weight_loader(merged.weight, new_k, "k")
     assert torch.equal(merged.weight[16:24], new_k.to(BF16))
@@ -91,10 +92,32 @@ def test_packed_copy_goes_with_its_weight():
     before = cpu_gemm.packed_weight_count()
     layer = Linear(16, 16, dtype=BF16)
     prepack_weights(torch.nn.Sequential(layer))
+    assert cpu_gemm.packed_weight_count() == before  # packed at first use, not before
+    layer(torch.randn(4, 16, dtype=BF16))
     assert cpu_gemm.packed_weight_count() == before + 1
     del layer
     gc.collect()
     assert cpu_gemm.packed_weight_count() == before
+
+
+@needs_bf16
+def test_packing_waits_for_a_product_of_a_few_rows():
+    gc.collect()
+    layer = Linear(64, 48, dtype=BF16)
+    with torch.no_grad():
+        layer.weight.normal_()
+    prepack_weights(torch.nn.Sequential(layer))
+    before = cpu_gemm.packed_weight_count()
+    few = (1, 2) if native_linear.available() else ()  # the native kernel, else packing
+    for rows in (*few, cpu_gemm.LAZY_PACK_MAX_ROWS + 1):  # ... / a plain prompt matmul
+        x = torch.randn(rows, 64, dtype=BF16)
+        _close(layer(x), F.linear(x, layer.weight))
+        assert cpu_gemm.packed_weight_count() == before
+    x = torch.randn(cpu_gemm.LAZY_PACK_MAX_ROWS, 64, dtype=BF16)
+    _close(layer(x), F.linear(x, layer.weight))
+    assert cpu_gemm.packed_weight_count() == before + 1
+    x = torch.randn(200, 64, dtype=BF16)  # a packed weight serves long products too
+    _close(layer(x), F.linear(x, layer.weight))
 
 
 @needs_bf16

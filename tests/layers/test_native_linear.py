@@ -135,3 +135,18 @@ def test_huge_pages_cover_the_aligned_interior_and_keep_values():
     assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32))
     assert hugepages.advise(torch.empty(100)) == 0  # smaller than a huge page: nothing to do
     assert hugepages.advise(torch.empty(8, device="meta")) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux")
+def test_background_collapse_keeps_weights_usable():
+    weights = [torch.randn(1024, 1024) for _ in range(3)]  # 4 MiB each
+    expected = [w.clone() for w in weights]
+    thread = hugepages.collapse_in_background([*weights, torch.empty(10)])
+    if thread is not None:
+        weights[0].add_(1.0)  # written while it may be moving
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        expected[0].add_(1.0)
+    for w, e in zip(weights, expected):
+        assert torch.equal(w, e)
+    assert hugepages.collapse_in_background([torch.empty(10)]) is None  # nothing large enough

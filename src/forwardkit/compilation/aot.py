@@ -60,6 +60,17 @@ _KEEP_META = ("stack_trace",)
 _loading: list[Callable[[], Any]] = []
 
 
+def _unviewed(value: Any) -> Any:
+    """A fake input that is a view (the runner passes slices of its persistent buffers) as a
+    plain fake tensor of the same size and strides: the graph pickler cannot save the view's
+    link to its base, and the loaded graph needs only the size, strides and dtype."""
+    if isinstance(value, torch.Tensor) and value._is_view() and hasattr(value, "fake_mode"):
+        with value.fake_mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                       device=value.device)
+    return value
+
+
 class AotCompileError(RuntimeError):
     """``aot_compile`` itself failed (before the model ran); the caller traces without AOT."""
 
@@ -118,7 +129,7 @@ class SerializableSplitFunction(SerializableCallable):
         for node in gm.graph.nodes:
             saved[node] = node.meta
             keep = _KEEP_PLACEHOLDER_META if node.op == "placeholder" else _KEEP_META
-            node.meta = {k: v for k, v in node.meta.items() if k in keep}
+            node.meta = {k: _unviewed(v) for k, v in node.meta.items() if k in keep}
         try:
             graph = GraphPickler.dumps(gm, Options(ops_filter=None))
         finally:

@@ -18,10 +18,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import threading
+from collections.abc import Iterable
 
 import torch
 
-__all__ = ["HUGE_PAGE", "advise", "collapse"]
+__all__ = ["HUGE_PAGE", "advise", "collapse", "collapse_in_background"]
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
@@ -70,3 +72,17 @@ def advise(t: torch.Tensor) -> int:
 def collapse(t: torch.Tensor) -> int:
     """Move ``t``'s storage, already written, onto huge pages now."""
     return _apply(t, _MADV_COLLAPSE)
+
+
+def collapse_in_background(tensors: Iterable[torch.Tensor]) -> threading.Thread | None:
+    """:func:`collapse` each tensor on a daemon thread and return it (None when there is
+    nothing to do). The system call releases the GIL and the kernel keeps the memory readable
+    and writable while it moves, so start-up work (tracing, compiling) goes on meanwhile."""
+    todo = [t for t in tensors if t.device.type == "cpu" and not t.is_mkldnn
+            and t.untyped_storage().nbytes() >= HUGE_PAGE]
+    if not todo or _madvise() is None:
+        return None
+    thread = threading.Thread(target=lambda: [collapse(t) for t in todo], name="forwardkit-hugepages",
+                              daemon=True)
+    thread.start()
+    return thread

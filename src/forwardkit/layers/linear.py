@@ -134,9 +134,10 @@ class LMHead(nn.Module):
 
 
 def prepack_weights(model: nn.Module) -> int:
-    """Give every :class:`Linear` and :class:`LMHead` of ``model`` a oneDNN-packed copy of its
-    weight where that pays (bf16 on a CPU with bf16 instructions, see ``cpu_gemm``), unless
-    the second copy would not fit in the memory available. Returns the number packed."""
+    """Route every :class:`Linear` and :class:`LMHead` of ``model`` whose weight is bf16 on a
+    CPU with bf16 instructions through ``cpu_gemm``'s fast paths (native kernel for 1-2 rows, a
+    oneDNN-packed copy made at first use for more), unless a packed second copy of every weight
+    would not fit in the memory available. Returns the number of layers routed."""
     layers = [m for m in model.modules() if isinstance(m, (Linear, LMHead))]
     todo = [m for m in layers if cpu_gemm.prepack_supported(m.weight.dtype, m.weight.device)]
     if not todo:
@@ -149,8 +150,8 @@ def prepack_weights(model: nn.Module) -> int:
                             need / 2**30, free / 2**30)
         return 0
     for module in todo:
-        cpu_gemm.pack_weight(module.weight)
+        cpu_gemm.register_weight(module.weight)
         module.packed = True
-    logger.info_once("Prepacked %d linear weights (%.2f GiB) for oneDNN bf16 matmuls",
-                     len(todo), need / 2**30)
+    logger.info_once("%d bf16 linear weights (%.2f GiB) use the native kernel for 1-2 rows and "
+                     "oneDNN-packed copies (made at first use) for more", len(todo), need / 2**30)
     return len(todo)

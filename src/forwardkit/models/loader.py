@@ -104,9 +104,6 @@ def load_model(engine_config, prepack: bool | None = None) -> nn.Module:
     with set_current_engine_config(engine_config), torch.device(device):
         model = model_cls(engine_config)
     prepack = envs.FORWARDKIT_CPU_PREPACK_WEIGHTS if prepack is None else prepack
-    if prepack and device.type == "cpu":
-        for param in model.parameters():  # before the first write: faulted in as huge pages
-            hugepages.advise(param)
     if model_dir is None:
         init_random_weights(model)
         logger.info_once("Built %s with seeded random weights (no checkpoint)", model_cls.__name__)
@@ -121,6 +118,9 @@ def load_model(engine_config, prepack: bool | None = None) -> nn.Module:
         if missing:
             raise WeightLoadError(missing=missing, source=f"checkpoint {model_dir}")
         logger.info("Loaded %s from %s (%d files)", model_cls.__name__, model_dir, len(files))
-    if prepack:
+    if prepack and device.type == "cpu":
+        # written weights move onto huge pages in the background (faulting them in as huge
+        # pages is slower: each 2 MiB fault zeroes and may compact synchronously)
+        hugepages.collapse_in_background(list(model.parameters()))
         prepack_weights(model)
     return model.eval()

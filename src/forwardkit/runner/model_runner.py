@@ -39,7 +39,7 @@ __all__ = ["ModelRunner", "StepInfo"]
 logger = init_logger(__name__)
 
 # Tokens of a CPU start-up dummy step per compile range (see ``warm_up_compile_ranges``).
-_CPU_WARMUP_TOKENS = 16
+_CPU_WARMUP_TOKENS = 2
 
 
 class StepInfo:
@@ -308,7 +308,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             # NOTE: any size inside a range compiles that range's piece (the token dimension is
             # dynamic); on a CPU a max-size dummy step of a 1B model costs seconds, so a small
-            # one is run instead. On a GPU the top of the range also sizes peak activations.
+            # one is run instead (2 tokens: not the 0/1 sizes Dynamo specialises, and few
+            # enough rows that no bf16 weight gets packed before a batch needs it). On a GPU
+            # the top of the range also sizes peak activations.
             sizes = sorted({min(int(r.end), self.max_num_tokens, max(int(r.start), _CPU_WARMUP_TOKENS))
                             for r in ranges} or {1}, reverse=True)
         else:
