@@ -27,6 +27,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ logger = init_logger(__name__)
 # data_ptr of a plain weight -> [weak reference to the weight, its packed copy or None]. None:
 # registered, packed at its first product of a few rows. The entry goes when the weight is
 # freed, so a later tensor at the same address never meets it.
-_PACKED: dict[int, list] = {}
+_PACKED: dict[int, list[Any]] = {}
 
 # Products of up to this many rows pack a registered weight on first use; longer ones (prompts)
 # run F.linear on the plain weight until something packs it: oneDNN's per-call reorder is then
@@ -99,8 +100,10 @@ def refresh_packed(written: torch.Tensor) -> None:
         return
     ptr = written.untyped_storage().data_ptr()
     entry = _PACKED.get(ptr)
-    weight = entry[0]() if entry is not None else None
-    if weight is None or entry[1] is None:  # not packed yet: packing will read the new values
+    if entry is None or entry[1] is None:  # not packed yet: packing will read the new values
+        return
+    weight = entry[0]()
+    if weight is None:
         return
     if _deferred is not None:
         _deferred[ptr] = weight

@@ -19,7 +19,7 @@ import ctypes
 import functools
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -31,7 +31,7 @@ _MADV_COLLAPSE = 25
 
 
 @functools.lru_cache(maxsize=1)
-def _madvise() -> ctypes._CFuncPtr | None:
+def _madvise() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -78,7 +79,7 @@ def _build(cache_dir: Path) -> Path:
     return target
 
 
-def _self_check(fn: ctypes._CFuncPtr) -> None:
+def _self_check(fn: Callable[..., int]) -> None:
     """One small product (with a K tail and a bias) against ``F.linear``."""
     gen = torch.Generator().manual_seed(0)
     for rows in range(1, 5):
@@ -93,7 +94,7 @@ def _self_check(fn: ctypes._CFuncPtr) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _kernel() -> ctypes._CFuncPtr | None:
+def _kernel() -> Callable[..., int] | None:
     if not envs.FORWARDKIT_CPU_NATIVE_LINEAR:
         return None
     if not cpu_has_avx512_bf16():
