@@ -197,40 +197,9 @@ def spawn(
     deadline = time.monotonic() + timeout_s
     try:
         while len(values) < nprocs:
-            try:
-                rank, ok, payload = results.get(timeout=_POLL_S)
-            except queue_mod.Empty:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(nprocs)) - set(values))
-                    stopped = [r for r in missing if _is_stopped(procs[r].pid)]
-                    note = f" (rank(s) {stopped} stopped, e.g. by SIGSTOP)" if stopped else ""
-                    raise SpawnError(
-                        f"spawn: ranks {missing} did not finish within {timeout_s:g} s{note}",
-                        rank=stopped[0] if stopped else None,
-                    ) from None
-                for r, proc in enumerate(procs):
-                    if r not in values and proc.exitcode is not None:
-                        # Give a result that was queued just before exit a moment to arrive.
-                        try:
-                            rank, ok, payload = results.get(timeout=1.0)
-                            break
-                        except queue_mod.Empty:
-                            raise SpawnError(
-                                f"spawn: rank {r} {_exit_text(proc.exitcode)} "
-                                "without returning a result", rank=r,
-                            ) from None
-                else:
-                    continue
+            rank, ok, payload = _next_result(procs, results, values, deadline, timeout_s)
             if not ok:
-                cause = _root_cause(procs, rank, payload)
-                reason = _last_line(payload)
-                if cause is not None:
-                    r, what = cause
-                    raise SpawnError(f"spawn: rank {r} {what}; rank {rank} then failed: {reason}\n"
-                                     f"{payload}", rank=r, remote_traceback=payload)
-                raise SpawnError(
-                    f"spawn: rank {rank} failed: {reason}\n{payload}", rank=rank, remote_traceback=payload
-                )
+                raise _rank_failure(procs, rank, payload)
             values[rank] = payload
     finally:
         if len(values) == nprocs:
@@ -239,3 +208,42 @@ def spawn(
         _stop(procs)
         results.close()
     return [values[r] for r in range(nprocs)]
+
+
+def _next_result(procs: list[Any], results: Any, values: dict[int, Any], deadline: float,
+                 timeout_s: float) -> tuple[int, bool, Any]:
+    """The next ``(rank, ok, payload)`` a rank queued; raises :class:`SpawnError` when the
+    deadline passes or a rank exited without queueing one."""
+    nprocs = len(procs)
+    while True:
+        try:
+            return results.get(timeout=_POLL_S)
+        except queue_mod.Empty:
+            pass
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(nprocs)) - set(values))
+            stopped = [r for r in missing if _is_stopped(procs[r].pid)]
+            note = f" (rank(s) {stopped} stopped, e.g. by SIGSTOP)" if stopped else ""
+            raise SpawnError(f"spawn: ranks {missing} did not finish within {timeout_s:g} s{note}",
+                             rank=stopped[0] if stopped else None)
+        for r, proc in enumerate(procs):
+            if r not in values and proc.exitcode is not None:
+                # Give a result that was queued just before exit a moment to arrive.
+                try:
+                    return results.get(timeout=1.0)
+                except queue_mod.Empty:
+                    raise SpawnError(f"spawn: rank {r} {_exit_text(proc.exitcode)} "
+                                     "without returning a result", rank=r) from None
+
+
+def _rank_failure(procs: list[Any], rank: int, payload: str) -> SpawnError:
+    """The error for a rank that raised, naming the rank that failed first when another
+    rank's failure was only a consequence of it."""
+    cause = _root_cause(procs, rank, payload)
+    reason = _last_line(payload)
+    if cause is not None:
+        r, what = cause
+        return SpawnError(f"spawn: rank {r} {what}; rank {rank} then failed: {reason}\n"
+                          f"{payload}", rank=r, remote_traceback=payload)
+    return SpawnError(f"spawn: rank {rank} failed: {reason}\n{payload}", rank=rank,
+                      remote_traceback=payload)
