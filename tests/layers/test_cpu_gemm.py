@@ -29,11 +29,12 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def test_only_bf16_on_cpu_is_packed():
-    assert not cpu_gemm.prepack_supported(torch.float32)
-    assert not cpu_gemm.prepack_supported(torch.float16, "cpu") or torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert cpu_gemm.prepack_supported(torch.float32) == torch.backends.mkldnn.is_available()
+    assert not cpu_gemm.prepack_supported(torch.float16, "cpu")
     assert not cpu_gemm.prepack_supported(BF16, "meta")
-    fp32 = torch.nn.Sequential(Linear(8, 8, dtype=torch.float32))
-    assert prepack_weights(fp32) == 0 and not fp32[0].packed
+    assert not cpu_gemm.prepack_supported(torch.float32, "meta")
+    fp16 = torch.nn.Sequential(Linear(8, 8, dtype=torch.float16))
+    assert prepack_weights(fp16) == 0 and not fp16[0].packed
 
 
 @needs_bf16

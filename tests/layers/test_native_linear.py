@@ -18,9 +18,9 @@ needs_kernel = pytest.mark.skipif(not native_linear.cpu_has_avx512_bf16(),
 @pytest.fixture
 def fresh_kernel(monkeypatch):
     """The kernel loader re-run under this test's environment, and again after it."""
-    native_linear._kernel.cache_clear()
+    native_linear.cache_clear()
     yield monkeypatch
-    native_linear._kernel.cache_clear()
+    native_linear.cache_clear()
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -31,16 +31,19 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize(("n", "k"), [(8, 32), (13, 70), (3072, 2048), (257, 1000)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_float32_linear(rows, n, k, with_bias):
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_matches_a_float64_linear(rows, n, k, with_bias, dtype):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
-    x = torch.randn(rows, k, generator=gen).to(BF16)
-    w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16)
-    b = torch.randn(n, generator=gen).to(BF16) if with_bias else None
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     out = native_linear.linear_rows(x, w, b)
-    assert out is not None and out.dtype == BF16 and out.shape == (rows, n)
-    ref = _reference(x, w, b)
-    # fp32 accumulation, one rounding to bf16: within bf16's half-ulp of the fp32 result
-    torch.testing.assert_close(out.float(), ref, rtol=8e-3, atol=1e-3 * ref.abs().max().item())
+    assert out is not None and out.dtype == dtype and out.shape == (rows, n)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    if dtype == BF16:  # fp32 accumulation, one rounding to bf16: bf16's half-ulp of the result
+        torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=1e-3 * ref.abs().max().item())
+    else:  # fp32 accumulation in another order than MKL: a few fp32 ulps of the sum's size
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     assert torch.equal(out, native_linear.linear_rows(x, w, b))  # deterministic
 
 
@@ -58,7 +61,8 @@ def test_declines_what_it_does_not_cover():
     w = torch.randn(16, 64).to(BF16)
     x1 = torch.randn(1, 64).to(BF16)
     assert native_linear.linear_rows(torch.randn(native_linear.MAX_ROWS + 1, 64).to(BF16), w, None) is None
-    assert native_linear.linear_rows(x1.float(), w.float(), None) is None
+    assert native_linear.linear_rows(x1.half(), w.half(), None) is None
+    assert native_linear.linear_rows(x1.float(), w, None) is None  # mixed dtypes
     assert native_linear.linear_rows(x1, w.t().contiguous().t(), None) is None  # strided weight
     assert native_linear.linear_rows(x1, w, torch.zeros(16)) is None  # fp32 bias
     assert native_linear.linear_rows(torch.randn(0, 64).to(BF16), w, None) is None
@@ -110,10 +114,10 @@ def test_missing_compiler_disables_with_a_reason(fresh_kernel, tmp_path):
 def test_build_is_cached_by_source(fresh_kernel, tmp_path):
     fresh_kernel.setenv("FORWARDKIT_CACHE_ROOT", str(tmp_path))
     assert native_linear.available()
-    built = sorted((tmp_path / "native").glob("linear_bf16-*.so"))
+    built = sorted((tmp_path / "native").glob("linear_few_rows-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    native_linear._kernel.cache_clear()
+    native_linear.cache_clear()
     assert native_linear.available()
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     assert sorted((tmp_path / "native").iterdir()) == built  # no temporary files left

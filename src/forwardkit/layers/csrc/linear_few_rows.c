@@ -1,11 +1,13 @@
-/* bf16 linear for few rows on CPUs with AVX-512-BF16: y[M,N] = x[M,K] @ w[N,K]^T (+ bias).
+/* Linear for few rows on the CPU: y[M,N] = x[M,K] @ w[N,K]^T (+ bias), in bf16 (AVX-512-BF16)
+ * and float32 (AVX-512F).
  *
  * Decoding multiplies one to a few activation rows by each weight matrix, so the product is
  * bound by how fast the weights stream from memory. The weight is read in its plain row-major
  * layout (no packed copy), a block of R rows at a time, each row against every activation row,
  * with fp32 accumulation by VDPBF16PS (32 products per instruction). Rows blocks are split
- * over the OpenMP threads of the process (the same runtime as PyTorch's). The result is
- * rounded to bf16 (round to nearest even), as PyTorch's bf16 matmul does.
+ * over the OpenMP threads of the process (the same runtime as PyTorch's). A bf16 result is
+ * rounded to bf16 (round to nearest even), as PyTorch's bf16 matmul does. Each function uses
+ * only the instructions its name needs; the caller checks the CPU before calling.
  *
  * Built at first use by forwardkit.layers.native_linear with the system C compiler.
  */
@@ -13,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define FK_ABI_VERSION 1
+#define FK_ABI_VERSION 2
 
 int fk_abi_version(void) { return FK_ABI_VERSION; }
 
@@ -74,6 +76,58 @@ FK_BLOCK(1, 8)
 FK_BLOCK(2, 8)
 FK_BLOCK(3, 4)
 FK_BLOCK(4, 4)
+
+/* float32: the same blocking with FMA over 16 floats. Needs AVX-512F only. */
+#define FK_BLOCK32(MR, R)                                                                      \
+  static void fk32_block_##MR##_##R(const float* x, const float* w, const float* bias,        \
+                                    float* y, long n0, long nr, long N, long K) {              \
+    __m512 acc[MR][R];                                                                         \
+    const float* wr[R];                                                                        \
+    for (int j = 0; j < R; j++) {                                                              \
+      wr[j] = w + (n0 + (j < nr ? j : 0)) * K;                                                 \
+      for (int i = 0; i < MR; i++) acc[i][j] = _mm512_setzero_ps();                            \
+    }                                                                                          \
+    long k = 0;                                                                                \
+    for (; k + 16 <= K; k += 16) {                                                             \
+      __m512 xv[MR];                                                                           \
+      for (int i = 0; i < MR; i++) xv[i] = _mm512_loadu_ps(x + i * K + k);                     \
+      for (int j = 0; j < R; j++) {                                                            \
+        __m512 wv = _mm512_loadu_ps(wr[j] + k);                                                \
+        for (int i = 0; i < MR; i++) acc[i][j] = _mm512_fmadd_ps(wv, xv[i], acc[i][j]);        \
+      }                                                                                        \
+    }                                                                                          \
+    if (k < K) {                                                                               \
+      __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);                                       \
+      __m512 xv[MR];                                                                           \
+      for (int i = 0; i < MR; i++) xv[i] = _mm512_maskz_loadu_ps(mask, x + i * K + k);         \
+      for (int j = 0; j < R; j++) {                                                            \
+        __m512 wv = _mm512_maskz_loadu_ps(mask, wr[j] + k);                                    \
+        for (int i = 0; i < MR; i++) acc[i][j] = _mm512_fmadd_ps(wv, xv[i], acc[i][j]);        \
+      }                                                                                        \
+    }                                                                                          \
+    for (int i = 0; i < MR; i++)                                                               \
+      for (int j = 0; j < nr; j++)                                                             \
+        y[i * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.0f);    \
+  }
+
+FK_BLOCK32(1, 8)
+FK_BLOCK32(2, 8)
+
+int fk_linear_f32(const float* x, const float* w, const float* bias, float* y, long M, long N,
+                  long K) {
+  if (M < 1 || M > 2 || N < 1 || K < 1) return -1;
+  const long R = 8;
+  const long nblocks = (N + R - 1) / R;
+  /* small products (weights in cache) are not worth waking a second thread for */
+#pragma omp parallel for schedule(static) if (N * K >= (1L << 18))
+  for (long b = 0; b < nblocks; b++) {
+    const long n0 = b * R;
+    const long nr = N - n0 < R ? N - n0 : R;
+    if (M == 1) fk32_block_1_8(x, w, bias, y, n0, nr, N, K);
+    else fk32_block_2_8(x, w, bias, y, n0, nr, N, K);
+  }
+  return 0;
+}
 
 /* Returns 0 on success, -1 when M is outside 1..4 (the caller then uses another path). */
 int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
