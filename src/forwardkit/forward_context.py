@@ -181,7 +181,9 @@ def create_forward_context(
     )
 
 
-def _restore(token: Token) -> None:
+def _restore(token: Token | None) -> None:
+    if token is None:
+        raise RuntimeError("forward-context scope exited without being entered")
     try:
         _CURRENT.reset(token)
     except ValueError:  # exited in another asyncio task/context than entered: best effort

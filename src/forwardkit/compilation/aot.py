@@ -105,8 +105,11 @@ class SerializableSplitFunction(SerializableCallable):
         with tracing(TracingContext(self.fake_mode)):
             _ExampleValues(self.graph_module, self.fake_mode).run(*fakes)
             result = backend(self.graph_module, fakes)
-        self.runnable = result.runnable if isinstance(result, SerializableSplitFunction) else result
-        return self.runnable
+        runnable = result.runnable if isinstance(result, SerializableSplitFunction) else result
+        if runnable is None:
+            raise RuntimeError("the piecewise backend returned a split function without a runnable")
+        self.runnable = runnable
+        return runnable
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: Any) -> bytes:
@@ -138,6 +141,8 @@ class SerializableSplitFunction(SerializableCallable):
         state = pickle.loads(data)
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
         gm = GraphPickler.loads(state["graph"], fake_mode)
+        if not isinstance(gm, torch.fx.GraphModule):
+            raise RuntimeError(f"AOT entry holds a {type(gm).__name__}, not a GraphModule")
         gm.recompile()
         return cls(gm, state["prefix"], None, fake_mode, _loading[-1])
 
@@ -300,7 +305,8 @@ class AotEntry:
         try:
             compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend,
                                      options={"guard_filter_fn": _drop_all_guards})
-            aot_fn = compiled.aot_compile(((self.module, *args), dict(kwargs)))
+            # torch.compile's stub returns a plain Callable; the compiled function has aot_compile
+            aot_fn = compiled.aot_compile(((self.module, *args), dict(kwargs)))  # type: ignore[attr-defined]
         except Exception as e:
             raise AotCompileError(f"{type(e).__name__}: {e}") from e
         aot_fn.disable_guard_check()

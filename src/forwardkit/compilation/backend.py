@@ -66,7 +66,7 @@ def set_piece_wrapper(model: torch.nn.Module, factory: PieceWrapperFactory | Non
         )
     compiled = 0
     for m in modules:
-        m._fk_piece_wrapper = factory
+        m._fk_piece_wrapper = factory  # type: ignore[assignment]  # Module.__setattr__ stub: tensors/modules only
         compiled += not getattr(m, "_fk_do_not_compile", True)
     return compiled
 
@@ -83,7 +83,11 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
         super().__init__(module)
         self.compile_names = compile_names
         self.make_piece = make_piece
-        self.fake_mode = torch._guards.detect_fake_mode()
+        fake_mode = torch._guards.detect_fake_mode()
+        if fake_mode is None:
+            raise RuntimeError("PiecewiseCompileInterpreter runs inside a Dynamo backend call, "
+                               "under its fake mode; none is active")
+        self.fake_mode = fake_mode
 
     def run(self, *args: Any) -> Any:  # type: ignore[override]
         """Propagate fakes through the split module (under the active fake mode)."""

@@ -53,7 +53,8 @@ def infer_dynamic_arg_dims(forward: Callable[..., Any]) -> dict[str, int]:
 
 def ignore_torch_compile(cls: T) -> T:
     """Make a subclass of a decorated class run eagerly (decorated submodules still compile)."""
-    cls._forwardkit_ignore_compile = True
+    marked: Any = cls  # the marker is a class attribute added here, unknown to the type
+    marked._forwardkit_ignore_compile = True
     return cls
 
 
@@ -122,15 +123,16 @@ def support_torch_compile(
             raise TypeError(f"{klass.__name__} has no forward(); support_torch_compile needs one")
         if klass.__dict__.get("_forwardkit_compile_decorated", False):
             return klass  # decorating twice is a no-op
-        dims = dynamic_arg_dims
+        forward = klass.forward  # type: ignore[attr-defined]  # checked with dir() above
+        dims: dict[str, int | list[int]] | None = dynamic_arg_dims
         if dims is None:
-            dims = infer_dynamic_arg_dims(klass.forward)
+            dims = dict(infer_dynamic_arg_dims(forward))
             if not dims and not mark_unbacked_dims:
                 raise ValueError(
                     f"cannot infer dynamic_arg_dims for {klass.__name__}.forward: no parameter is "
                     "annotated torch.Tensor; pass dynamic_arg_dims={'input_ids': 0, ...}"
                 )
-        params = inspect.signature(klass.forward).parameters
+        params = inspect.signature(forward).parameters
         for name in [*dims, *(mark_unbacked_dims or {})]:
             if name not in params:
                 raise ValueError(
@@ -143,13 +145,14 @@ def support_torch_compile(
     return decorate(cls) if cls is not None else decorate
 
 
-def _install(klass: type, dims: dict[str, Any], unbacked: dict[str, Any],
+def _install(klass: Any, dims: dict[str, Any], unbacked: dict[str, Any],
              enable_if: Callable[[Any], bool] | None) -> None:
     """Record the per-class settings; wrap ``__init__``/``__call__`` unless a base already is.
 
     The wrappers look everything up on ``type(self)``, so a subclass of a decorated class (or a
     decorated subclass, e.g. ``MixtralModel(LlamaModel)``) compiles its own ``forward`` with
-    its own dims, and is never wrapped twice.
+    its own dims, and is never wrapped twice. (``klass`` is ``Any``: the settings and the
+    wrappers are class attributes added here.)
     """
     inherited = getattr(klass, "_forwardkit_compile_decorated", False)
     klass._fk_dims = dims

@@ -136,7 +136,7 @@ class GraphBackend:
         Captures on the current stream unless it is the default stream (which cannot be
         captured); then torch's own side stream is used.
         """
-        stream = torch.cuda.current_stream()
+        stream: torch.cuda.Stream | None = torch.cuda.current_stream()
         if stream == torch.cuda.default_stream():
             stream = None
         return torch.cuda.graph(graph, pool=pool, stream=stream)

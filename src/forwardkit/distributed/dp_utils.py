@@ -14,7 +14,7 @@ Unlike vLLM, the all-reduce is bounded by the DP group's timeout (a dead peer gi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -246,7 +246,7 @@ def coordinate_batch_across_dp(
     parallel_config: Any,
     num_tokens_padded: int | None = None,
     uniform_decode: bool | None = None,
-    num_scheduled_tokens_per_request: np.ndarray | None = None,
+    num_scheduled_tokens_per_request: np.ndarray | Sequence[int] | None = None,
     cudagraph_mode: int = 0,
 ) -> tuple[bool, torch.Tensor | None, int]:
     """Agree with every DP rank on micro-batching, per-rank token counts and graph mode.

@@ -84,12 +84,13 @@ class ModelRunner:
 
             with set_current_engine_config(cfg):
                 model = load_model(cfg)
-        self.model = self._place(model)
+        # the model, or the CUDAGraphWrapper around it (which forwards attribute access)
+        self.model: Any = self._place(model)
         self.dtype = (self.model_config.dtype if self.model_config is not None
                       else next(self.model.parameters()).dtype)
         if self.model_config is not None:
             self.vocab_size = self.model_config.get_vocab_size()
-            self.max_model_len = int(self.model_config.max_model_len)
+            self.max_model_len = self.model_config.get_max_model_len()
         else:  # no model config: load_model built the built-in default model
             from forwardkit.models.default import default_hf_config
 
