@@ -33,7 +33,7 @@ import os
 import pickle
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
@@ -43,6 +43,9 @@ from forwardkit import envs
 from forwardkit.compilation.cache import CompileCache, cache_enabled, code_hash
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = ["AotEntry", "SerializableSplitFunction", "aot_enabled"]
 
@@ -64,14 +67,14 @@ class AotCompileError(RuntimeError):
     """``aot_compile`` itself failed (before the model ran); the caller traces without AOT."""
 
 
-def aot_enabled(engine_config: Any) -> bool:
+def aot_enabled(engine_config: EngineConfig) -> bool:
     """AOT precompile applies: mode 3, Inductor backend, cache on, env switch on."""
     cc = engine_config.compilation_config
-    if int(getattr(cc, "mode", 0) or 0) != 3 or (getattr(cc, "backend", "") or "inductor") != "inductor":
+    if int(cc.mode or 0) != 3 or (cc.backend or "inductor") != "inductor":
         return False
     if not envs.FORWARDKIT_USE_AOT_COMPILE:
         return False
-    return cache_enabled(dict(getattr(cc, "inductor_compile_config", None) or {}))
+    return cache_enabled(dict(cc.inductor_compile_config))
 
 
 @dataclasses.dataclass
@@ -240,17 +243,16 @@ def _drop_all_guards(guards: list[Any]) -> list[bool]:
 class AotEntry:
     """The saved Dynamo result of one compiled module instance (one cache entry)."""
 
-    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any], engine_config: Any,
+    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any], engine_config: EngineConfig,
                  prefix: str, fingerprint: str) -> None:
         self.module, self.forward, self.engine_config = module, forward, engine_config
         self.prefix = prefix or "backbone"
         cc = engine_config.compilation_config
-        root = getattr(cc, "cache_dir", "") or envs.FORWARDKIT_CACHE_ROOT
+        root = cc.cache_dir or envs.FORWARDKIT_CACHE_ROOT
         root = os.path.abspath(os.path.expanduser(root))
         code = forward.__code__
         factors = {
-            "config_hash": engine_config.compute_hash() if hasattr(engine_config, "compute_hash")
-            else repr(engine_config),
+            "config_hash": engine_config.compute_hash(),
             "torch": torch.__version__,
             "python": sys.version,
             "forward": f"{forward.__module__}.{forward.__qualname__}:{code.co_filename}:{code.co_firstlineno}",
@@ -260,10 +262,9 @@ class AotEntry:
             "format": 1,
         }
         digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:10]
-        pc = getattr(engine_config, "parallel_config", None)
-        rank = getattr(pc, "rank", 0) or 0
-        dp_rank = getattr(pc, "data_parallel_rank", 0) or 0
-        local = os.path.join(root, "torch_aot_compile", digest, f"rank_{rank}_{dp_rank}", self.prefix)
+        pc = engine_config.parallel_config
+        local = os.path.join(root, "torch_aot_compile", digest,
+                             f"rank_{pc.rank}_{pc.data_parallel_rank}", self.prefix)
         self.cache = CompileCache(root, local, "binary")
         self.cache.write_metadata("cache_key_factors.json", json.dumps(factors, indent=2, sort_keys=True))
 

@@ -18,13 +18,16 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.compilation.wrapper import TraceOnceCompiler, collect_traced_files
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = ["ignore_torch_compile", "infer_dynamic_arg_dims", "support_torch_compile"]
 
@@ -58,20 +61,18 @@ def ignore_torch_compile(cls: T) -> T:
     return cls
 
 
-def _mode_of(engine_config: Any) -> int:
-    cc = getattr(engine_config, "compilation_config", None)
-    mode = getattr(cc, "mode", None)
+def _mode_of(engine_config: EngineConfig) -> int:
+    mode = engine_config.compilation_config.mode
     return 0 if mode is None else int(mode)
 
 
-def _evaluate_guards(engine_config: Any) -> bool:
-    dsc = getattr(getattr(engine_config, "compilation_config", None), "dynamic_shapes_config", None)
-    return bool(getattr(dsc, "evaluate_guards", False))
+def _evaluate_guards(engine_config: EngineConfig) -> bool:
+    return engine_config.compilation_config.dynamic_shapes_config.evaluate_guards
 
 
-def _enforce_eager(engine_config: Any) -> bool:
-    mc = getattr(engine_config, "model_config", None)
-    return bool(getattr(mc, "enforce_eager", False))
+def _enforce_eager(engine_config: EngineConfig) -> bool:
+    mc = engine_config.model_config
+    return mc is not None and mc.enforce_eager
 
 
 def _mark_dynamic(bound: inspect.BoundArguments, dims: dict[str, int | list[int]],
@@ -166,7 +167,8 @@ def _install(klass: Any, dims: dict[str, Any], unbacked: dict[str, Any],
     original_call = klass.__call__
     init_params = inspect.signature(original_init).parameters
 
-    def __init__(self: Any, *args: Any, engine_config: Any = None, vllm_config: Any = None,
+    def __init__(self: Any, *args: Any, engine_config: EngineConfig | None = None,
+                 vllm_config: EngineConfig | None = None,
                  prefix: str = "", **kwargs: Any) -> None:
         cfg = engine_config if engine_config is not None else vllm_config
         if cfg is None:
@@ -209,20 +211,20 @@ def _install(klass: Any, dims: dict[str, Any], unbacked: dict[str, Any],
     klass.__call__ = __call__
 
 
-def _make_backend(module: Any, cfg: Any, mode: int) -> Any:
+def _make_backend(module: Any, cfg: EngineConfig, mode: int) -> Any:
     """The Dynamo backend callable for mode 1/2/3."""
     cc = cfg.compilation_config
     if mode == 3:
         from forwardkit.compilation.backend import ForwardkitBackend
 
-        backend = cc.init_backend(cfg) if hasattr(cc, "init_backend") else ForwardkitBackend(cfg)
+        backend = cc.init_backend(cfg)
         if isinstance(backend, ForwardkitBackend):
             if module._fk_prefix:
                 backend.prefix = module._fk_prefix
             backend.piece_wrapper = getattr(module, "_fk_piece_wrapper", None)
         module._fk_backend = backend
         return backend
-    name = cc.init_backend(cfg) if hasattr(cc, "init_backend") else (cc.backend or "inductor")
+    name = cc.init_backend(cfg)
     if name == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
@@ -261,7 +263,7 @@ def _first_call(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
 
 
 @contextlib.contextmanager
-def _backend_errors_unwrapped(cfg: Any, klass: type, mode: int) -> Any:
+def _backend_errors_unwrapped(cfg: EngineConfig, klass: type, mode: int) -> Any:
     """Turn Dynamo's ``BackendCompilerFailed`` wrapper into the error a user can act on.
 
     Mode 3: forwardkit's own backend raised, so its exception (with the library's reason,
@@ -278,7 +280,7 @@ def _backend_errors_unwrapped(cfg: Any, klass: type, mode: int) -> Any:
             raise
         if mode == 3:
             raise inner from e
-        backend = getattr(cfg.compilation_config, "backend", None)
+        backend = cfg.compilation_config.backend
         reason = (str(inner).strip().splitlines() or [""])[0]
         raise ValueError(
             f"compilation_config.backend={backend!r} failed while compiling {klass.__name__} "
@@ -294,8 +296,7 @@ def _trace(module: Any, forward: Any, args: tuple[Any, ...], kwargs: dict[str, A
     cfg = module._fk_engine_config
     cc = cfg.compilation_config
     bound = inspect.signature(forward).bind(module, *args, **kwargs)
-    dyn = getattr(getattr(cc, "dynamic_shapes_config", None), "type", "backed")
-    _mark_dynamic(bound, klass._fk_dims, klass._fk_unbacked, str(getattr(dyn, "value", dyn)))
+    _mark_dynamic(bound, klass._fk_dims, klass._fk_unbacked, cc.dynamic_shapes_config.type.value)
     traced: set[str] = {inspect.getsourcefile(forward) or forward.__code__.co_filename}
     backend = _make_backend(module, cfg, module._fk_mode)
     compiler = TraceOnceCompiler(module, forward, backend, _evaluate_guards(cfg))
