@@ -18,7 +18,10 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = ["add_generation_args", "run_generation"]
 
@@ -77,7 +80,7 @@ def _env(name: str, value: str) -> Iterator[None]:
 
 
 def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
-                   s: dict[str, Any]) -> Any:
+                   s: dict[str, Any]) -> EngineConfig:
     from forwardkit.bench.contenders import NATIVE_EAGER
     from forwardkit.config.args import engine_config_from_args
 
