@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace as NS
-
 import pytest
 import torch
 
 import forwardkit.forward_context as fc
 from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.config.engine import EngineConfig
+from forwardkit.config.parallel import ParallelConfig
 from forwardkit.forward_context import (
     BatchDescriptor,
     DPMetadata,
@@ -25,11 +25,10 @@ from forwardkit.forward_context import (
 NOT_SET = "Forward context is not set. Please use `set_forward_context` to set the forward context."
 
 
-def make_cfg(dp: int = 1, **pc) -> NS:
-    return NS(
-        parallel_config=NS(data_parallel_size=dp, **pc),
-        compilation_config=NS(static_forward_context={"layer.0.attn": "L0"}),
-    )
+def make_cfg(dp: int = 1, **pc) -> EngineConfig:
+    cfg = EngineConfig(parallel_config=ParallelConfig(data_parallel_size=dp, **pc))
+    cfg.compilation_config.static_forward_context["layer.0.attn"] = "L0"  # a registered layer
+    return cfg
 
 
 SEED_NAMES = [
@@ -118,7 +117,7 @@ def test_sp_size_must_be_positive():
 
 # --- DPMetadata -------------------------------------------------------------------------
 
-PC3 = NS(data_parallel_size=3, data_parallel_rank=1, is_moe_model=True)
+PC3 = ParallelConfig(data_parallel_size=3, data_parallel_rank=1, is_moe_model=True)
 
 
 def make_dp_metadata() -> DPMetadata:
@@ -170,12 +169,12 @@ def test_dp_metadata_make_errors():
         DPMetadata.make(PC3, 6, torch.tensor([5, 7, 2]))
     assert str(info.value) == "7 6"
     with pytest.raises(AssertionError):
-        DPMetadata.make(NS(data_parallel_size=1, data_parallel_rank=0, is_moe_model=True), 5,
+        DPMetadata.make(ParallelConfig(data_parallel_size=1, data_parallel_rank=0, is_moe_model=True), 5,
                         torch.tensor([5]))
     with pytest.raises(AssertionError):
-        DPMetadata.make(NS(data_parallel_size=3, data_parallel_rank=1, is_moe_model=False), 7,
+        DPMetadata.make(ParallelConfig(data_parallel_size=3, data_parallel_rank=1, is_moe_model=False), 7,
                         torch.tensor([5, 7, 2]))
-    m = DPMetadata.make(NS(data_parallel_size=2, data_parallel_rank=0, is_moe_model=None), 5,
+    m = DPMetadata.make(ParallelConfig(data_parallel_size=2, data_parallel_rank=0, is_moe_model=None), 5,
                         torch.tensor([5, 7]))
     assert repr(m) == (
         "DPMetadata(max_tokens_across_dp_cpu=tensor(7), num_tokens_across_dp_cpu=tensor([5, 7]), "

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from types import SimpleNamespace as NS
 
 import pytest
 
+from forwardkit.config.engine import EngineConfig
 from forwardkit.forward_context import (
     create_forward_context,
     get_forward_context,
@@ -16,8 +16,7 @@ from forwardkit.forward_context import (
     set_forward_context,
 )
 
-CFG = NS(parallel_config=NS(data_parallel_size=1),
-         compilation_config=NS(static_forward_context={}))
+CFG = EngineConfig()
 
 
 def test_threads_see_only_their_own_context():

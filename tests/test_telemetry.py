@@ -10,10 +10,10 @@ import pytest
 
 import forwardkit.forward_context as fc
 from forwardkit import telemetry
+from forwardkit.config.engine import EngineConfig
 from forwardkit.platforms import CpuPlatform, use_platform
 
-CFG = NS(parallel_config=NS(data_parallel_size=1),
-         compilation_config=NS(static_forward_context={}))
+CFG = EngineConfig()
 
 
 class FakeClock:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace as NS
-
 import numpy as np
 import pytest
 
+from forwardkit.config.parallel import ParallelConfig
 from forwardkit.ubatch import (
     UBatchSlice,
     UBatchSlices,
@@ -42,8 +41,8 @@ def test_is_last_ubatch_empty_rejects_zero_ubatches():
         is_last_ubatch_empty(4, 8, 0)
 
 
-ON = NS(use_ubatching=True, dbo_decode_token_threshold=32, dbo_prefill_token_threshold=512)
-OFF = NS(use_ubatching=False, dbo_decode_token_threshold=32, dbo_prefill_token_threshold=512)
+ON = ParallelConfig(enable_dbo=True, dbo_decode_token_threshold=32, dbo_prefill_token_threshold=512)
+OFF = ParallelConfig(enable_dbo=False, dbo_decode_token_threshold=32, dbo_prefill_token_threshold=512)
 
 
 @pytest.mark.parametrize(

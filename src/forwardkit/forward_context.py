@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -41,6 +41,9 @@ from forwardkit.distributed.dp_utils import _compute_sp_num_tokens as _compute_s
 from forwardkit.logger import init_logger
 from forwardkit.platforms import Platform, current_platform
 from forwardkit.ubatch import UBatchSlices
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = [
     "BatchDescriptor",
@@ -156,7 +159,7 @@ def is_forward_context_available() -> bool:
 
 def create_forward_context(
     attn_metadata: Any,
-    vllm_config: Any,
+    vllm_config: EngineConfig,
     virtual_engine: int = 0,
     dp_metadata: DPMetadata | None = None,
     cudagraph_runtime_mode: CUDAGraphMode = _NONE,
@@ -166,8 +169,8 @@ def create_forward_context(
 ) -> ForwardContext:
     """Build (but do not install) a :class:`ForwardContext` for ``vllm_config``.
 
-    ``vllm_config`` is any object with ``compilation_config.static_forward_context``
-    (an :class:`~forwardkit.config.engine.EngineConfig` or a stand-in).
+    ``vllm_config`` is the :class:`~forwardkit.config.engine.EngineConfig`; only its
+    ``compilation_config.static_forward_context`` (and, under DP, ``parallel_config``) is read.
     """
     return ForwardContext(
         vllm_config.compilation_config.static_forward_context,
@@ -181,7 +184,9 @@ def create_forward_context(
     )
 
 
-def _restore(token: Token) -> None:
+def _restore(token: Token | None) -> None:
+    if token is None:
+        raise RuntimeError("forward-context scope exited without being entered")
     try:
         _CURRENT.reset(token)
     except ValueError:  # exited in another asyncio task/context than entered: best effort
@@ -285,7 +290,7 @@ class _ForwardStepScope:
 
 def set_forward_context(
     attn_metadata: Any,
-    vllm_config: Any,
+    vllm_config: EngineConfig,
     virtual_engine: int = 0,
     num_tokens: int | None = None,
     num_tokens_across_dp: torch.Tensor | None = None,

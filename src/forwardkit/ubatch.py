@@ -9,9 +9,12 @@ here end up in ``ForwardContext.ubatch_slices``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from forwardkit.config.parallel import ParallelConfig
 
 __all__ = [
     "UBatchSlice",
@@ -49,10 +52,10 @@ UBatchSlices = list[UBatchSlice]
 """A step's micro-batches, in order (type alias of ``list[UBatchSlice]``)."""
 
 
-def check_ubatch_thresholds(config: Any, num_tokens: int, uniform_decode: bool) -> bool:
+def check_ubatch_thresholds(config: ParallelConfig, num_tokens: int, uniform_decode: bool) -> bool:
     """Whether a batch of ``num_tokens`` is big enough to be worth micro-batching.
 
-    ``config`` is a parallel config (read: ``use_ubatching``, ``dbo_decode_token_threshold``,
+    ``config`` is the parallel config (read: ``use_ubatching``, ``dbo_decode_token_threshold``,
     ``dbo_prefill_token_threshold``). Uniform-decode batches use the decode threshold
     (default 32), batches with prefills the prefill threshold (default 512); both inclusive.
     """

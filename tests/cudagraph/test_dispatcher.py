@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace as NS
-
 import pytest
 import torch
 
-from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.config.compilation import CompilationMode, CUDAGraphMode
+from forwardkit.config.engine import EngineConfig
+from forwardkit.config.parallel import ParallelConfig
+from forwardkit.config.scheduler import SchedulerConfig, SpeculativeConfig
 from forwardkit.cudagraph.dispatcher import (
     CudagraphDispatcher,
     cudagraphs_available,
@@ -31,37 +32,34 @@ def make_cfg(
     lora: bool = False,
     specialize_lora: bool = True,
     piecewise_ok: bool = True,
-    metrics: bool = False,
     dp_size: int = 1,
     dp_rank: int = 0,
     tp: int = 1,
     enable_sp: bool = False,
     with_table: bool = True,
-) -> NS:
-    """A SimpleNamespace engine config with only the attributes the dispatcher reads."""
+) -> EngineConfig:
+    """A real engine config (current platform), then the compilation fields the dispatcher reads
+    set to exactly the state under test (resolution would derive them from the platform)."""
     sizes_l = sorted(sizes)
-    cc = NS(
-        cudagraph_mode=mode,
-        cudagraph_capture_sizes=sizes_l,
-        max_cudagraph_capture_size=sizes_l[-1] if sizes_l else 0,
-        bs_to_padded_graph_size=padding_table(sizes_l) if with_table else None,
-        cudagraph_specialize_lora=specialize_lora,
-        is_attention_compiled_piecewise=lambda: piecewise_ok,
-        mode=3 if piecewise_ok else 0,
-        splitting_ops=["forwardkit::unified_attention_with_output"] if piecewise_ok else [],
-        pass_config=NS(enable_sp=enable_sp),
-    )
-    return NS(
-        compilation_config=cc,
-        scheduler_config=NS(max_num_seqs=max_num_seqs),
-        speculative_config=None if spec_tokens is None else NS(num_speculative_tokens=spec_tokens),
-        lora_config=NS() if lora else None,
-        parallel_config=NS(
+    cfg = EngineConfig(
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs),
+        speculative_config=None if spec_tokens is None else SpeculativeConfig(num_speculative_tokens=spec_tokens),
+        parallel_config=ParallelConfig(
             data_parallel_size=dp_size, data_parallel_rank=dp_rank, tensor_parallel_size=tp
         ),
-        observability_config=NS(cudagraph_metrics=metrics),
-        model_config=None,
     )
+    cc = cfg.compilation_config
+    cc.cudagraph_mode = mode
+    cc.cudagraph_capture_sizes = sizes_l
+    cc.max_cudagraph_capture_size = sizes_l[-1] if sizes_l else 0
+    cc.bs_to_padded_graph_size = padding_table(sizes_l) if with_table else None
+    cc.cudagraph_specialize_lora = specialize_lora
+    cc.mode = CompilationMode.VLLM_COMPILE if piecewise_ok else CompilationMode.NONE
+    cc.splitting_ops = list(cc.ATTENTION_OPS) if piecewise_ok else []
+    cc.pass_config.enable_sp = enable_sp
+    if lora:  # forwardkit has no LoRA config; the dispatcher only asks whether one is set
+        cfg.lora_config = object()
+    return cfg
 
 
 def dispatcher_for(mode: CUDAGraphMode = M.FULL_AND_PIECEWISE, init: bool = True, **kw) -> CudagraphDispatcher:

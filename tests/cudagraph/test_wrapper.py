@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from types import SimpleNamespace as NS
 
 import pytest
 import torch
 
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.config.engine import EngineConfig
 from forwardkit.cudagraph import monitor
 from forwardkit.cudagraph.wrapper import (
     CUDAGraphEntry,
@@ -86,10 +86,7 @@ def fake_cuda(monkeypatch):
     monitor.set_cudagraph_capturing_enabled(True)
 
 
-CFG = NS(
-    parallel_config=NS(data_parallel_size=1),
-    compilation_config=NS(static_forward_context={}),
-)
+CFG = EngineConfig()
 
 
 def ctx(mode=M.NONE, desc=None):

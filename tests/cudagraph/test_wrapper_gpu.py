@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace as NS
-
 import pytest
 import torch
 from torch import nn
 
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.config.engine import EngineConfig
 from forwardkit.cudagraph import monitor
 from forwardkit.cudagraph.wrapper import (
     CUDAGraphWrapper,
@@ -28,7 +27,7 @@ pytestmark = [
 M = CUDAGraphMode
 SIZES = [1, 2, 4, 8]
 HIDDEN = 16
-CFG = NS(parallel_config=NS(data_parallel_size=1), compilation_config=NS(static_forward_context={}))
+CFG = EngineConfig()
 
 
 def ctx(mode=M.NONE, desc=None):

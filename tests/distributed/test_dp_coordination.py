@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace as NS
 
 import pytest
 import torch
 
+from forwardkit.config.parallel import ParallelConfig
 from forwardkit.distributed import (
     DPCollectiveError,
     coordinate_batch_across_dp,
@@ -23,12 +23,11 @@ from forwardkit.distributed.dp_utils import (
 from forwardkit.distributed.launch import spawn
 
 
-def parallel_config(dp: int, rank: int, **overrides) -> NS:
-    fields = dict(data_parallel_size=dp, data_parallel_rank=rank, num_ubatches=2,
-                  use_ubatching=True, dbo_decode_token_threshold=32,
-                  dbo_prefill_token_threshold=512, is_moe_model=True)
+def parallel_config(dp: int, rank: int, **overrides) -> ParallelConfig:
+    """DP ``dp`` with micro-batching on (DBO: two micro-batches, thresholds 32 / 512), MoE."""
+    fields = dict(data_parallel_size=dp, data_parallel_rank=rank, enable_dbo=True, is_moe_model=True)
     fields.update(overrides)
-    return NS(**fields)
+    return ParallelConfig(**fields)
 
 
 # --- single process --------------------------------------------------------------------------
@@ -51,7 +50,7 @@ def test_post_processing_of_gathered_votes():
 def test_single_rank_short_circuits():
     out = coordinate_batch_across_dp(num_tokens_unpadded=5, allow_microbatching=True,
                                      allow_dp_padding=True,
-                                     parallel_config=NS(data_parallel_size=1), cudagraph_mode=2)
+                                     parallel_config=ParallelConfig(), cudagraph_mode=2)
     assert out == (False, None, 2)
 
 
@@ -233,8 +232,9 @@ def test_torchrun_environment_is_used(world_of_one, monkeypatch):
                         "MASTER_PORT": str(world_of_one)}.items():
         monkeypatch.setenv(name, value)
     # A config built earlier (rank 0 of 1) does not override the launcher's values.
-    group = init_dp_group(NS(data_parallel_size=1, data_parallel_rank=0,
-                             data_parallel_master_ip="10.9.9.9", data_parallel_master_port=1))
+    config = ParallelConfig()
+    config.data_parallel_master_ip, config.data_parallel_master_port = "10.9.9.9", 1
+    group = init_dp_group(config)
     assert (group.rank, group.world_size) == (0, 1)
 
 
@@ -243,7 +243,7 @@ def test_torchrun_world_must_match_dp_size(monkeypatch):
                         "MASTER_PORT": "29999"}.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match="torchrun started 2 processes but data_parallel_size is 4"):
-        init_dp_group(NS(data_parallel_size=4))
+        init_dp_group(ParallelConfig(data_parallel_size=4))
 
 
 def test_forwardkit_dp_env_is_used(world_of_one, monkeypatch):
@@ -265,8 +265,8 @@ def test_adopts_existing_world(world_of_one):
                             rank=0, timeout=datetime.timedelta(seconds=30))
     try:
         with pytest.raises(ValueError, match="world size 1, but the DP size is 2"):
-            init_dp_group(NS(data_parallel_size=2))
-        group = init_dp_group(NS(data_parallel_size=1))
+            init_dp_group(ParallelConfig(data_parallel_size=2))
+        group = init_dp_group(ParallelConfig())
         assert group.owns_default_group is False
         destroy_dp_group()
         assert dist.is_initialized()  # the user's world is left alone

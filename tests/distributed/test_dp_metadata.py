@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace as NS
-
 import pytest
 import torch
 
 from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.config.engine import EngineConfig
+from forwardkit.config.parallel import ParallelConfig
 from forwardkit.distributed import destroy_dp_group, init_dp_group
 from forwardkit.distributed.launch import spawn
 from forwardkit.forward_context import get_forward_context, set_forward_context
@@ -17,11 +17,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 NUM_TOKENS = [3, 10, 7]
 
 
-def _config(dp: int, rank: int) -> NS:
-    return NS(
-        parallel_config=NS(data_parallel_size=dp, data_parallel_rank=rank, is_moe_model=True),
-        compilation_config=NS(static_forward_context={}),
-    )
+def _config(dp: int, rank: int) -> EngineConfig:
+    return EngineConfig(parallel_config=ParallelConfig(data_parallel_size=dp, data_parallel_rank=rank,
+                                                       is_moe_model=True))
 
 
 def _describe(dp_metadata) -> tuple | None:

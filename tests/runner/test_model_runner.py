@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forwardkit.config.cache import CacheConfig
-from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.config.compilation import CompilationConfig, CUDAGraphMode
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.model import ModelConfig
 from forwardkit.config.scheduler import SchedulerConfig
@@ -193,6 +193,12 @@ def test_dummy_run_goes_through_the_model():
         runner.dummy_run(65)
 
 
+def _graph_config(cudagraph_mode: str, split: bool) -> CompilationConfig:
+    """A mode-3 compilation config whose graph is (or is not) split at attention."""
+    return CompilationConfig(mode=3, cudagraph_mode=cudagraph_mode,
+                             splitting_ops=list(CompilationConfig.ATTENTION_OPS) if split else [])
+
+
 @pytest.mark.parametrize("configured, support, split, expected", [
     ("FULL", 1, True, CUDAGraphMode.FULL_AND_PIECEWISE),
     ("FULL", 1, False, CUDAGraphMode.FULL_DECODE_ONLY),
@@ -204,22 +210,15 @@ def test_dummy_run_goes_through_the_model():
 ])
 def test_resolve_cudagraph_mode(configured, support, split, expected):
     """Lower the configured mode to what the attention backend supports."""
-    from types import SimpleNamespace
-
     from forwardkit.runner.planner import resolve_graph_mode
 
-    cc = SimpleNamespace(cudagraph_mode=configured, is_attention_compiled_piecewise=lambda: split,
-                         splitting_ops_contain_attention=lambda: split)
-    assert resolve_graph_mode(cc, support) == expected
+    assert resolve_graph_mode(_graph_config(configured, split), support) == expected
 
 
 def test_resolve_full_without_any_support_is_an_error():
-    from types import SimpleNamespace
-
     from forwardkit.runner.planner import resolve_graph_mode
 
-    cc = SimpleNamespace(cudagraph_mode="FULL", is_attention_compiled_piecewise=lambda: True,
-                         splitting_ops_contain_attention=lambda: True)
+    cc = _graph_config("FULL", True)
     with pytest.raises(ValueError, match="supports none"):
         resolve_graph_mode(cc, 0)
     # off whatever the config says: enforce_eager, or a device that cannot capture

@@ -7,7 +7,10 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.config.compilation import CompilationMode, CUDAGraphMode
+from forwardkit.config.engine import EngineConfig
+from forwardkit.config.parallel import ParallelConfig
+from forwardkit.config.scheduler import SchedulerConfig
 from forwardkit.cudagraph.metrics import CUDAGraphStat
 from forwardkit.forward_context import BatchDescriptor as d
 from forwardkit.platforms import CudaPlatform
@@ -18,19 +21,23 @@ SIZES = [1, 2, 4, 8, 16]
 
 
 def make_cfg(mode=M.FULL_AND_PIECEWISE, metrics=False, dp_size=1, dp_rank=0, tp=1, enable_sp=False):
-    """A SimpleNamespace engine config with only the attributes the planner reads."""
-    cc = NS(
-        cudagraph_mode=mode, cudagraph_capture_sizes=SIZES, max_cudagraph_capture_size=16,
-        bs_to_padded_graph_size=[0] + [min(s for s in SIZES if s >= b) for b in range(1, 17)],
-        cudagraph_specialize_lora=True, is_attention_compiled_piecewise=lambda: True,
-        pass_config=NS(enable_sp=enable_sp),
+    """A real engine config (current platform), then the graph fields the planner reads set to
+    the state under test (resolution would derive them from the platform)."""
+    cfg = EngineConfig(
+        scheduler_config=SchedulerConfig(max_num_seqs=8),
+        parallel_config=ParallelConfig(data_parallel_size=dp_size, data_parallel_rank=dp_rank,
+                                       tensor_parallel_size=tp),
     )
-    return NS(
-        compilation_config=cc, scheduler_config=NS(max_num_seqs=8), speculative_config=None,
-        lora_config=None, model_config=None, observability_config=NS(cudagraph_metrics=metrics),
-        parallel_config=NS(data_parallel_size=dp_size, data_parallel_rank=dp_rank,
-                           tensor_parallel_size=tp),
-    )
+    cc = cfg.compilation_config
+    cc.mode = CompilationMode.VLLM_COMPILE
+    cc.splitting_ops = list(cc.ATTENTION_OPS)  # attention compiled piecewise
+    cc.cudagraph_mode = mode
+    cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = list(SIZES), 16
+    cc.bs_to_padded_graph_size = [0] + [min(s for s in SIZES if s >= b) for b in range(1, 17)]
+    cc.pass_config.enable_sp = enable_sp
+    if metrics:  # EngineConfig has no observability config; the planner reads one if present
+        cfg.observability_config = NS(cudagraph_metrics=True)
+    return cfg
 
 
 def planner_for(mode=M.FULL_AND_PIECEWISE, coordinate_fn=None, **kw) -> StepPlanner:

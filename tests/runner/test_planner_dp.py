@@ -16,29 +16,28 @@ ROWS = [([1] * 5, [1] * 3), ([1] * 5, [4, 1, 1, 7]), ([1] * 5, [10, 10])]
 
 
 def _rank_main(rank: int, nprocs: int, port: int) -> list[tuple]:
+    from forwardkit.config.compilation import CompilationMode
+    from forwardkit.config.engine import EngineConfig
+    from forwardkit.config.parallel import ParallelConfig
+    from forwardkit.config.scheduler import SchedulerConfig
     from forwardkit.distributed import destroy_dp_group, init_dp_group
     from forwardkit.runner.planner import StepPlanner
 
     sizes = [1, 2, 4, 8, 16]
-    parallel = NS(
-        data_parallel_size=nprocs, data_parallel_rank=rank, tensor_parallel_size=1,
-        disable_nccl_for_dp_synchronization=True, use_ubatching=False, enable_dbo=False,
-        ubatch_size=0, num_ubatches=0, dbo_decode_token_threshold=32, dbo_prefill_token_threshold=512,
-        data_parallel_master_ip="127.0.0.1", data_parallel_master_port=port,
+    parallel = ParallelConfig(
+        data_parallel_size=nprocs, data_parallel_rank=rank, disable_nccl_for_dp_synchronization=True,
     )
-    cc = NS(
-        cudagraph_mode=M.FULL_AND_PIECEWISE, cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=16,
-        bs_to_padded_graph_size=[0] + [min(s for s in sizes if s >= b) for b in range(1, 17)],
-        cudagraph_specialize_lora=True, is_attention_compiled_piecewise=lambda: True,
-        pass_config=NS(enable_sp=False),
-    )
-    cfg = NS(
-        compilation_config=cc, scheduler_config=NS(max_num_seqs=8), speculative_config=None,
-        lora_config=None, parallel_config=parallel, observability_config=NS(cudagraph_metrics=True),
-        model_config=None,
-    )
+    cfg = EngineConfig(scheduler_config=SchedulerConfig(max_num_seqs=8), parallel_config=parallel)
+    # the graph fields set to the state under test (on CPU resolution turns graphs off)
+    cc = cfg.compilation_config
+    cc.mode, cc.splitting_ops = CompilationMode.VLLM_COMPILE, list(cc.ATTENTION_OPS)
+    cc.cudagraph_mode = M.FULL_AND_PIECEWISE
+    cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = sizes, 16
+    cc.bs_to_padded_graph_size = [0] + [min(s for s in sizes if s >= b) for b in range(1, 17)]
+    cfg.observability_config = NS(cudagraph_metrics=True)  # EngineConfig has none; stats on
     planner = StepPlanner(cfg, M.FULL_AND_PIECEWISE)
-    init_dp_group(parallel, backend="gloo", timeout_s=60)
+    # ParallelConfig picks its own free master port (as vLLM's does); the ranks meet at ``port``
+    init_dp_group(parallel, backend="gloo", timeout_s=60, master_addr="127.0.0.1", master_port=port)
     try:
         out = []
         for row in ROWS:

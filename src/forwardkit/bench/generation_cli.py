@@ -18,11 +18,14 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = ["add_generation_args", "run_generation"]
 
-QUICK = {"batch_sizes": [1, 4], "prompt_len": 16, "new_tokens": 4, "repeats": 1}
+QUICK: dict[str, Any] = {"batch_sizes": [1, 4], "prompt_len": 16, "new_tokens": 4, "repeats": 1}
 
 
 def _int_list(text: str) -> list[int]:
@@ -53,9 +56,9 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    defaults = QUICK if args.quick else {"batch_sizes": [1, 16], "prompt_len": 128,
+    defaults: dict[str, Any] = QUICK if args.quick else {"batch_sizes": [1, 16], "prompt_len": 128,
                                          "new_tokens": 32, "repeats": 3}
-    out = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v
+    out: dict[str, Any] = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v
            for k, v in defaults.items()}
     for key in ("prompt_len", "new_tokens", "repeats"):
         if out[key] < 1:
@@ -77,7 +80,7 @@ def _env(name: str, value: str) -> Iterator[None]:
 
 
 def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
-                   s: dict[str, Any]) -> Any:
+                   s: dict[str, Any]) -> EngineConfig:
     from forwardkit.bench.contenders import NATIVE_EAGER
     from forwardkit.config.args import engine_config_from_args
 
@@ -89,8 +92,10 @@ def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any
     if name != "forwardkit":
         ns.enforce_eager, ns.engine_O, ns.compilation_config = False, ["0"], NATIVE_EAGER
     cfg = engine_config_from_args(ns, default_hf_config=hf_config)
+    if cfg.model_config is None:  # max_model_len is set above, and that needs a model config
+        raise RuntimeError("the generation benchmark's engine config has no model config")
     block = int(cfg.cache_config.block_size)
-    cfg.cache_config.num_gpu_blocks = ns.max_num_seqs * -(-int(cfg.model_config.max_model_len) // block) + 1
+    cfg.cache_config.num_gpu_blocks = ns.max_num_seqs * -(-cfg.model_config.get_max_model_len() // block) + 1
     return cfg
 
 

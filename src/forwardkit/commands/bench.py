@@ -37,7 +37,7 @@ def _under_torchrun(dp: int) -> bool:
 def _prepare_dp(args: argparse.Namespace, hf_config: dict[str, Any] | None) -> dict[str, Any] | None:
     """DP needs a mixture-of-experts model (ranks meet in the MoE layers); pick or check it."""
     if args.model_shape is not None:
-        if not hf_config.get("num_local_experts"):
+        if not (hf_config or {}).get("num_local_experts"):
             raise ValueError(f"--data-parallel-size > 1 needs a mixture-of-experts model; "
                              f"--model-shape {args.model_shape} has no experts (try mixtral-small)")
         return hf_config

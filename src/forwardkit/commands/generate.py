@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     prompts: list[Any] = list(args.prompt) + [{"prompt_token_ids": ids} for ids in args.prompt_token_ids]
     if args.prompt and llm.get_tokenizer() is None:
         raise ValueError(
-            f"--prompt needs a tokenizer but model {config.model_config.model or '<built-in>'} "
+            f"--prompt needs a tokenizer but model "
+            f"{(config.model_config.model if config.model_config else None) or '<built-in>'} "
             "ships none; use --prompt-token-ids"
         )
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -33,7 +33,7 @@ import os
 import pickle
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
@@ -43,6 +43,9 @@ from forwardkit import envs
 from forwardkit.compilation.cache import CompileCache, cache_enabled, code_hash
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = ["AotEntry", "SerializableSplitFunction", "aot_enabled"]
 
@@ -75,14 +78,14 @@ class AotCompileError(RuntimeError):
     """``aot_compile`` itself failed (before the model ran); the caller traces without AOT."""
 
 
-def aot_enabled(engine_config: Any) -> bool:
+def aot_enabled(engine_config: EngineConfig) -> bool:
     """AOT precompile applies: mode 3, Inductor backend, cache on, env switch on."""
     cc = engine_config.compilation_config
-    if int(getattr(cc, "mode", 0) or 0) != 3 or (getattr(cc, "backend", "") or "inductor") != "inductor":
+    if int(cc.mode or 0) != 3 or (cc.backend or "inductor") != "inductor":
         return False
     if not envs.FORWARDKIT_USE_AOT_COMPILE:
         return False
-    return cache_enabled(dict(getattr(cc, "inductor_compile_config", None) or {}))
+    return cache_enabled(dict(cc.inductor_compile_config))
 
 
 @dataclasses.dataclass
@@ -116,8 +119,11 @@ class SerializableSplitFunction(SerializableCallable):
         with tracing(TracingContext(self.fake_mode)):
             _ExampleValues(self.graph_module, self.fake_mode).run(*fakes)
             result = backend(self.graph_module, fakes)
-        self.runnable = result.runnable if isinstance(result, SerializableSplitFunction) else result
-        return self.runnable
+        runnable = result.runnable if isinstance(result, SerializableSplitFunction) else result
+        if runnable is None:
+            raise RuntimeError("the piecewise backend returned a split function without a runnable")
+        self.runnable = runnable
+        return runnable
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: Any) -> bytes:
@@ -149,6 +155,8 @@ class SerializableSplitFunction(SerializableCallable):
         state = pickle.loads(data)
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
         gm = GraphPickler.loads(state["graph"], fake_mode)
+        if not isinstance(gm, torch.fx.GraphModule):
+            raise RuntimeError(f"AOT entry holds a {type(gm).__name__}, not a GraphModule")
         gm.recompile()
         return cls(gm, state["prefix"], None, fake_mode, _loading[-1])
 
@@ -246,17 +254,16 @@ def _drop_all_guards(guards: list[Any]) -> list[bool]:
 class AotEntry:
     """The saved Dynamo result of one compiled module instance (one cache entry)."""
 
-    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any], engine_config: Any,
+    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any], engine_config: EngineConfig,
                  prefix: str, fingerprint: str) -> None:
         self.module, self.forward, self.engine_config = module, forward, engine_config
         self.prefix = prefix or "backbone"
         cc = engine_config.compilation_config
-        root = getattr(cc, "cache_dir", "") or envs.FORWARDKIT_CACHE_ROOT
+        root = cc.cache_dir or envs.FORWARDKIT_CACHE_ROOT
         root = os.path.abspath(os.path.expanduser(root))
         code = forward.__code__
         factors = {
-            "config_hash": engine_config.compute_hash() if hasattr(engine_config, "compute_hash")
-            else repr(engine_config),
+            "config_hash": engine_config.compute_hash(),
             "torch": torch.__version__,
             "python": sys.version,
             "forward": f"{forward.__module__}.{forward.__qualname__}:{code.co_filename}:{code.co_firstlineno}",
@@ -266,10 +273,9 @@ class AotEntry:
             "format": 1,
         }
         digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:10]
-        pc = getattr(engine_config, "parallel_config", None)
-        rank = getattr(pc, "rank", 0) or 0
-        dp_rank = getattr(pc, "data_parallel_rank", 0) or 0
-        local = os.path.join(root, "torch_aot_compile", digest, f"rank_{rank}_{dp_rank}", self.prefix)
+        pc = engine_config.parallel_config
+        local = os.path.join(root, "torch_aot_compile", digest,
+                             f"rank_{pc.rank}_{pc.data_parallel_rank}", self.prefix)
         self.cache = CompileCache(root, local, "binary")
         self.cache.write_metadata("cache_key_factors.json", json.dumps(factors, indent=2, sort_keys=True))
 
@@ -311,7 +317,8 @@ class AotEntry:
         try:
             compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend,
                                      options={"guard_filter_fn": _drop_all_guards})
-            aot_fn = compiled.aot_compile(((self.module, *args), dict(kwargs)))
+            # torch.compile's stub returns a plain Callable; the compiled function has aot_compile
+            aot_fn = compiled.aot_compile(((self.module, *args), dict(kwargs)))  # type: ignore[attr-defined]
         except Exception as e:
             raise AotCompileError(f"{type(e).__name__}: {e}") from e
         aot_fn.disable_guard_check()

@@ -18,7 +18,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
@@ -33,6 +33,10 @@ from forwardkit.compilation.piecewise import ArtifactStore, PiecewiseBackend
 from forwardkit.compilation.split import SplitItem, split_graph
 from forwardkit.config.compilation_methods import register_piecewise_backend
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from forwardkit.config.compilation import CompilationConfig
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = [
     "DEFAULT_SPLITTING_OPS",
@@ -66,7 +70,7 @@ def set_piece_wrapper(model: torch.nn.Module, factory: PieceWrapperFactory | Non
         )
     compiled = 0
     for m in modules:
-        m._fk_piece_wrapper = factory
+        m._fk_piece_wrapper = factory  # type: ignore[assignment]  # Module.__setattr__ stub: tensors/modules only
         compiled += not getattr(m, "_fk_do_not_compile", True)
     return compiled
 
@@ -83,7 +87,11 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
         super().__init__(module)
         self.compile_names = compile_names
         self.make_piece = make_piece
-        self.fake_mode = torch._guards.detect_fake_mode()
+        fake_mode = torch._guards.detect_fake_mode()
+        if fake_mode is None:
+            raise RuntimeError("PiecewiseCompileInterpreter runs inside a Dynamo backend call, "
+                               "under its fake mode; none is active")
+        self.fake_mode = fake_mode
 
     def run(self, *args: Any) -> Any:  # type: ignore[override]
         """Propagate fakes through the split module (under the active fake mode)."""
@@ -105,14 +113,14 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
         return output
 
 
-def _user_passes_and_options(cc: Any) -> tuple[dict[str, Any], list[Any]]:
+def _user_passes_and_options(cc: CompilationConfig) -> tuple[dict[str, Any], list[Any]]:
     """Split ``inductor_compile_config`` into real Inductor options and user passes."""
     from forwardkit.config.pass_config import resolve_inductor_pass
 
     options: dict[str, Any] = {}
     passes: list[Any] = []
     known = torch._inductor.config._config  # type: ignore[attr-defined]
-    for key, value in dict(getattr(cc, "inductor_compile_config", None) or {}).items():
+    for key, value in dict(cc.inductor_compile_config).items():
         if key == "post_grad_custom_post_pass" or (callable(value) and key not in known):
             if isinstance(value, PostGradPassManager):
                 raise ValueError(
@@ -125,7 +133,7 @@ def _user_passes_and_options(cc: Any) -> tuple[dict[str, Any], list[Any]]:
             options[key] = value
         else:
             logger.warning_once("ignoring unknown Inductor option %r in inductor_compile_config", key)
-    for name, value in dict(getattr(cc, "inductor_passes", None) or {}).items():
+    for name, value in dict(cc.inductor_passes).items():
         resolved = resolve_inductor_pass(name, value)
         if not any(p is resolved or p == resolved for p in passes):
             passes.append(resolved)
@@ -135,13 +143,13 @@ def _user_passes_and_options(cc: Any) -> tuple[dict[str, Any], list[Any]]:
 class ForwardkitBackend:
     """Split-and-compile backend built from an engine config (``CompilationConfig.init_backend``)."""
 
-    def __init__(self, engine_config: Any, prefix: str = "",
+    def __init__(self, engine_config: EngineConfig, prefix: str = "",
                  piece_wrapper: PieceWrapperFactory | None = None) -> None:
         self.engine_config = engine_config
         self.piece_wrapper = piece_wrapper
         self.compilation_config = cc = engine_config.compilation_config
         self.prefix = prefix or "backbone"
-        self.backend_name = getattr(cc, "backend", "") or "inductor"
+        self.backend_name = cc.backend or "inductor"
         if self.backend_name not in ("inductor", "eager"):
             raise ValueError(
                 f"compilation_config.backend={self.backend_name!r} is not supported by the "
@@ -149,7 +157,7 @@ class ForwardkitBackend:
             )
         options, user_passes = _user_passes_and_options(cc)
         options["enable_auto_functionalized_v2"] = False  # custom passes expect v1
-        self.pass_manager = PostGradPassManager(getattr(cc, "pass_config", None), user_passes)
+        self.pass_manager = PostGradPassManager(cc.pass_config, user_passes)
         options["post_grad_custom_post_pass"] = self.pass_manager
         self.inductor_config = options
         self.traced_files: set[str] = set()
@@ -165,7 +173,7 @@ class ForwardkitBackend:
     # ------------------------------------------------------------------ cache
     def _cache_factors(self) -> dict[str, Any]:
         cfg = self.engine_config
-        config_hash = cfg.compute_hash() if hasattr(cfg, "compute_hash") else repr(cfg)
+        config_hash = cfg.compute_hash()
         env = {
             k: str(getattr(envs, k))
             for k in ("FORWARDKIT_COMPILE_CACHE_SAVE_FORMAT",)
@@ -183,20 +191,16 @@ class ForwardkitBackend:
         cc = self.compilation_config
         if self.backend_name == "eager" or not cache_enabled(self.inductor_config):
             return None
-        root = getattr(cc, "cache_dir", "") or envs.FORWARDKIT_CACHE_ROOT
+        root = cc.cache_dir or envs.FORWARDKIT_CACHE_ROOT
         root = os.path.abspath(os.path.expanduser(root))
         factors = self._cache_factors()
         key_dir = CompileCache.key_dir(root, factors)
-        pc = getattr(self.engine_config, "parallel_config", None)
-        rank = getattr(pc, "rank", 0) or 0
-        dp_rank = getattr(pc, "data_parallel_rank", 0) or 0
-        local = os.path.join(key_dir, f"rank_{rank}_{dp_rank}", self.prefix)
-        fmt = getattr(cc, "compile_cache_save_format", None) or envs.FORWARDKIT_COMPILE_CACHE_SAVE_FORMAT
-        cache = CompileCache(root, local, fmt)
+        pc = self.engine_config.parallel_config
+        local = os.path.join(key_dir, f"rank_{pc.rank}_{pc.data_parallel_rank}", self.prefix)
+        cache = CompileCache(root, local, cc.compile_cache_save_format)
         cache.write_metadata("cache_key_factors.json", json.dumps(factors, indent=2, sort_keys=True))
-        for attr, value in (("local_cache_dir", local),):
-            with contextlib.suppress(AttributeError, TypeError, ValueError):
-                setattr(cc, attr, value)
+        with contextlib.suppress(AttributeError, TypeError, ValueError):  # a frozen config keeps None
+            cc.local_cache_dir = local
         return cache
 
     # ------------------------------------------------------------------ call
@@ -211,9 +215,8 @@ class ForwardkitBackend:
         compilation_counter.num_graphs_seen += 1
         cc = self.compilation_config
         self.cache = self._init_cache()
-        ops = getattr(cc, "splitting_ops", None)
-        ops = list(DEFAULT_SPLITTING_OPS if ops is None else ops)
-        if getattr(cc, "use_inductor_graph_partition", False):
+        ops = list(DEFAULT_SPLITTING_OPS if cc.splitting_ops is None else cc.splitting_ops)
+        if cc.use_inductor_graph_partition:
             ops = []
         split_gm, items = split_graph(gm, ops)
         self.split_gm, self.pieces = split_gm, items
@@ -221,8 +224,8 @@ class ForwardkitBackend:
         compilation_counter.num_splits += sum(it.is_splitting_graph for it in items)
         compile_names = [it.submod_name for it in items if not it.is_splitting_graph]
 
-        ranges = cc.get_compile_ranges() if hasattr(cc, "get_compile_ranges") else []
-        sizes = [s for s in (getattr(cc, "compile_sizes", None) or []) if isinstance(s, int)]
+        ranges = cc.get_compile_ranges()
+        sizes = [s for s in (cc.compile_sizes or []) if isinstance(s, int)]
         compiler = PieceCompiler(self.backend_name, self.inductor_config, self.cache, cc)
         store = ArtifactStore(compiler)
 
@@ -232,7 +235,7 @@ class ForwardkitBackend:
                 on_all_compiled=self._all_compiled,
             )
             self.piece_backends.append(piece)
-            if self.piece_wrapper is None or getattr(cc, "use_inductor_graph_partition", False):
+            if self.piece_wrapper is None or cc.use_inductor_graph_partition:
                 return piece
             # NOTE: a single-piece graph is still wrapped (the wrapper only acts on PIECEWISE
             # steps); splitting pieces (attention) are never here, so they stay eager.

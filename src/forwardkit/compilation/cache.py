@@ -28,7 +28,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -48,7 +48,8 @@ __all__ = [
 
 logger = init_logger(__name__)
 
-SAVE_FORMATS = ("binary", "unpacked")
+SaveFormat = Literal["binary", "unpacked"]
+SAVE_FORMATS: tuple[SaveFormat, ...] = ("binary", "unpacked")
 
 
 class UnsafeCacheDirError(PermissionError):
@@ -155,7 +156,8 @@ class CompileCache:
             raise ValueError(
                 f"compile_cache_save_format={save_format!r} is not supported; use one of {SAVE_FORMATS}"
             )
-        self.root, self.local_dir, self.save_format = root, local_dir, save_format
+        self.root, self.local_dir = root, local_dir
+        self.save_format: SaveFormat = "unpacked" if save_format == "unpacked" else "binary"
         _make_private_dirs(root, local_dir)
         self.inductor_dir = os.path.join(root, "inductor_cache")
         _make_private_dirs(root, self.inductor_dir)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
@@ -20,6 +20,9 @@ from forwardkit.compilation.counters import compilation_counter
 from forwardkit.compilation.vec_isa import prime_vec_isa_list
 from forwardkit.config.compilation_enums import Range
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from forwardkit.config.compilation import CompilationConfig
 
 __all__ = ["PieceCompileError", "PieceCompiler", "current_compile_range", "pass_context"]
 
@@ -72,7 +75,7 @@ class PieceCompiler:
         backend: str,
         inductor_config: dict[str, Any],
         cache: CompileCache | None,
-        compilation_config: Any = None,
+        compilation_config: CompilationConfig | None = None,
     ) -> None:
         if backend not in ("inductor", "eager"):
             raise ValueError(
@@ -95,9 +98,9 @@ class PieceCompiler:
             logger.warning_once("vector-ISA priming failed (%s); Inductor will probe", str(e))
 
     def add_compilation_time(self, seconds: float) -> None:
-        """Accumulate into ``compilation_config.compilation_time`` when the config has it."""
+        """Accumulate into ``compilation_config.compilation_time`` when there is a config."""
         cfg = self.compilation_config
-        if cfg is not None and hasattr(cfg, "compilation_time"):
+        if cfg is not None:
             cfg.compilation_time = (cfg.compilation_time or 0.0) + seconds
 
     def compile_or_load(

@@ -18,13 +18,16 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.compilation.wrapper import TraceOnceCompiler, collect_traced_files
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = ["ignore_torch_compile", "infer_dynamic_arg_dims", "support_torch_compile"]
 
@@ -53,24 +56,23 @@ def infer_dynamic_arg_dims(forward: Callable[..., Any]) -> dict[str, int]:
 
 def ignore_torch_compile(cls: T) -> T:
     """Make a subclass of a decorated class run eagerly (decorated submodules still compile)."""
-    cls._forwardkit_ignore_compile = True
+    marked: Any = cls  # the marker is a class attribute added here, unknown to the type
+    marked._forwardkit_ignore_compile = True
     return cls
 
 
-def _mode_of(engine_config: Any) -> int:
-    cc = getattr(engine_config, "compilation_config", None)
-    mode = getattr(cc, "mode", None)
+def _mode_of(engine_config: EngineConfig) -> int:
+    mode = engine_config.compilation_config.mode
     return 0 if mode is None else int(mode)
 
 
-def _evaluate_guards(engine_config: Any) -> bool:
-    dsc = getattr(getattr(engine_config, "compilation_config", None), "dynamic_shapes_config", None)
-    return bool(getattr(dsc, "evaluate_guards", False))
+def _evaluate_guards(engine_config: EngineConfig) -> bool:
+    return engine_config.compilation_config.dynamic_shapes_config.evaluate_guards
 
 
-def _enforce_eager(engine_config: Any) -> bool:
-    mc = getattr(engine_config, "model_config", None)
-    return bool(getattr(mc, "enforce_eager", False))
+def _enforce_eager(engine_config: EngineConfig) -> bool:
+    mc = engine_config.model_config
+    return mc is not None and mc.enforce_eager
 
 
 def _mark_dynamic(bound: inspect.BoundArguments, dims: dict[str, int | list[int]],
@@ -122,15 +124,16 @@ def support_torch_compile(
             raise TypeError(f"{klass.__name__} has no forward(); support_torch_compile needs one")
         if klass.__dict__.get("_forwardkit_compile_decorated", False):
             return klass  # decorating twice is a no-op
-        dims = dynamic_arg_dims
+        forward = klass.forward  # type: ignore[attr-defined]  # checked with dir() above
+        dims: dict[str, int | list[int]] | None = dynamic_arg_dims
         if dims is None:
-            dims = infer_dynamic_arg_dims(klass.forward)
+            dims = dict(infer_dynamic_arg_dims(forward))
             if not dims and not mark_unbacked_dims:
                 raise ValueError(
                     f"cannot infer dynamic_arg_dims for {klass.__name__}.forward: no parameter is "
                     "annotated torch.Tensor; pass dynamic_arg_dims={'input_ids': 0, ...}"
                 )
-        params = inspect.signature(klass.forward).parameters
+        params = inspect.signature(forward).parameters
         for name in [*dims, *(mark_unbacked_dims or {})]:
             if name not in params:
                 raise ValueError(
@@ -143,13 +146,14 @@ def support_torch_compile(
     return decorate(cls) if cls is not None else decorate
 
 
-def _install(klass: type, dims: dict[str, Any], unbacked: dict[str, Any],
+def _install(klass: Any, dims: dict[str, Any], unbacked: dict[str, Any],
              enable_if: Callable[[Any], bool] | None) -> None:
     """Record the per-class settings; wrap ``__init__``/``__call__`` unless a base already is.
 
     The wrappers look everything up on ``type(self)``, so a subclass of a decorated class (or a
     decorated subclass, e.g. ``MixtralModel(LlamaModel)``) compiles its own ``forward`` with
-    its own dims, and is never wrapped twice.
+    its own dims, and is never wrapped twice. (``klass`` is ``Any``: the settings and the
+    wrappers are class attributes added here.)
     """
     inherited = getattr(klass, "_forwardkit_compile_decorated", False)
     klass._fk_dims = dims
@@ -163,7 +167,8 @@ def _install(klass: type, dims: dict[str, Any], unbacked: dict[str, Any],
     original_call = klass.__call__
     init_params = inspect.signature(original_init).parameters
 
-    def __init__(self: Any, *args: Any, engine_config: Any = None, vllm_config: Any = None,
+    def __init__(self: Any, *args: Any, engine_config: EngineConfig | None = None,
+                 vllm_config: EngineConfig | None = None,
                  prefix: str = "", **kwargs: Any) -> None:
         cfg = engine_config if engine_config is not None else vllm_config
         if cfg is None:
@@ -206,20 +211,20 @@ def _install(klass: type, dims: dict[str, Any], unbacked: dict[str, Any],
     klass.__call__ = __call__
 
 
-def _make_backend(module: Any, cfg: Any, mode: int) -> Any:
+def _make_backend(module: Any, cfg: EngineConfig, mode: int) -> Any:
     """The Dynamo backend callable for mode 1/2/3."""
     cc = cfg.compilation_config
     if mode == 3:
         from forwardkit.compilation.backend import ForwardkitBackend
 
-        backend = cc.init_backend(cfg) if hasattr(cc, "init_backend") else ForwardkitBackend(cfg)
+        backend = cc.init_backend(cfg)
         if isinstance(backend, ForwardkitBackend):
             if module._fk_prefix:
                 backend.prefix = module._fk_prefix
             backend.piece_wrapper = getattr(module, "_fk_piece_wrapper", None)
         module._fk_backend = backend
         return backend
-    name = cc.init_backend(cfg) if hasattr(cc, "init_backend") else (cc.backend or "inductor")
+    name = cc.init_backend(cfg)
     if name == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
@@ -258,7 +263,7 @@ def _first_call(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
 
 
 @contextlib.contextmanager
-def _backend_errors_unwrapped(cfg: Any, klass: type, mode: int) -> Any:
+def _backend_errors_unwrapped(cfg: EngineConfig, klass: type, mode: int) -> Any:
     """Turn Dynamo's ``BackendCompilerFailed`` wrapper into the error a user can act on.
 
     Mode 3: forwardkit's own backend raised, so its exception (with the library's reason,
@@ -275,7 +280,7 @@ def _backend_errors_unwrapped(cfg: Any, klass: type, mode: int) -> Any:
             raise
         if mode == 3:
             raise inner from e
-        backend = getattr(cfg.compilation_config, "backend", None)
+        backend = cfg.compilation_config.backend
         reason = (str(inner).strip().splitlines() or [""])[0]
         raise ValueError(
             f"compilation_config.backend={backend!r} failed while compiling {klass.__name__} "
@@ -291,8 +296,7 @@ def _trace(module: Any, forward: Any, args: tuple[Any, ...], kwargs: dict[str, A
     cfg = module._fk_engine_config
     cc = cfg.compilation_config
     bound = inspect.signature(forward).bind(module, *args, **kwargs)
-    dyn = getattr(getattr(cc, "dynamic_shapes_config", None), "type", "backed")
-    _mark_dynamic(bound, klass._fk_dims, klass._fk_unbacked, str(getattr(dyn, "value", dyn)))
+    _mark_dynamic(bound, klass._fk_dims, klass._fk_unbacked, cc.dynamic_shapes_config.type.value)
     traced: set[str] = {inspect.getsourcefile(forward) or forward.__code__.co_filename}
     backend = _make_backend(module, cfg, module._fk_mode)
     compiler = TraceOnceCompiler(module, forward, backend, _evaluate_guards(cfg))

@@ -14,7 +14,7 @@ import hashlib
 import inspect
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
@@ -24,6 +24,9 @@ from forwardkit.compilation.compiler import current_compile_range
 from forwardkit.compilation.fusion import FusedAddRMSNormPass, SiluAndMulFusionPass
 from forwardkit.compilation.inductor_pass import InductorPass
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from forwardkit.config.pass_config import PassConfig
 
 __all__ = ["InductorPass", "NoOpEliminationPass", "PostGradPassManager"]
 
@@ -87,7 +90,7 @@ class NoOpEliminationPass(InductorPass):
 class PostGradPassManager(InductorPass):
     """Runs forwardkit's post-grad passes chosen by ``PassConfig`` plus the user's passes."""
 
-    def __init__(self, pass_config: Any = None, user_passes: Sequence[Any] = ()) -> None:
+    def __init__(self, pass_config: PassConfig | None = None, user_passes: Sequence[Any] = ()) -> None:
         self.pass_config = pass_config
         self.passes: list[Any] = []
         if pass_config is not None:
@@ -123,7 +126,7 @@ class PostGradPassManager(InductorPass):
 
         pc = self.pass_config
         state = {
-            "pass_config": pc.compute_hash() if hasattr(pc, "compute_hash") else repr(pc),
+            "pass_config": pc.compute_hash() if pc is not None else "None",
             "passes": [one(p) for p in self.passes],
             "compile_range": str(current_compile_range()),
         }

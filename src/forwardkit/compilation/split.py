@@ -77,12 +77,15 @@ def split_graph(
             sid += 1
         else:
             ids[node] = sid
-    split_gm = split_module(gm, None, lambda n: ids[n], keep_original_order=True)
+    # torch's stub says root_m: Module, but it is only read for get_attr nodes (vLLM passes None)
+    split_gm = split_module(gm, None, lambda n: ids[n], keep_original_order=True)  # type: ignore[arg-type]
     items = []
     for name, module in split_gm.named_children():
         if not name.startswith("submod_"):
             continue
         k = int(name[len("submod_") :])
+        if not isinstance(module, torch.fx.GraphModule):  # split_module makes GraphModules
+            raise TypeError(f"split piece {name} is a {type(module).__name__}, not a GraphModule")
         items.append(SplitItem(name, k, k in splitting, module))
     items.sort(key=lambda it: it.graph_id)
     return split_gm, items

@@ -101,7 +101,7 @@ def _check_build_replaced(fn: Callable[[Any, str], bool]) -> Iterator[None]:
     from torch._inductor import cpu_vec_isa
 
     original = cpu_vec_isa.VecISA.check_build
-    cpu_vec_isa.VecISA.check_build = fn  # type: ignore[method-assign]
+    cpu_vec_isa.VecISA.check_build = fn  # type: ignore[method-assign,assignment]  # patching a method on the class
     try:
         yield
     finally:

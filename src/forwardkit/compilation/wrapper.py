@@ -96,11 +96,13 @@ class TraceOnceCompiler:
             options={"guard_filter_fn": _keep_shape_guards if evaluate_guards else _drop_all_guards},
         )
 
-    def _hook(self, old_code: types.CodeType, new_code: types.CodeType) -> None:
-        if old_code is self.code:
+    def _hook(self, code: types.CodeType, new_code: types.CodeType) -> types.CodeType | None:
+        """Dynamo bytecode hook: remember our transformed code; returning None keeps it."""
+        if code is self.code:
             self.transformed = types.FunctionType(
                 new_code, self.fn.__globals__, self.fn.__name__, self.fn.__defaults__, self.fn.__closure__
             )
+        return None
 
     def first_call(self, *args: Any, **kwargs: Any) -> Any:
         """Trace, compile and run (records the transformed bytecode on the way)."""

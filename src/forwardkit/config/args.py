@@ -78,7 +78,7 @@ def _install_normalizer(parser: argparse.ArgumentParser) -> None:
 
     # NOTE: set on the instance, so it also runs when this parser is a subcommand parser
     # (argparse calls the subparser's parse_known_args with the remaining tokens).
-    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign,assignment]  # instance patch
 
 
 def positive_int(text: str) -> int:

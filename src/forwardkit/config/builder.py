@@ -251,7 +251,7 @@ def _scheduler_config(model_config: ModelConfig | None, max_num_seqs: int | None
                       max_num_batched_tokens: int | None, enable_chunked_prefill: bool,
                       scheduler_kwargs: Mapping[str, Any]) -> SchedulerConfig:
     """The scheduler limits, defaults filled in from the model's ``max_model_len``."""
-    model_len = model_config.max_model_len if model_config is not None else DEFAULT_MAX_MODEL_LEN
+    model_len = model_config.get_max_model_len() if model_config is not None else DEFAULT_MAX_MODEL_LEN
     seqs, tokens = default_batch_limits(max_num_seqs, max_num_batched_tokens, max_model_len=model_len,
                                         enable_chunked_prefill=enable_chunked_prefill)
     return SchedulerConfig(

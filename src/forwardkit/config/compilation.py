@@ -22,14 +22,15 @@ with these deliberate fixes of reference defects:
 Checks that the reference writes as ``assert`` raise :class:`ConfigAssertionError`, which is
 both a ``ValueError`` and an ``AssertionError``. The enums and ``Range`` are defined in
 :mod:`.compilation_enums`, ``PassConfig``/``DynamicShapesConfig`` in :mod:`.pass_config`,
-the methods in :mod:`.compilation_methods`; all are importable from here.
+the methods in :mod:`.compilation_methods`, ``to_dict``/``repr`` in
+:mod:`.compilation_serde`; all are importable from here.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import field, fields
+from dataclasses import field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -45,6 +46,7 @@ from forwardkit.config.compilation_enums import (
     Range,
 )
 from forwardkit.config.compilation_methods import CompilationMethods
+from forwardkit.config.compilation_serde import compilation_config_repr, compilation_config_to_dict
 from forwardkit.config.compilation_sizes import MAX_CAPTURE_SIZE
 from forwardkit.config.pass_config import DynamicShapesConfig, PassConfig, resolve_inductor_pass
 from forwardkit.config.utils import ConfigAssertionError, check_nesting, short_repr
@@ -84,7 +86,7 @@ _DELAYED_FIELDS = (
 )
 
 
-def _default_save_format() -> str:
+def _default_save_format() -> CompileCacheSaveFormat:
     # Read at every construction; an invalid env value raises ValueError naming the variable.
     return envs.FORWARDKIT_COMPILE_CACHE_SAVE_FORMAT
 
@@ -360,26 +362,7 @@ class CompilationConfig(CompilationMethods):
         """The user-settable fields as plain JSON-able values; ``CompilationConfig(**d)``
         rebuilds an equal config. Pass objects resolved from ``inductor_passes`` are left
         out of ``inductor_compile_config`` (they are re-resolved from ``inductor_passes``)."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            if not f.init:
-                continue
-            value = getattr(self, f.name)
-            if f.name == "mode":
-                value = None if value is None else int(value)
-            elif f.name == "cudagraph_mode":
-                value = None if value is None else value.name
-            elif f.name == "debug_dump_path":
-                value = None if value is None else str(value)
-            elif f.name == "inductor_compile_config":
-                value = {k: v for k, v in value.items()
-                         if k not in self.inductor_passes and _is_plain_json(v)}
-            elif f.name in ("pass_config", "dynamic_shapes_config"):
-                value = value.to_dict()
-            elif isinstance(value, (list, dict)):
-                value = type(value)(value)
-            out[f.name] = value
-        return out
+        return compilation_config_to_dict(self)
 
     def to_json(self) -> str:
         """:meth:`to_dict` as a JSON string (``from_cli`` reads it back). Pass objects placed
@@ -388,33 +371,9 @@ class CompilationConfig(CompilationMethods):
 
     def __repr__(self) -> str:
         """A dict-style string of the fields in declaration order (runtime state left out)."""
-        shown: dict[str, Any] = {}
-        for f in fields(self):
-            if f.name in _REPR_EXCLUDED:
-                continue
-            value = getattr(self, f.name)
-            if f.name == "pass_config":
-                value = value.non_default_items()
-            elif f.name == "dynamic_shapes_config":
-                value = {g.name: getattr(value, g.name) for g in fields(value)}
-            elif f.name == "inductor_compile_config":
-                value = {k: v for k, v in value.items() if k != "post_grad_custom_post_pass"}
-            shown[f.name] = value
-        return repr(shown)
+        return compilation_config_repr(self)
 
     __str__ = __repr__
-
-
-_REPR_EXCLUDED = frozenset(
-    {
-        "static_forward_context",
-        "enabled_custom_ops",
-        "disabled_custom_ops",
-        "compilation_time",
-        "bs_to_padded_graph_size",
-        "traced_files",
-    }
-)
 
 
 # Validates dicts and JSON into CompilationConfig with pydantic (``.validate_json(s)``).

@@ -9,8 +9,9 @@ AssertionError at once).
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from forwardkit.config.compilation_enums import CompilationMode, CUDAGraphMode, Range
 from forwardkit.config.compilation_sizes import (
@@ -26,6 +27,10 @@ from forwardkit.config.utils import (
     hash_factors,
 )
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
+    from forwardkit.config.pass_config import DynamicShapesConfig, PassConfig
 
 __all__ = ["CompilationMethods"]
 
@@ -51,10 +56,10 @@ _HASH_IGNORED = frozenset(
 
 # The mode-3 backend factory (``ForwardkitBackend``). The compilation layer registers it when it
 # is imported (``register_piecewise_backend``), so this layer never imports that one.
-_piecewise_backend: Callable[[Any], Any] | None = None
+_piecewise_backend: Callable[[EngineConfig], Any] | None = None
 
 
-def register_piecewise_backend(factory: Callable[[Any], Any]) -> None:
+def register_piecewise_backend(factory: Callable[[EngineConfig], Any]) -> None:
     """Install the factory ``init_backend`` uses for VLLM_COMPILE (called by
     ``forwardkit.compilation.backend`` at import)."""
     global _piecewise_backend
@@ -64,9 +69,29 @@ def register_piecewise_backend(factory: Callable[[Any], Any]) -> None:
 class CompilationMethods:
     """Behaviour of ``CompilationConfig``; see that class for the fields."""
 
+    if TYPE_CHECKING:
+        # The fields these methods use, declared for the type checker only: the pydantic
+        # dataclass ``CompilationConfig`` defines them (with defaults and validators).
+        ATTENTION_OPS: ClassVar[tuple[str, ...]]
+        mode: CompilationMode | None
+        backend: str
+        custom_ops: list[str]
+        splitting_ops: list[str] | None
+        compile_sizes: list[int | str] | None
+        compile_ranges_split_points: list[int] | None
+        cudagraph_mode: CUDAGraphMode | None
+        cudagraph_capture_sizes: list[int] | None
+        use_inductor_graph_partition: bool | None
+        pass_config: PassConfig
+        max_cudagraph_capture_size: int | None
+        dynamic_shapes_config: DynamicShapesConfig
+        bs_to_padded_graph_size: list[int] | None
+        enabled_custom_ops: Counter[str]
+        disabled_custom_ops: Counter[str]
+
     # ------------------------------------------------------------------ backend
 
-    def init_backend(self, vllm_config: Any) -> str | Any:
+    def init_backend(self, vllm_config: EngineConfig) -> str | Any:
         """The ``torch.compile`` backend for this config, given the engine config.
 
         Modes STOCK_TORCH_COMPILE/DYNAMO_TRACE_ONCE return a registered Dynamo backend name
@@ -94,6 +119,14 @@ class CompilationMethods:
             raise RuntimeError("init_backend() for VLLM_COMPILE needs forwardkit.compilation.backend; "
                                "import it (any forwardkit model or support_torch_compile does)")
         return _piecewise_backend(vllm_config)
+
+    def resolved_cudagraph_mode(self) -> CUDAGraphMode:
+        """``cudagraph_mode`` once the engine config has decided it (never None there)."""
+        if self.cudagraph_mode is None:
+            raise ConfigAttributeError(
+                "cudagraph_mode is None; resolve it (the engine config does) before using it"
+            )
+        return self.cudagraph_mode
 
     # ------------------------------------------------------------------ sizes
 

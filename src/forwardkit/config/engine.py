@@ -36,7 +36,7 @@ import copy
 import hashlib
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
@@ -45,6 +45,11 @@ from forwardkit import envs
 from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
 from forwardkit.config.custom_ops import custom_ops_default
+from forwardkit.config.engine_graphs import (
+    resolve_static_graphs,
+    set_compile_ranges,
+    sizes_for_sequence_parallelism,
+)
 from forwardkit.config.levels import (
     OptimizationLevel,
     apply_level_defaults,
@@ -85,7 +90,12 @@ class EngineConfig:
     """Batch limits (a dict is accepted)."""
     cache_config: CacheConfig = Field(default_factory=CacheConfig)
     """Paged KV cache (a dict is accepted)."""
-    compilation_config: Any = None
+    if TYPE_CHECKING:
+        # Constructor arguments may be a dict, a JSON string or None (converted under this
+        # config's platform in __post_init__); after construction they are always these types.
+        compilation_config: CompilationConfig = Field(default_factory=CompilationConfig)
+    else:
+        compilation_config: Any = None
     """``CompilationConfig``; a dict or a JSON object string is converted; None = defaults."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (a dict is accepted); None = off."""
@@ -93,7 +103,10 @@ class EngineConfig:
     """LoRA is not supported; must stay None."""
     optimization_level: OptimizationLevel = OptimizationLevel.O2
     """O0..O3 (ints 0-3 and numeric strings accepted)."""
-    platform: Any = None
+    if TYPE_CHECKING:
+        platform: Platform = Field(default_factory=current_platform._get)
+    else:
+        platform: Any = None
     """A ``Platform`` or its name; None = ``forwardkit.platforms.current_platform``."""
     instance_id: str = ""
     """Unique id of this engine instance (``time_ns`` when empty)."""
@@ -136,7 +149,7 @@ class EngineConfig:
             self.instance_id = str(time.time_ns())
         if model is not None:  # step 3
             parallel.is_moe_model = model.is_moe
-            if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < model.max_model_len:
+            if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < model.get_max_model_len():
                 raise ValueError(
                     f"max_num_batched_tokens ({sched.max_num_batched_tokens}) is smaller than the "
                     f"model's max_model_len ({model.max_model_len}) while chunked prefill is off"
@@ -167,7 +180,8 @@ class EngineConfig:
         if "all" not in cc.custom_ops and "none" not in cc.custom_ops:  # step 11
             cc.custom_ops.append(custom_ops_default(cc.mode, cc.backend))
         apply_level_defaults(self)  # step 12
-        if cc.cudagraph_mode.requires_piecewise_compilation() and cc.mode != CompilationMode.VLLM_COMPILE:
+        if (cc.resolved_cudagraph_mode().requires_piecewise_compilation()
+                and cc.mode != CompilationMode.VLLM_COMPILE):
             logger.info("Cudagraph mode %s is not compatible with compilation mode %s; "
                         "overriding to NONE.", cc.cudagraph_mode, cc.mode)  # step 13
             cc.cudagraph_mode = CUDAGraphMode.NONE
@@ -179,8 +193,8 @@ class EngineConfig:
                 logger.warning("RMS norm force disabled, sequence parallelism might break")
             elif "+rms_norm" not in cc.custom_ops:  # NOTE: the reference appends it again
                 cc.custom_ops.append("+rms_norm")
-        self._resolve_static_graphs()  # step 15
-        self._set_compile_ranges()  # step 17
+        resolve_static_graphs(self)  # step 15
+        set_compile_ranges(self)  # step 17
         hook = getattr(self.platform, "check_and_update_config", None)  # step 19
         if callable(hook):
             hook(self)
@@ -209,7 +223,7 @@ class EngineConfig:
         if cc.mode != CompilationMode.VLLM_COMPILE:
             logger.warning("Sequence parallelism is enabled, but running in mode %s; it "
                            "takes effect only with VLLM_COMPILE.", cc.mode)
-        fullgraph = bool(cc.use_inductor_graph_partition) or len(cc.splitting_ops) == 0
+        fullgraph = bool(cc.use_inductor_graph_partition) or len(cc.splitting_ops or []) == 0
         if parallel.pipeline_parallel_size > 1 or not fullgraph:
             if "-rms_norm" not in cc.custom_ops:
                 if "+rms_norm" not in cc.custom_ops:
@@ -236,103 +250,9 @@ class EngineConfig:
                 logger.warning("Async scheduling disabled because of %s.", ", ".join(reasons))
             sched.async_scheduling = not reasons
 
-    def _resolve_static_graphs(self) -> None:
-        cc, model = self.compilation_config, self.model_config
-        if not self.platform.supports_static_graph():
-            cc.cudagraph_mode = CUDAGraphMode.NONE  # sizes untouched, no padding table
-            return
-        if model is not None:
-            if cc.cudagraph_mode.has_full_cudagraphs() and model.is_pooling_model:
-                logger.warning_once("Pooling models do not support full cudagraphs; using PIECEWISE.")
-                cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
-            elif model.is_encoder_decoder and cc.cudagraph_mode not in (
-                    CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
-                logger.info_once("Encoder-decoder models support only FULL_DECODE_ONLY cudagraphs.")
-                cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
-        if model is not None and model.enforce_eager:
-            cc.cudagraph_mode = CUDAGraphMode.NONE
-            cc.max_cudagraph_capture_size = 0
-            cc.cudagraph_capture_sizes = []
-        else:
-            cc.cudagraph_num_of_warmups = 1
-        self._set_cudagraph_sizes()
-
-    def _set_cudagraph_sizes(self) -> None:
-        """Capture sizes and their maximum, then the padding table."""
-        cc, model, sched = self.compilation_config, self.model_config, self.scheduler_config
-        if model is None or model.enforce_eager or cc.cudagraph_mode == CUDAGraphMode.NONE:
-            cc.max_cudagraph_capture_size = 0
-            cc.cudagraph_capture_sizes = []
-            cc.post_init_cudagraph_sizes()
-            return
-        tokens = sched.max_num_batched_tokens
-        user_max, user_sizes = cc.max_cudagraph_capture_size, cc.cudagraph_capture_sizes
-        limit = user_max
-        if limit is None:
-            limit = min(sched.max_num_seqs * self.uniform_decode_query_len * 2, 512)
-        limit = min(tokens, limit)
-        if limit < 1:
-            raise ConfigAssertionError(
-                "Maximum cudagraph size should be greater than or equal to 1 when using cuda "
-                f"graph (got {limit}); raise max_cudagraph_capture_size or set cudagraph_mode NONE.")
-        if user_sizes is not None:
-            if not user_sizes:
-                raise ConfigAssertionError(
-                    "cudagraph_capture_sizes should contain at least one element when using cuda "
-                    "graph (use cudagraph_mode NONE to turn graphs off).")
-            sizes = sorted(s for s in set(user_sizes) if s <= tokens)
-        else:
-            sizes = default_capture_sizes(limit)
-        tp = self.parallel_config.tensor_parallel_size
-        if tp > 1 and cc.pass_config.enable_sp:
-            sizes = self.update_sizes_for_sequence_parallelism(sizes)
-        valid_max = sizes[-1] if sizes else 0
-        if user_max is not None and user_max != valid_max:
-            if user_sizes is not None:
-                raise ValueError(
-                    f"customized max_cudagraph_capture_size(={user_max}) should be consistent "
-                    f"with the max value of cudagraph_capture_sizes(={valid_max})")
-            logger.warning("Truncating max_cudagraph_capture_size to %d", valid_max)
-        cc.max_cudagraph_capture_size = valid_max
-        if user_sizes is not None and len(sizes) < len(user_sizes):
-            logger.warning("cudagraph_capture_sizes %s reduced to %s (sizes above "
-                           "max_num_batched_tokens=%d or not divisible by TP dropped)",
-                           sorted(user_sizes), sizes, tokens)
-        cc.cudagraph_capture_sizes = sizes
-        cc.post_init_cudagraph_sizes()
-
     def update_sizes_for_sequence_parallelism(self, sizes: list[int]) -> list[int]:
         """Keep the sizes divisible by the TP size (sequence parallelism needs that)."""
-        tp = self.parallel_config.tensor_parallel_size
-        kept = [s for s in sizes if s % tp == 0]
-        removed = [s for s in sizes if s % tp != 0]
-        if removed:
-            logger.warning("Batch sizes %s are removed because they are not multiple of "
-                           "tp_size %d when sequence parallelism is enabled", removed, tp)
-        return kept
-
-    def _set_compile_ranges(self) -> None:
-        """Split points of the Inductor compile ranges: the token budget, the all-reduce fusion
-        limit when that fusion is on, and the user's points strictly between 1 and the budget."""
-        cc, tokens = self.compilation_config, self.scheduler_config.max_num_batched_tokens
-        points: list[int] = [tokens] if tokens is not None else []
-        if cc.pass_config.fuse_allreduce_rms and self.model_config is not None:
-            size = cc.pass_config.flashinfer_max_size(self.parallel_config.tensor_parallel_size)
-            if size is not None:
-                model = self.model_config
-                n = size // (model.get_hidden_size() * model.dtype.itemsize)
-                if tokens is not None and n < tokens:
-                    points.append(n)
-                else:
-                    logger.debug("allreduce-rms fusion limit %d tokens >= the token budget", n)
-        for x in cc.compile_ranges_split_points or []:
-            if not isinstance(x, int) or isinstance(x, bool):
-                raise ConfigAssertionError(f"Invalid compile range split point: {x!r} (not an int)")
-            if x <= 0:
-                raise ConfigAssertionError(f"Invalid compile range split point: {x}")
-            if tokens is not None and 1 < x < tokens:
-                points.append(x)
-        cc.compile_ranges_split_points = sorted(set(points))  # NOTE: deduplicated (idempotence)
+        return sizes_for_sequence_parallelism(sizes, self.parallel_config.tensor_parallel_size)
 
     def _final_checks(self) -> None:
         cc, model, parallel = self.compilation_config, self.model_config, self.parallel_config
@@ -345,11 +265,12 @@ class EngineConfig:
                                      f"'namespace::op[.overload]' (e.g. 'forwardkit::unified_attention') "
                                      f"with mode VLLM_COMPILE, got {op!r:.80}")
         if self.platform.is_cuda_alike():  # step 23
-            if (cc.cudagraph_mode.has_full_cudagraphs() and model is not None
-                    and not model.disable_cascade_attn and not cc.cudagraph_mode.has_piecewise_cudagraphs()):
+            graphs = cc.resolved_cudagraph_mode()
+            if (graphs.has_full_cudagraphs() and model is not None
+                    and not model.disable_cascade_attn and not graphs.has_piecewise_cudagraphs()):
                 logger.warning_once("No piecewise cudagraph for executing cascade attention; "
                                     "it will run eagerly.")
-            if cc.cudagraph_mode.requires_piecewise_compilation() and cc.mode != CompilationMode.VLLM_COMPILE:
+            if graphs.requires_piecewise_compilation() and cc.mode != CompilationMode.VLLM_COMPILE:
                 raise ConfigAssertionError(
                     f"Compilation mode should be CompilationMode.VLLM_COMPILE when cudagraph_mode "
                     f"{cc.cudagraph_mode} requires piecewise compilation, got {cc.mode}")

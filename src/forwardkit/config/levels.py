@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forwardkit.config.compilation import CUDAGraphMode
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = ["OptimizationLevel", "apply_level_defaults", "default_capture_sizes", "set_default"]
 
@@ -28,12 +31,12 @@ class OptimizationLevel(enum.IntEnum):
         return self.name
 
 
-def _norm_fusion(cfg: Any) -> bool:
+def _norm_fusion(cfg: EngineConfig) -> bool:
     cc = cfg.compilation_config
     return cc.is_custom_op_enabled("rms_norm") or cc.is_custom_op_enabled("quant_fp8")
 
 
-def _act_fusion(cfg: Any) -> bool:
+def _act_fusion(cfg: EngineConfig) -> bool:
     cc = cfg.compilation_config
     return cc.is_custom_op_enabled("silu_and_mul") or cc.is_custom_op_enabled("quant_fp8")
 
@@ -70,18 +73,18 @@ def _level_defaults(level: OptimizationLevel) -> dict[str, Any]:
                                    "use_inductor_graph_partition": False}}
 
 
-def set_default(cfg: Any, obj: Any, key: str, value: Any) -> None:
+def set_default(cfg: EngineConfig, obj: Any, key: str, value: Any) -> None:
     """Set ``obj.key`` only when it is None: to ``value(cfg)`` if callable, else ``value``."""
     if getattr(obj, key) is None:
         setattr(obj, key, value(cfg) if callable(value) else value)
 
 
-def apply_level_defaults(cfg: Any) -> None:
+def apply_level_defaults(cfg: EngineConfig) -> None:
     """Fill the None fields of ``cfg`` (an EngineConfig) from its optimisation level's table."""
     _apply_table(cfg, cfg, _level_defaults(OptimizationLevel(cfg.optimization_level)))
 
 
-def _apply_table(cfg: Any, obj: Any, table: dict[str, Any]) -> None:
+def _apply_table(cfg: EngineConfig, obj: Any, table: dict[str, Any]) -> None:
     for key, value in table.items():
         current = getattr(obj, key)
         if isinstance(value, dict) and dataclasses.is_dataclass(current):

@@ -205,6 +205,12 @@ class ModelConfig:
             return int(value)
         return self.get_hidden_size() // self.get_num_attention_heads()
 
+    def get_max_model_len(self) -> int:
+        """``max_model_len`` as resolved at construction (None is replaced there)."""
+        if self.max_model_len is None:
+            raise ValueError("max_model_len is None; it is resolved when the ModelConfig is built")
+        return self.max_model_len
+
     def get_vocab_size(self) -> int:
         """Vocabulary size."""
         return int(self._get("vocab_size"))

@@ -196,7 +196,7 @@ class ParallelConfig:
                 "Using %s from the environment.",
                 value,
             )
-            self.all2all_backend = value  # type: ignore[assignment]
+            self.all2all_backend = value
         for name in ("pipeline_parallel_size", "tensor_parallel_size", "prefill_context_parallel_size",
                      "decode_context_parallel_size", "nnodes"):
             if getattr(self, name) < 1:

@@ -15,7 +15,7 @@ import re
 import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -46,6 +46,11 @@ __all__ = [
 logger = init_logger(__name__)
 
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    DataclassT = TypeVar("DataclassT", bound=DataclassInstance)
 
 
 def config(cls: T) -> T:
@@ -145,7 +150,7 @@ def get_field(cls: type, name: str) -> dataclasses.Field:
     if name not in fields:
         raise ValueError(f"Field '{name}' not found in {cls.__name__}; fields are {sorted(fields)}.")
     f = fields[name]
-    default = f.default
+    default: Any = f.default  # a plain default, MISSING, or a pydantic Field(...) object
     # pydantic's Field(...) objects carry their own default/default_factory.
     if hasattr(default, "default_factory") and hasattr(default, "is_required"):
         if default.default_factory is not None:
@@ -159,7 +164,7 @@ def get_field(cls: type, name: str) -> dataclasses.Field:
     raise ValueError(f"{cls.__name__}.{name} must have a default value or default factory.")
 
 
-def update_config(cfg: T, overrides: Mapping[str, Any]) -> T:
+def update_config(cfg: DataclassT, overrides: Mapping[str, Any]) -> DataclassT:
     """A new config built from ``cfg`` with ``overrides`` applied (nested dicts recurse).
 
     The original is not changed. ``__post_init__`` runs again on the new object, so
@@ -170,7 +175,8 @@ def update_config(cfg: T, overrides: Mapping[str, Any]) -> T:
         if not hasattr(cfg, key):
             raise AssertionError(f"{type(cfg).__name__} has no field `{key}`")
         current = getattr(cfg, key)
-        if dataclasses.is_dataclass(current) and not dataclasses.is_dataclass(value):
+        if (dataclasses.is_dataclass(current) and not isinstance(current, type)
+                and not dataclasses.is_dataclass(value)):
             if not isinstance(value, dict):
                 raise AssertionError(
                     f"Overrides for {type(cfg).__name__}.{key} must be a dict or a "

@@ -11,7 +11,7 @@ eager steps). The graph mode it serves is fixed once, by :meth:`initialize_cudag
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.forward_context import BatchDescriptor
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = ["CudagraphDispatcher", "as_cudagraph_mode", "cudagraphs_available"]
 
@@ -60,15 +63,15 @@ def as_cudagraph_mode(mode: Any) -> CUDAGraphMode:
 class CudagraphDispatcher:
     """Maps a step's ``(num_tokens, uniform_decode, has_lora)`` to a runtime mode and graph key.
 
-    ``engine_config`` is read by attribute: ``compilation_config`` (``cudagraph_mode``,
+    It reads ``engine_config.compilation_config`` (``cudagraph_mode``,
     ``cudagraph_capture_sizes``, ``max_cudagraph_capture_size``, ``bs_to_padded_graph_size``,
     ``cudagraph_specialize_lora``, ``is_attention_compiled_piecewise()``),
     ``scheduler_config.max_num_seqs``, ``speculative_config`` and ``lora_config`` (both may be
-    absent/None). Until :meth:`initialize_cudagraph_keys` runs, :meth:`dispatch` returns NONE
+    None). Until :meth:`initialize_cudagraph_keys` runs, :meth:`dispatch` returns NONE
     and :attr:`cudagraph_mode` is NONE; that call fixes the mode for the dispatcher's life.
     """
 
-    def __init__(self, engine_config: Any) -> None:
+    def __init__(self, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
         self.compilation_config = engine_config.compilation_config
         configured = as_cudagraph_mode(self.compilation_config.cudagraph_mode)
@@ -78,22 +81,22 @@ class CudagraphDispatcher:
             CUDAGraphMode.FULL: set(),
         }
         self.keys_initialized = False
-        spec = getattr(engine_config, "speculative_config", None)
-        num_spec = 0 if spec is None else int(getattr(spec, "num_speculative_tokens", 0) or 0)
+        spec = engine_config.speculative_config
+        num_spec = 0 if spec is None else spec.num_speculative_tokens
         self.uniform_decode_query_len = 1 + num_spec
 
         if configured.requires_piecewise_compilation():
             assert self.compilation_config.is_attention_compiled_piecewise(), (
                 _PIECEWISE_ASSERT + f"cudagraph_mode={configured}, "
-                f"compilation_mode={getattr(self.compilation_config, 'mode', None)}, "
-                f"splitting_ops={getattr(self.compilation_config, 'splitting_ops', None)}"
+                f"compilation_mode={self.compilation_config.mode}, "
+                f"splitting_ops={self.compilation_config.splitting_ops}"
             )
-        platform = getattr(engine_config, "platform", None) or current_platform
+        platform = engine_config.platform or current_platform
         if not cudagraphs_available(platform):
             logger.info_once(
                 "CUDA graphs are off: platform %s cannot capture them on this machine; steps "
                 "run eagerly (runtime mode NONE).",
-                getattr(platform, "name", "?"),
+                platform.name,
             )
 
     @property
@@ -114,15 +117,15 @@ class CudagraphDispatcher:
         return int(self.compilation_config.max_cudagraph_capture_size or 0)
 
     def _lora_cases(self) -> list[bool]:
-        if getattr(self.engine_config, "lora_config", None) is None:
+        if self.engine_config.lora_config is None:
             return [False]
-        if getattr(self.compilation_config, "cudagraph_specialize_lora", True):
+        if self.compilation_config.cudagraph_specialize_lora:
             return [True, False]
         return [True]  # as in vLLM: without specialisation every graph includes the LoRA ops
 
     def _pad(self, num_tokens: int) -> int:
         """``bs_to_padded_graph_size[num_tokens]`` (computed from the sizes if the table is absent)."""
-        table = getattr(self.compilation_config, "bs_to_padded_graph_size", None)
+        table = self.compilation_config.bs_to_padded_graph_size
         if table is not None and 0 <= num_tokens < len(table):
             return int(table[num_tokens])
         sizes = self._capture_sizes()

@@ -23,7 +23,7 @@ import contextlib
 import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from forwardkit.cudagraph import monitor
 from forwardkit.forward_context import BatchDescriptor, get_forward_context
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = [
     "CUDAGraphEntry",
@@ -136,7 +139,7 @@ class GraphBackend:
         Captures on the current stream unless it is the default stream (which cannot be
         captured); then torch's own side stream is used.
         """
-        stream = torch.cuda.current_stream()
+        stream: torch.cuda.Stream | None = torch.cuda.current_stream()
         if stream == torch.cuda.default_stream():
             stream = None
         return torch.cuda.graph(graph, pool=pool, stream=stream)
@@ -192,7 +195,7 @@ class CUDAGraphWrapper:
     def __init__(
         self,
         runnable: Callable[..., Any],
-        engine_config: Any,
+        engine_config: EngineConfig,
         runtime_mode: CUDAGraphMode,
         cudagraph_options: CUDAGraphOptions | None = None,
         *,
@@ -216,7 +219,7 @@ class CUDAGraphWrapper:
             raise ValueError(f"eager_warmups must be an int >= 0, got {eager_warmups!r}")
         self.runnable = runnable
         self.engine_config = engine_config
-        self.compilation_config = getattr(engine_config, "compilation_config", None)
+        self.compilation_config = engine_config.compilation_config
         self.runtime_mode = runtime_mode
         self.cudagraph_options = cudagraph_options or CUDAGraphOptions()
         self.graph_backend = graph_backend or GraphBackend()

@@ -14,16 +14,19 @@ Unlike vLLM, the all-reduce is bounded by the DP group's timeout (a dead peer gi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from forwardkit.distributed.parallel_state import get_dp_group
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from forwardkit.config.parallel import ParallelConfig
 from forwardkit.ubatch import check_ubatch_thresholds, is_last_ubatch_empty
 
 __all__ = ["DPMetadata", "coordinate_batch_across_dp"]
@@ -79,7 +82,7 @@ class DPMetadata:
 
     @staticmethod
     def make(
-        parallel_config: Any, num_tokens: int, num_tokens_across_dp_cpu: torch.Tensor
+        parallel_config: ParallelConfig, num_tokens: int, num_tokens_across_dp_cpu: torch.Tensor
     ) -> DPMetadata:
         """Build the metadata from the agreed per-rank counts (no communication).
 
@@ -89,7 +92,7 @@ class DPMetadata:
         """
         assert num_tokens_across_dp_cpu is not None
         assert parallel_config.data_parallel_size > 1
-        assert getattr(parallel_config, "is_moe_model", None) is not False
+        assert parallel_config.is_moe_model is not False
         if not isinstance(num_tokens_across_dp_cpu, torch.Tensor):
             num_tokens_across_dp_cpu = torch.tensor(num_tokens_across_dp_cpu, dtype=torch.int32)
         dp_rank = parallel_config.data_parallel_rank
@@ -143,10 +146,10 @@ class DPMetadata:
         return torch.cumsum(per_rank.repeat_interleave(sp_size), dim=0)
 
 
-def _get_device_and_group(parallel_config: Any) -> tuple[Any, Any, bool]:
+def _get_device_and_group(parallel_config: ParallelConfig) -> tuple[Any, Any, bool]:
     """(device, group, use_cpu) for the coordination all-reduce."""
     group = get_dp_group()
-    if getattr(parallel_config, "disable_nccl_for_dp_synchronization", False):
+    if parallel_config.disable_nccl_for_dp_synchronization:
         logger.info_once("Using CPU all-reduce to synchronize the DP batch across ranks")
         return torch.device("cpu"), group, True
     return group.device, group, False
@@ -158,7 +161,7 @@ def _run_ar(
     orig_num_tokens: int,
     padded_num_tokens: int,
     cudagraph_mode: int,
-    parallel_config: Any,
+    parallel_config: ParallelConfig,
 ) -> torch.Tensor:
     """Write this rank's column and all-reduce the tensor over the DP group."""
     dp_size = parallel_config.data_parallel_size
@@ -216,7 +219,7 @@ def _synchronize_dp_ranks(
     should_attempt_ubatching: bool,
     allow_dp_padding: bool,
     cudagraph_mode: int,
-    parallel_config: Any,
+    parallel_config: ParallelConfig,
 ) -> tuple[bool, torch.Tensor, int]:
     """All-reduce and post-process; identical result on every rank."""
     tensor = _run_ar(
@@ -231,7 +234,7 @@ def _synchronize_dp_ranks(
         f"{tensor[_ROW_DP_PAD].tolist()}); every rank must pass the same value"
     )
     # num_ubatches is only consulted when every rank voted to micro-batch.
-    should_ubatch = _post_process_ubatch(tensor, getattr(parallel_config, "num_ubatches", 0))
+    should_ubatch = _post_process_ubatch(tensor, parallel_config.num_ubatches)
     if should_ubatch and not should_dp_pad:
         logger.debug_once("Micro-batching needs equal sizes: padding all DP ranks to the max")
         should_dp_pad = True
@@ -243,10 +246,10 @@ def coordinate_batch_across_dp(
     num_tokens_unpadded: int,
     allow_microbatching: bool,
     allow_dp_padding: bool,
-    parallel_config: Any,
+    parallel_config: ParallelConfig,
     num_tokens_padded: int | None = None,
     uniform_decode: bool | None = None,
-    num_scheduled_tokens_per_request: np.ndarray | None = None,
+    num_scheduled_tokens_per_request: np.ndarray | Sequence[int] | None = None,
     cudagraph_mode: int = 0,
 ) -> tuple[bool, torch.Tensor | None, int]:
     """Agree with every DP rank on micro-batching, per-rank token counts and graph mode.

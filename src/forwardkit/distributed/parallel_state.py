@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ import torch.distributed as dist
 from forwardkit import envs
 from forwardkit.distributed.peers import describe_local_peers, exchange_peer_identities
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from forwardkit.config.parallel import ParallelConfig
 
 __all__ = [
     "DPCollectiveError",
@@ -149,7 +152,7 @@ def _env_int(name: str) -> int | None:
 
 
 def _resolve_rendezvous(
-    parallel_config: Any,
+    parallel_config: ParallelConfig | None,
     world_size: int | None,
     rank: int | None,
     master_addr: str | None,
@@ -162,22 +165,23 @@ def _resolve_rendezvous(
         world_size, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
         master_addr = _pick(master_addr, os.environ["MASTER_ADDR"])
         master_port = _pick(master_port, _env_int("MASTER_PORT"))
-        pc_size = getattr(pc, "data_parallel_size", 1)
+        pc_size = pc.data_parallel_size if pc is not None else 1
         if pc_size not in (1, world_size):
             raise ValueError(
                 f"torchrun started {world_size} processes but data_parallel_size is {pc_size}"
             )
     else:
         world_size = _pick(
-            world_size, getattr(pc, "data_parallel_size", None), envs.FORWARDKIT_DP_SIZE
+            world_size, pc.data_parallel_size if pc is not None else None, envs.FORWARDKIT_DP_SIZE
         )
-        rank = _pick(rank, getattr(pc, "data_parallel_rank", None), envs.FORWARDKIT_DP_RANK)
+        rank = _pick(rank, pc.data_parallel_rank if pc is not None else None, envs.FORWARDKIT_DP_RANK)
         master_addr = _pick(
-            master_addr, getattr(pc, "data_parallel_master_ip", None), envs.FORWARDKIT_DP_MASTER_IP
+            master_addr, pc.data_parallel_master_ip if pc is not None else None,
+            envs.FORWARDKIT_DP_MASTER_IP,
         )
         master_port = _pick(
             master_port,
-            getattr(pc, "data_parallel_master_port", None) or None,  # ParallelConfig's 0 = unset
+            (pc.data_parallel_master_port if pc is not None else None) or None,  # 0 = unset
             envs.FORWARDKIT_DP_MASTER_PORT,
         )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -202,7 +206,7 @@ def _default_backend() -> str:
 
 
 def init_dp_group(
-    parallel_config: Any = None,
+    parallel_config: ParallelConfig | None = None,
     *,
     world_size: int | None = None,
     rank: int | None = None,
@@ -258,7 +262,8 @@ def init_dp_group(
             ) from exc
     else:
         world, me = dist.get_world_size(), dist.get_rank()
-        want = _pick(world_size, getattr(parallel_config, "data_parallel_size", None), world)
+        want = _pick(world_size,
+                     parallel_config.data_parallel_size if parallel_config is not None else None, world)
         if want != world:
             raise ValueError(
                 f"torch.distributed is already initialized with world size {world}, but the "

@@ -131,6 +131,6 @@ class Sampler:
             banned = set(params.all_stop_token_ids)
             if not params.ignore_eos:
                 banned |= req.eos_token_ids
-            banned = [t for t in banned if t < logits.shape[-1]]
-            if banned:
-                logits[i, banned] = float("-inf")
+            in_vocab = [t for t in banned if t < logits.shape[-1]]
+            if in_vocab:
+                logits[i, in_vocab] = float("-inf")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -26,6 +26,9 @@ from forwardkit.config.compilation_enums import CompilationMode, CUDAGraphMode
 from forwardkit.layers import cpu_gemm
 from forwardkit.logger import init_logger
 from forwardkit.models.weights import WeightLoadError, check_named_weights, load_named_weights
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = ["KVCacheSleeper", "WeightUpdateError", "freezing_reason", "update_model_weights"]
 
@@ -36,7 +39,7 @@ class WeightUpdateError(ValueError):
     """``update_weights`` was refused; nothing in the model changed."""
 
 
-def freezing_reason(engine_config: Any) -> str | None:
+def freezing_reason(engine_config: EngineConfig) -> str | None:
     """Why compiled code of this engine would keep stale weights after an in-place update
     (Inductor freezing folds parameters into constants), or None when updates are safe."""
     cc = engine_config.compilation_config
@@ -93,7 +96,7 @@ def _as_pairs(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def update_model_weights(engine_config: Any, model: nn.Module, named_tensors: Any) -> dict[str, Any]:
+def update_model_weights(engine_config: EngineConfig, model: nn.Module, named_tensors: Any) -> dict[str, Any]:
     """Copy ``named_tensors`` into ``model`` in place, all or nothing.
 
     Returns ``{"num_tensors", "num_parameters", "seconds"}``. Raises :class:`WeightUpdateError`

@@ -236,7 +236,8 @@ def build_attention_metadata(
     device = torch.device(device)
     slots: list[int] = []
     starts = [0]
-    decode_reqs, prefill_reqs = [], []
+    decode_reqs: list[int] = []
+    prefill_reqs: list[int] = []
     for i, (q, s, bt) in enumerate(zip(query_lens, seq_lens, block_tables)):
         _slots(q, s, bt, block_size, slots)
         (decode_reqs if q == 1 else prefill_reqs).append(i)

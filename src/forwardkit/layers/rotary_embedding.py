@@ -109,6 +109,7 @@ class RotaryEmbedding(CustomOp):
                                json.dumps(rope_scaling, sort_keys=True) if rope_scaling else None,
                                str(torch.get_default_device()))
         # NOTE: kept in float32 whatever the model dtype, like HF's autocast-free rotary.
+        self.cos_sin_cache: torch.Tensor
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self._dtype = dtype
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch.nn as nn
+if TYPE_CHECKING:
+    from forwardkit.models.llama import LlamaForCausalLM
 
 __all__ = ["get_model_class", "supported_architectures"]
 
@@ -27,8 +29,9 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def get_model_class(architectures: Sequence[str] | str | None) -> type[nn.Module]:
-    """The class of the first supported name in ``architectures``."""
+def get_model_class(architectures: Sequence[str] | str | None) -> type[LlamaForCausalLM]:
+    """The class of the first supported name in ``architectures`` (every registered class is
+    ``LlamaForCausalLM`` or a subclass of it)."""
     if isinstance(architectures, str):
         architectures = [architectures]
     for arch in architectures or []:

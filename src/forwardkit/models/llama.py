@@ -9,7 +9,7 @@ attention layer of block ``i`` is ``model.layers.i.self_attn.attn``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -22,10 +22,13 @@ from forwardkit.layers.linear import Linear, LMHead, MergedLinear, VocabEmbeddin
 from forwardkit.layers.rotary_embedding import get_rope, rope_parameters
 from forwardkit.models.weights import load_named_weights
 
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
+
 __all__ = ["LlamaForCausalLM", "LlamaModel", "hf_config_of", "model_dtype_of"]
 
 
-def hf_config_of(engine_config: Any) -> dict[str, Any]:
+def hf_config_of(engine_config: EngineConfig) -> dict[str, Any]:
     """The HF config dict of the engine's model (the built-in default when there is none)."""
     model_config = engine_config.model_config
     if model_config is None or not model_config.hf_config:
@@ -35,7 +38,7 @@ def hf_config_of(engine_config: Any) -> dict[str, Any]:
     return model_config.hf_config
 
 
-def model_dtype_of(engine_config: Any) -> torch.dtype:
+def model_dtype_of(engine_config: EngineConfig) -> torch.dtype:
     """Parameter dtype: ``model_config.dtype`` (float32 without a model config)."""
     model_config = engine_config.model_config
     return model_config.dtype if model_config is not None else torch.float32
@@ -136,7 +139,7 @@ class LlamaModel(nn.Module):
 
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
-    def __init__(self, *, engine_config: Any, prefix: str = "") -> None:
+    def __init__(self, *, engine_config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
         cfg = hf_config_of(engine_config)
         dtype = model_dtype_of(engine_config)
@@ -178,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
     model_cls: type[LlamaModel] = LlamaModel
     stacked_params = LLAMA_STACKED
 
-    def __init__(self, engine_config: Any, prefix: str = "") -> None:
+    def __init__(self, engine_config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
         cfg = hf_config_of(engine_config)
         self.config = cfg

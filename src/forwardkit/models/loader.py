@@ -12,6 +12,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -25,6 +26,9 @@ from forwardkit.models import get_model_class
 from forwardkit.models.default import init_random_weights
 from forwardkit.models.llama import hf_config_of
 from forwardkit.models.weights import WeightLoadError, missing_parameters
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = ["iterate_safetensors", "load_model", "safetensors_files"]
 
@@ -85,7 +89,7 @@ def _corrupt(path: str, exc: Exception, tensor: str | None = None) -> ValueError
                       "the file is truncated or corrupt: re-download or re-save the checkpoint")
 
 
-def load_model(engine_config, prepack: bool | None = None) -> nn.Module:
+def load_model(engine_config: EngineConfig, prepack: bool | None = None) -> nn.Module:
     """Build, load and return the model of ``engine_config`` in eval mode on the platform device.
 
     ``prepack`` gives bf16 linear weights on the CPU a oneDNN-packed copy (see

@@ -84,12 +84,13 @@ class ModelRunner:
 
             with set_current_engine_config(cfg):
                 model = load_model(cfg)
-        self.model = self._place(model)
+        # the model, or the CUDAGraphWrapper around it (which forwards attribute access)
+        self.model: Any = self._place(model)
         self.dtype = (self.model_config.dtype if self.model_config is not None
                       else next(self.model.parameters()).dtype)
         if self.model_config is not None:
             self.vocab_size = self.model_config.get_vocab_size()
-            self.max_model_len = int(self.model_config.max_model_len)
+            self.max_model_len = self.model_config.get_max_model_len()
         else:  # no model config: load_model built the built-in default model
             from forwardkit.models.default import default_hf_config
 
@@ -99,7 +100,7 @@ class ModelRunner:
         self.block_size = int(cfg.cache_config.block_size)
         self.max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
         self._init_kv_cache()
-        max_capture = int(getattr(self.compilation_config, "max_cudagraph_capture_size", 0) or 0)
+        max_capture = self.compilation_config.max_cudagraph_capture_size or 0
         self.max_num_tokens = max(int(cfg.scheduler_config.max_num_batched_tokens), max_capture)
         self.buffers = InputBuffers(self.max_num_tokens, self.device)
         self._init_cudagraphs()
@@ -301,7 +302,7 @@ class ModelRunner:
 
         A no-op for eager models (mode NONE or ``enforce_eager``). Returns the sizes run.
         """
-        mode = int(getattr(self.compilation_config, "mode", 0) or 0)
+        mode = int(self.compilation_config.mode or 0)
         if mode == 0 or (self.model_config is not None and self.model_config.enforce_eager):
             return []
         ranges = self.compilation_config.get_compile_ranges() or []
@@ -327,8 +328,8 @@ class ModelRunner:
         """
         if self.model_config is not None and self.model_config.enforce_eager:
             return []
-        capture = set(getattr(self.compilation_config, "cudagraph_capture_sizes", None) or [])
-        sizes = [s for s in (getattr(self.compilation_config, "compile_sizes", None) or [])
+        capture = set(self.compilation_config.cudagraph_capture_sizes or [])
+        sizes = [s for s in (self.compilation_config.compile_sizes or [])
                  if isinstance(s, int) and s not in capture and s <= self.max_num_tokens]
         for size in sorted(set(sizes), reverse=True):
             self.dummy_run(size, CUDAGraphMode.NONE)
@@ -348,7 +349,7 @@ class ModelRunner:
         start = time.perf_counter()
         before = dict(monitor.captured_by_mode)
         free_before = self._free_device_memory()
-        warmups = int(getattr(self.compilation_config, "cudagraph_num_of_warmups", 0) or 0)
+        warmups = self.compilation_config.cudagraph_num_of_warmups
         keys: dict[str, int] = {}
         with monitor.capture_session():
             for mode, descs in self.planner.capture_descs():

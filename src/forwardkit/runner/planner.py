@@ -17,7 +17,7 @@ decides, in order (vLLM: ``GPUModelRunner._determine_batch_execution_and_padding
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -27,6 +27,10 @@ from forwardkit.cudagraph.metrics import CUDAGraphStat
 from forwardkit.distributed import coordinate_batch_across_dp
 from forwardkit.forward_context import BatchDescriptor
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from forwardkit.config.compilation import CompilationConfig
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = ["StepPlan", "StepPlanner", "is_uniform_decode", "resolve_graph_mode"]
 
@@ -44,7 +48,7 @@ class StepPlan(NamedTuple):
     cudagraph_stats: CUDAGraphStat | None
 
 
-def resolve_graph_mode(compilation_config: Any, support: int, *, enforce_eager: bool = False,
+def resolve_graph_mode(compilation_config: CompilationConfig, support: int, *, enforce_eager: bool = False,
                        can_capture: bool = True) -> CUDAGraphMode:
     """The graph mode the runner will serve, decided once at start-up.
 
@@ -85,11 +89,10 @@ def is_uniform_decode(max_num_scheduled_tokens: int, uniform_decode_query_len: i
     )
 
 
-def _sp_pad(engine_config: Any, num_tokens: int) -> tuple[int, int]:
+def _sp_pad(engine_config: EngineConfig, num_tokens: int) -> tuple[int, int]:
     """Round up to a multiple of TP when sequence parallelism is on; returns (padded, tp)."""
-    pass_config = getattr(engine_config.compilation_config, "pass_config", None)
-    enable_sp = bool(getattr(pass_config, "enable_sp", False)) if pass_config is not None else False
-    tp = int(getattr(engine_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    enable_sp = bool(engine_config.compilation_config.pass_config.enable_sp)
+    tp = engine_config.parallel_config.tensor_parallel_size
     if enable_sp and tp > 1:
         return -(-num_tokens // tp) * tp, tp
     return num_tokens, 1
@@ -99,28 +102,30 @@ class StepPlanner:
     """Decides padding, DP agreement and runtime mode for every step of one runner.
 
     Args:
-        engine_config: read by attribute (``compilation_config``, ``scheduler_config``,
-            ``parallel_config``, optional ``speculative_config``, ``lora_config``,
-            ``observability_config``).
+        engine_config: the engine config (``compilation_config``, ``scheduler_config``,
+            ``parallel_config``, ``speculative_config``, ``lora_config``; an
+            ``observability_config`` if the object has one).
         cudagraph_mode: the resolved mode (:func:`resolve_graph_mode`); fixed for the
             planner's life and readable as :attr:`cudagraph_mode`.
         coordinate_fn: the DP agreement collective (default
             ``forwardkit.distributed.coordinate_batch_across_dp``); every rank must call it.
     """
 
-    def __init__(self, engine_config: Any, cudagraph_mode: CUDAGraphMode,
+    def __init__(self, engine_config: EngineConfig, cudagraph_mode: CUDAGraphMode,
                  coordinate_fn: Callable[..., tuple[bool, Any, int]] | None = None) -> None:
         self.engine_config = engine_config
         self.dispatcher = CudagraphDispatcher(engine_config)
         self.dispatcher.initialize_cudagraph_keys(cudagraph_mode)
         self.coordinate_fn = coordinate_fn or coordinate_batch_across_dp
         parallel = engine_config.parallel_config
-        self.dp_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
-        self.dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        self.dp_size = parallel.data_parallel_size
+        self.dp_rank = parallel.data_parallel_rank
         # vLLM pads across DP ranks whenever the config asks for graphs, even where this rank
         # runs eagerly (so the ranks' shapes agree); read once, like the mode.
-        configured = getattr(engine_config.compilation_config, "cudagraph_mode", None)
+        configured = engine_config.compilation_config.cudagraph_mode
         self.allow_dp_padding = CUDAGraphMode.parse(configured or CUDAGraphMode.NONE) != CUDAGraphMode.NONE
+        # EngineConfig has no observability_config (vLLM's VllmConfig does); an engine config
+        # that carries one (a VllmConfig-shaped object) turns the per-step stats on.
         observability = getattr(engine_config, "observability_config", None)
         self.collect_stats = bool(getattr(observability, "cudagraph_metrics", False))
 

@@ -1,0 +1,127 @@
+"""Steps 15 and 17 of ``EngineConfig``'s resolution: CUDA-graph capture sizes and the padding
+table, and the Inductor compile ranges.
+
+The functions take the ``EngineConfig`` being resolved and change its compilation config in
+place, in vLLM 0.14.0's order (see :mod:`.engine` for the whole sequence and the deliberate
+differences from the reference).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from forwardkit.config.compilation_enums import CUDAGraphMode
+from forwardkit.config.levels import default_capture_sizes
+from forwardkit.config.utils import ConfigAssertionError
+from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
+
+__all__ = ["resolve_static_graphs", "set_compile_ranges", "sizes_for_sequence_parallelism"]
+
+logger = init_logger(__name__)
+
+
+def resolve_static_graphs(cfg: EngineConfig) -> None:
+    """Step 15: the cudagraph mode the platform and model allow, then the capture sizes."""
+    cc, model = cfg.compilation_config, cfg.model_config
+    if not cfg.platform.supports_static_graph():
+        cc.cudagraph_mode = CUDAGraphMode.NONE  # sizes untouched, no padding table
+        return
+    if model is not None:
+        mode = cc.resolved_cudagraph_mode()
+        if mode.has_full_cudagraphs() and model.is_pooling_model:
+            logger.warning_once("Pooling models do not support full cudagraphs; using PIECEWISE.")
+            cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        elif model.is_encoder_decoder and mode not in (
+                CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
+            logger.info_once("Encoder-decoder models support only FULL_DECODE_ONLY cudagraphs.")
+            cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    if model is not None and model.enforce_eager:
+        cc.cudagraph_mode = CUDAGraphMode.NONE
+        cc.max_cudagraph_capture_size = 0
+        cc.cudagraph_capture_sizes = []
+    else:
+        cc.cudagraph_num_of_warmups = 1
+    _set_cudagraph_sizes(cfg)
+
+
+def _set_cudagraph_sizes(cfg: EngineConfig) -> None:
+    """Capture sizes and their maximum, then the padding table."""
+    cc, model, sched = cfg.compilation_config, cfg.model_config, cfg.scheduler_config
+    if model is None or model.enforce_eager or cc.cudagraph_mode == CUDAGraphMode.NONE:
+        cc.max_cudagraph_capture_size = 0
+        cc.cudagraph_capture_sizes = []
+        cc.post_init_cudagraph_sizes()
+        return
+    tokens = sched.max_num_batched_tokens
+    user_max, user_sizes = cc.max_cudagraph_capture_size, cc.cudagraph_capture_sizes
+    limit = user_max
+    if limit is None:
+        limit = min(sched.max_num_seqs * cfg.uniform_decode_query_len * 2, 512)
+    limit = min(tokens, limit)
+    if limit < 1:
+        raise ConfigAssertionError(
+            "Maximum cudagraph size should be greater than or equal to 1 when using cuda "
+            f"graph (got {limit}); raise max_cudagraph_capture_size or set cudagraph_mode NONE.")
+    if user_sizes is not None:
+        if not user_sizes:
+            raise ConfigAssertionError(
+                "cudagraph_capture_sizes should contain at least one element when using cuda "
+                "graph (use cudagraph_mode NONE to turn graphs off).")
+        sizes = sorted(s for s in set(user_sizes) if s <= tokens)
+    else:
+        sizes = default_capture_sizes(limit)
+    tp = cfg.parallel_config.tensor_parallel_size
+    if tp > 1 and cc.pass_config.enable_sp:
+        sizes = cfg.update_sizes_for_sequence_parallelism(sizes)
+    valid_max = sizes[-1] if sizes else 0
+    if user_max is not None and user_max != valid_max:
+        if user_sizes is not None:
+            raise ValueError(
+                f"customized max_cudagraph_capture_size(={user_max}) should be consistent "
+                f"with the max value of cudagraph_capture_sizes(={valid_max})")
+        logger.warning("Truncating max_cudagraph_capture_size to %d", valid_max)
+    cc.max_cudagraph_capture_size = valid_max
+    if user_sizes is not None and len(sizes) < len(user_sizes):
+        logger.warning("cudagraph_capture_sizes %s reduced to %s (sizes above "
+                       "max_num_batched_tokens=%d or not divisible by TP dropped)",
+                       sorted(user_sizes), sizes, tokens)
+    cc.cudagraph_capture_sizes = sizes
+    cc.post_init_cudagraph_sizes()
+
+
+def sizes_for_sequence_parallelism(sizes: list[int], tp: int) -> list[int]:
+    """Keep the sizes divisible by the TP size (sequence parallelism needs that)."""
+    kept = [s for s in sizes if s % tp == 0]
+    removed = [s for s in sizes if s % tp != 0]
+    if removed:
+        logger.warning("Batch sizes %s are removed because they are not multiple of "
+                       "tp_size %d when sequence parallelism is enabled", removed, tp)
+    return kept
+
+
+def set_compile_ranges(cfg: EngineConfig) -> None:
+    """Step 17: split points of the Inductor compile ranges: the token budget, the all-reduce
+    fusion limit when that fusion is on, and the user's points strictly between 1 and the
+    budget."""
+    cc, tokens = cfg.compilation_config, cfg.scheduler_config.max_num_batched_tokens
+    points: list[int] = [tokens] if tokens is not None else []
+    if cc.pass_config.fuse_allreduce_rms and cfg.model_config is not None:
+        size = cc.pass_config.flashinfer_max_size(cfg.parallel_config.tensor_parallel_size)
+        if size is not None:
+            model = cfg.model_config
+            n = size // (model.get_hidden_size() * model.dtype.itemsize)
+            if tokens is not None and n < tokens:
+                points.append(n)
+            else:
+                logger.debug("allreduce-rms fusion limit %d tokens >= the token budget", n)
+    for x in cc.compile_ranges_split_points or []:
+        if not isinstance(x, int) or isinstance(x, bool):
+            raise ConfigAssertionError(f"Invalid compile range split point: {x!r} (not an int)")
+        if x <= 0:
+            raise ConfigAssertionError(f"Invalid compile range split point: {x}")
+        if tokens is not None and 1 < x < tokens:
+            points.append(x)
+    cc.compile_ranges_split_points = sorted(set(points))  # NOTE: deduplicated (idempotence)
