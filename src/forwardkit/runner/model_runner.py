@@ -24,8 +24,13 @@ from forwardkit.cudagraph import monitor
 from forwardkit.cudagraph.dispatcher import cudagraphs_available
 from forwardkit.cudagraph.wrapper import CUDAGraphWrapper, GraphBackend, piecewise_cudagraph_options
 from forwardkit.forward_context import set_forward_context
-from forwardkit.layers.attention import build_attention_metadata
-from forwardkit.layers.kv_cache import attention_layers, bind_kv_cache, kv_cache_bytes_per_block
+from forwardkit.layers.attention_backend import AttentionBackend, AttentionCGSupport
+from forwardkit.layers.kv_cache import (
+    attention_backend_of,
+    attention_layers,
+    bind_kv_cache,
+    kv_cache_bytes_per_block,
+)
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
 from forwardkit.runner.batch import StepBatch
@@ -125,6 +130,10 @@ class ModelRunner:
                 "static_forward_context; build it under set_current_engine_config(engine_config)"
             )
         self.attn_layer_names = list(layers)
+        # The attention backend every layer was built with: it builds the step metadata and
+        # its CUDA-graph support level bounds the graph mode.
+        self.attn_backend: type[AttentionBackend] = attention_backend_of(layers)
+        self.attn_cg_support: AttentionCGSupport = self.attn_backend.cudagraph_support
         self.num_blocks = num_kv_blocks(
             num_gpu_blocks=self.engine_config.cache_config.num_gpu_blocks,
             block_size=self.block_size,
@@ -138,7 +147,6 @@ class ModelRunner:
         # Block id num_blocks is the backend's scratch block: dummy requests live there.
         self.scratch_block = self.num_blocks
         self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
-        self.attn_cg_support = min(int(layer.backend.cudagraph_support) for layer in layers.values())
 
     def _init_cudagraphs(self) -> None:
         """Resolve the graph mode once, build the step planner and install the graph wrappers."""
@@ -242,12 +250,13 @@ class ModelRunner:
             query_lens = list(query_lens) + [1] * extra
             seq_lens = list(seq_lens) + [1] * extra
             block_tables = list(block_tables) + [[self.scratch_block]] * extra
-            md = build_attention_metadata(query_lens, seq_lens, block_tables, padded,
-                                          self.block_size, self.device, self.max_blocks_per_req)
+            md = self.attn_backend.build_metadata(query_lens, seq_lens, block_tables, padded,
+                                                  self.block_size, self.device,
+                                                  self.max_blocks_per_req)
             md = self.static_metadata.update(padded, md)
         else:
-            md = build_attention_metadata(query_lens, seq_lens, block_tables, padded,
-                                          self.block_size, self.device)
+            md = self.attn_backend.build_metadata(query_lens, seq_lens, block_tables, padded,
+                                                  self.block_size, self.device)
         return dict.fromkeys(self.attn_layer_names, md)
 
     # ------------------------------------------------------------------ dummy runs, capture
