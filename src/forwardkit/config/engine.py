@@ -128,6 +128,18 @@ class EngineConfig:
                     vars(obj).update(state)
                 raise
 
+    def require_model_config(self) -> ModelConfig:
+        """``model_config``; a ``ValueError`` when this config has none (an ``EngineConfig``
+        built directly without one, as vLLM allows). ``build_engine_config`` always sets one
+        (the built-in model when no checkpoint or shape is given)."""
+        if self.model_config is None:
+            raise ValueError(
+                "this engine config has no model_config; build it with "
+                "forwardkit.config.builder.build_engine_config (no model = the built-in model) "
+                "or pass model_config=ModelConfig(...)"
+            )
+        return self.model_config
+
     # ------------------------------------------------------------------ resolution
     def _resolve(self) -> None:
         cc = self.compilation_config = _to_compilation_config(self.compilation_config)

@@ -31,7 +31,6 @@ from forwardkit.engine.scheduler import Scheduler
 from forwardkit.engine.tokenizer import load_tokenizer
 from forwardkit.engine.weight_update import KVCacheSleeper, update_model_weights
 from forwardkit.logger import init_logger
-from forwardkit.models.default import default_hf_config
 from forwardkit.runner.model_runner import ModelRunner
 
 __all__ = ["LLM"]
@@ -81,7 +80,7 @@ class LLM:
                              f"({type(seed).__name__})")
         if engine_config is None:
             engine_config = build_engine_config(
-                model, default_hf_config=default_hf_config(), dtype=dtype, max_num_seqs=max_num_seqs,
+                model, dtype=dtype, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
                 compilation_config=compilation_config, data_parallel_size=data_parallel_size,
                 block_size=block_size, platform=platform, **kwargs,
@@ -98,8 +97,8 @@ class LLM:
             self.runner.warm_up_compile_ranges()
             self.runner.warm_up_compile_sizes()
             self.runner.capture_model()
-        model_config = cfg.model_config
-        self.tokenizer = load_tokenizer(model_config.model if model_config else None)
+        self.model_config = self.runner.model_config
+        self.tokenizer = load_tokenizer(self.model_config.model)
         self.eos_token_id = self._eos_token_id()
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(
@@ -135,7 +134,7 @@ class LLM:
         return group
 
     def _eos_token_id(self) -> Any:
-        hf = self.engine_config.model_config.hf_config if self.engine_config.model_config else {}
+        hf = self.model_config.hf_config
         eos = hf.get("eos_token_id")
         if eos is None and self.tokenizer is not None:
             eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -183,9 +182,8 @@ class LLM:
         if isinstance(prompts, (list, tuple)) and len(prompts) == 0 and prompt_token_ids is None:
             pairs: list[tuple[str | None, list[int]]] = []
         else:
-            model_config = self.engine_config.model_config
             pairs = parse_prompts(prompts, prompt_token_ids, self.tokenizer, self.runner.vocab_size,
-                                  model_config.model if model_config else None)
+                                  self.model_config.model)
         params = as_params_list(sampling_params, len(pairs))
         if self.tokenizer is None:
             for i, p in enumerate(params):

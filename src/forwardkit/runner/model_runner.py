@@ -83,24 +83,16 @@ class ModelRunner:
         self.parallel_config = cfg.parallel_config
         self.dp_size = int(self.parallel_config.data_parallel_size)
         self.dp_rank = int(self.parallel_config.data_parallel_rank)
-        self.model_config = cfg.model_config
+        self.model_config = cfg.require_model_config()
         if model is None:
             from forwardkit.models.loader import load_model  # model layer, loaded lazily
 
             with set_current_engine_config(cfg):
                 model = load_model(cfg)
         self.model = self._place(model)
-        self.dtype = (self.model_config.dtype if self.model_config is not None
-                      else next(self.model.parameters()).dtype)
-        if self.model_config is not None:
-            self.vocab_size = self.model_config.get_vocab_size()
-            self.max_model_len = int(self.model_config.max_model_len)
-        else:  # no model config: load_model built the built-in default model
-            from forwardkit.models.default import default_hf_config
-
-            hf = default_hf_config()
-            self.vocab_size = int(hf["vocab_size"])
-            self.max_model_len = int(hf["max_position_embeddings"])
+        self.dtype: torch.dtype = self.model_config.dtype
+        self.vocab_size = self.model_config.get_vocab_size()
+        self.max_model_len = int(self.model_config.max_model_len or 0)
         self.block_size = int(cfg.cache_config.block_size)
         self.max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
         self._init_kv_cache()
@@ -150,7 +142,7 @@ class ModelRunner:
 
     def _init_cudagraphs(self) -> None:
         """Resolve the graph mode once, build the step planner and install the graph wrappers."""
-        eager = self.model_config is not None and self.model_config.enforce_eager
+        eager = self.model_config.enforce_eager
         can_capture = self._graphs_supported()
         configured = CUDAGraphMode.parse(self.compilation_config.cudagraph_mode or CUDAGraphMode.NONE)
         if configured != CUDAGraphMode.NONE and not eager and not can_capture:
@@ -311,7 +303,7 @@ class ModelRunner:
         A no-op for eager models (mode NONE or ``enforce_eager``). Returns the sizes run.
         """
         mode = int(getattr(self.compilation_config, "mode", 0) or 0)
-        if mode == 0 or (self.model_config is not None and self.model_config.enforce_eager):
+        if mode == 0 or self.model_config.enforce_eager:
             return []
         ranges = self.compilation_config.get_compile_ranges() or []
         if self.device.type == "cpu":
@@ -332,7 +324,7 @@ class ModelRunner:
 
         Returns the sizes run.
         """
-        if self.model_config is not None and self.model_config.enforce_eager:
+        if self.model_config.enforce_eager:
             return []
         capture = set(getattr(self.compilation_config, "cudagraph_capture_sizes", None) or [])
         sizes = [s for s in (getattr(self.compilation_config, "compile_sizes", None) or [])
