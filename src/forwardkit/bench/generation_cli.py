@@ -126,11 +126,15 @@ def run_generation(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from forwardkit.bench import generation as gen
-    from forwardkit.config.model_shapes import model_shape_config, weight_bytes_per_token
+    from forwardkit.config.model_shapes import (
+        BUILTIN_MODEL_SHAPE,
+        model_shape_config,
+        weight_bytes_per_token,
+    )
 
     s = _settings(args)
     names = args.contenders or list(gen.GENERATION_CONTENDERS)
-    hf_config = None if args.model is not None else model_shape_config(args.model_shape or "default")
+    hf_config = None if args.model is not None else model_shape_config(args.model_shape or BUILTIN_MODEL_SHAPE)
     if "transformers" in names and "forwardkit" in names:  # it borrows forwardkit's weights
         names = [n for n in names if n != "transformers"] + ["transformers"]
     progress = not args.no_progress
