@@ -11,6 +11,7 @@ import torch
 from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.config.engine import EngineConfig, set_current_engine_config
+from forwardkit.config.frozen import unfrozen
 from forwardkit.config.model import ModelConfig
 from forwardkit.config.scheduler import SchedulerConfig
 from forwardkit.layers.attention import Attention
@@ -81,7 +82,8 @@ def _config(cuda: bool = False, **cc: Any) -> EngineConfig:
         platform=CudaPlatform(device_capability=90) if cuda else None,
     )
     if cuda:
-        cfg.platform = CpuPlatform()
+        with unfrozen(cfg):
+            cfg.platform = CpuPlatform()
     return cfg
 
 

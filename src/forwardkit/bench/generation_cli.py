@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import platform as host
@@ -90,8 +91,9 @@ def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any
         ns.enforce_eager, ns.engine_O, ns.compilation_config = False, ["0"], NATIVE_EAGER
     cfg = engine_config_from_args(ns, default_hf_config=hf_config)
     block = int(cfg.cache_config.block_size)
-    cfg.cache_config.num_gpu_blocks = ns.max_num_seqs * -(-int(cfg.model_config.max_model_len) // block) + 1
-    return cfg
+    blocks = ns.max_num_seqs * -(-int(cfg.model_config.max_model_len) // block) + 1
+    return dataclasses.replace(cfg, cache_config=dataclasses.replace(cfg.cache_config,
+                                                                     num_gpu_blocks=blocks))
 
 
 def _build(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,

@@ -45,6 +45,7 @@ from forwardkit import envs
 from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
 from forwardkit.config.custom_ops import custom_ops_default
+from forwardkit.config.frozen import FreezableConfig, freeze, is_frozen, thawed_copy
 from forwardkit.config.levels import (
     OptimizationLevel,
     apply_level_defaults,
@@ -74,7 +75,7 @@ _ASYNC_EXECUTORS = ("mp", "uni", "external_launcher")
 
 
 @dataclass(config=ConfigDict(extra="forbid", arbitrary_types_allowed=True))
-class EngineConfig:
+class EngineConfig(FreezableConfig):
     """Every config of one engine instance, resolved together on construction."""
 
     model_config: ModelConfig | None = None
@@ -110,6 +111,13 @@ class EngineConfig:
         return value
 
     def __post_init__(self) -> None:
+        # A sub-config resolved before (it belongs to another engine config) is read-only:
+        # this config resolves a copy of it and the original stays as it is.
+        for name in ("model_config", "parallel_config", "scheduler_config", "cache_config",
+                     "compilation_config", "speculative_config"):
+            value = getattr(self, name)
+            if is_frozen(value):
+                setattr(self, name, thawed_copy(value))
         if self.platform is None:
             self.platform = current_platform._get()
         # NOTE: CompilationConfig/PassConfig consult current_platform, so resolve under ours.
@@ -127,6 +135,7 @@ class EngineConfig:
                 for obj, state in saved:
                     vars(obj).update(state)
                 raise
+        freeze(self)  # resolved: this config and its sub-configs are read-only from here on
 
     def require_model_config(self) -> ModelConfig:
         """``model_config``; a ``ValueError`` when this config has none (an ``EngineConfig``

@@ -19,6 +19,7 @@ import torch
 
 from forwardkit.config.builder import build_engine_config
 from forwardkit.config.engine import EngineConfig
+from forwardkit.config.frozen import freeze, thawed_copy
 from forwardkit.engine.block_manager import BlockManager
 from forwardkit.engine.inputs import build_requests, parse_prompts
 from forwardkit.engine.outputs import RequestOutput
@@ -87,9 +88,9 @@ class LLM:
             )
         elif kwargs:
             raise TypeError(f"LLM(engine_config=...) takes no extra config arguments, got {sorted(kwargs)}")
-        self.engine_config = cfg = engine_config
+        self._dp_group, cfg = self._init_dp(engine_config)
+        self.engine_config = cfg
         self.seed = seed
-        self._dp_group = self._init_dp(cfg)
         from forwardkit.platforms import use_platform
 
         with use_platform(cfg.platform):
@@ -118,10 +119,11 @@ class LLM:
         return cls(engine_config=engine_config, seed=seed)
 
     @staticmethod
-    def _init_dp(cfg: EngineConfig) -> Any:
+    def _init_dp(cfg: EngineConfig) -> tuple[Any, EngineConfig]:
+        """(the DP group or None, the engine config with this process's DP rank)."""
         parallel = cfg.parallel_config
         if parallel.data_parallel_size <= 1:
-            return None
+            return None, cfg
         from forwardkit.distributed import get_dp_group, init_dp_group, is_dp_group_initialized
 
         group = get_dp_group() if is_dp_group_initialized() else init_dp_group(parallel)
@@ -130,8 +132,14 @@ class LLM:
                 f"data_parallel_size={parallel.data_parallel_size} but the DP group has "
                 f"{group.world_size} ranks"
             )
-        parallel.data_parallel_rank = group.rank
-        return group
+        if group.rank != parallel.data_parallel_rank:
+            # The config is read-only: a copy with the group's rank. The rank is no input of
+            # resolution, so the copy is not resolved again (everything else stays identical).
+            ranked = thawed_copy(cfg)
+            ranked.parallel_config.data_parallel_rank = group.rank
+            freeze(ranked)
+            cfg = ranked
+        return group, cfg
 
     def _eos_token_id(self) -> Any:
         hf = self.model_config.hf_config

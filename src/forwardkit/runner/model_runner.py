@@ -134,7 +134,6 @@ class ModelRunner:
             bytes_per_block=kv_cache_bytes_per_block(sfc, self.block_size, self.dtype),
             device=self.device,
         )
-        self.engine_config.cache_config.num_gpu_blocks = self.num_blocks
         self.kv_caches = bind_kv_cache(sfc, self.num_blocks, self.block_size, self.dtype, self.device)
         # Block id num_blocks is the backend's scratch block: dummy requests live there.
         self.scratch_block = self.num_blocks
