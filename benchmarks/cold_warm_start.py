@@ -30,13 +30,16 @@ def child(tokens: int) -> None:
 
     from forwardkit.compilation.counters import compilation_counter
     from forwardkit.config.engine import EngineConfig
+    from forwardkit.config.model import ModelConfig
     from forwardkit.forward_context import set_forward_context
     from forwardkit.layers.attention import build_attention_metadata
     from forwardkit.layers.kv_cache import bind_kv_cache
+    from forwardkit.models.default import default_hf_config
     from forwardkit.models.loader import load_model
 
     imported = time.perf_counter() - _START
-    cfg = EngineConfig(compilation_config={"mode": 3, "backend": "inductor"})
+    cfg = EngineConfig(model_config=ModelConfig(hf_config=default_hf_config()),
+                       compilation_config={"mode": 3, "backend": "inductor"})
     model = load_model(cfg)
     ctx = cfg.compilation_config.static_forward_context
     bind_kv_cache(ctx, 64, 16, torch.float32, "cpu")

@@ -23,9 +23,11 @@ import torch
 
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.config.engine import EngineConfig
+from forwardkit.config.model import ModelConfig
 from forwardkit.forward_context import set_forward_context
 from forwardkit.layers.attention import build_attention_metadata
 from forwardkit.layers.kv_cache import bind_kv_cache
+from forwardkit.models.default import default_hf_config
 from forwardkit.models.loader import load_model
 
 BLOCK = 16
@@ -49,7 +51,8 @@ class Variant:
         self.name = name
         # the baselines run every op native (no custom-op wrappers), as a user's model does
         extra = {"custom_ops": ["none"]} if native else {}
-        self.cfg = EngineConfig(compilation_config={"mode": mode, "backend": "inductor", **extra})
+        self.cfg = EngineConfig(model_config=ModelConfig(hf_config=default_hf_config()),
+                                compilation_config={"mode": mode, "backend": "inductor", **extra})
         self.model = load_model(self.cfg)
         self.ctx = self.cfg.compilation_config.static_forward_context
         self.caches = bind_kv_cache(self.ctx, 64 * 4 + 40, BLOCK, torch.float32, "cpu")

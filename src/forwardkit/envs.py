@@ -101,6 +101,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # with AOT compile on: a missing or unusable saved entry is a FileNotFoundError instead of
     # a trace (vLLM: VLLM_FORCE_AOT_LOAD), for deployments that must never compile
     "FORWARDKIT_FORCE_AOT_LOAD": _bool("FORWARDKIT_FORCE_AOT_LOAD", False),
+    # attention backend by registered name (vLLM: VLLM_ATTENTION_BACKEND); unset: TORCH_NATIVE
+    "FORWARDKIT_ATTENTION_BACKEND": _str("FORWARDKIT_ATTENTION_BACKEND", None),
     # CUDA graphs
     "FORWARDKIT_ENABLE_CUDAGRAPH_GC": _bool("FORWARDKIT_ENABLE_CUDAGRAPH_GC", False),
     "FORWARDKIT_DBO_COMM_SMS": _int("FORWARDKIT_DBO_COMM_SMS", 20),

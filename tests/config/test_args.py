@@ -104,7 +104,7 @@ def test_defaults_and_limits():
     assert big.scheduler_config.max_num_batched_tokens == 4096
     small = resolve("--max-num-batched-tokens", "64")
     assert small.scheduler_config.max_num_seqs == 64
-    assert resolve(hf=None).model_config is None
+    assert resolve(hf=None).model_config.hf_config["num_hidden_layers"] == 4  # the built-in model
 
 
 def test_platform_cpu_has_no_graphs():
@@ -140,9 +140,10 @@ def test_errors(argv, message):
     assert "\n" not in str(info.value)
 
 
-def test_model_only_flags_need_a_model():
-    with pytest.raises(ValueError, match="--dtype, --enforce-eager need a model"):
-        resolve("--dtype", "float16", "--enforce-eager", hf=None)
+def test_model_flags_without_a_model_apply_to_the_builtin_model():
+    cfg = resolve("--dtype", "float16", "--enforce-eager", hf=None)
+    assert cfg.model_config.model is None and cfg.model_config.dtype is torch.float16
+    assert cfg.model_config.enforce_eager
 
 
 @pytest.mark.parametrize("argv", [["--max-num-seqs", "0"], ["--block-size", "x"], ["--platform", "tpu"],

@@ -17,6 +17,7 @@ from forwardkit.config import (
 )
 from forwardkit.config.args import add_engine_args, engine_config_from_args
 from forwardkit.config.builder import default_batch_limits, engine_kwarg_names
+from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
 from forwardkit.platforms import CpuPlatform, CudaPlatform
 
 HF = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
@@ -51,8 +52,9 @@ def test_defaults_with_and_without_a_model():
     assert cfg.model_config.model is None and cfg.model_config.dtype is torch.bfloat16
     assert cfg.cache_config.block_size == 16 and cfg.cache_config.num_gpu_blocks is None
     assert cfg.optimization_level == OptimizationLevel.O2 and cfg.platform.name == "cpu"
-    bare = build_engine_config(platform="cpu", dtype="auto")
-    assert bare.model_config is None and limits(bare) == (128, 2048)
+    bare = build_engine_config(platform="cpu", dtype="auto")  # no model: the built-in one
+    assert bare.model_config.model is None and limits(bare) == (128, 2048)
+    assert bare.model_config.hf_config == model_shape_config(BUILTIN_MODEL_SHAPE)
 
 
 def test_chunked_prefill_off_raises_the_token_budget():
@@ -122,11 +124,11 @@ def test_compilation_config_errors_name_the_key(value, names, message):
     assert "\n" not in str(info.value)
 
 
-def test_model_only_arguments_need_a_model():
-    with pytest.raises(ValueError, match="^dtype, enforce_eager, max_model_len need a model: pass model$"):
-        build_engine_config(dtype="float16", enforce_eager=True, max_model_len=64)
-    with pytest.raises(ValueError, match="^--dtype need a model: pass --model DIR$"):
-        build_engine_config(dtype="float16", arg_names={"dtype": "--dtype", "model": "--model DIR"})
+def test_model_arguments_without_a_model_apply_to_the_builtin_model():
+    cfg = build_engine_config(dtype="float16", enforce_eager=True, max_model_len=64, platform="cpu")
+    model = cfg.model_config
+    assert model.hf_config == model_shape_config(BUILTIN_MODEL_SHAPE) and model.model is None
+    assert (model.dtype, model.enforce_eager, model.max_model_len) == (torch.float16, True, 64)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import torch
 
 from forwardkit.config.compilation import CompilationMode, CUDAGraphMode
 from forwardkit.config.engine import EngineConfig
+from forwardkit.config.frozen import unfrozen
 from forwardkit.config.parallel import ParallelConfig
 from forwardkit.config.scheduler import SchedulerConfig, SpeculativeConfig
 from forwardkit.cudagraph.dispatcher import (
@@ -302,8 +303,9 @@ def test_real_config_keys_per_mode(mode):
 def test_real_config_spec_decode_keys():
     cfg = real_cfg(max_num_seqs=4, speculative_config={"num_speculative_tokens": 2, "method": "eagle"})
     cc = cfg.compilation_config
-    cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = [3, 6, 9, 12, 24], 24
-    cc.compute_bs_to_padded_graph_size()
+    with unfrozen(cfg):  # sizes that are multiples of the decode query length, as vLLM rounds them
+        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = [3, 6, 9, 12, 24], 24
+        cc.compute_bs_to_padded_graph_size()
     disp = CudagraphDispatcher(cfg)
     assert disp.uniform_decode_query_len == 3
     disp.initialize_cudagraph_keys(cc.cudagraph_mode)
@@ -314,8 +316,9 @@ def test_real_config_spec_decode_keys():
 
 def test_real_config_piecewise_without_attention_split_raises():
     cfg = real_cfg()
-    cfg.compilation_config.splitting_ops = []
-    cfg.compilation_config.cudagraph_mode = M.PIECEWISE
+    with unfrozen(cfg):  # a state resolution never produces
+        cfg.compilation_config.splitting_ops = []
+        cfg.compilation_config.cudagraph_mode = M.PIECEWISE
     with pytest.raises(AssertionError, match=r"^Compilation mode should be CompilationMode.VLLM_COMPILE when cudagraph_mode piecewise cuda"):
         CudagraphDispatcher(cfg)
 

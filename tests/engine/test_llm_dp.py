@@ -22,6 +22,7 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, enforce_eager=True, max
 def _engine_config(path: str, nprocs: int, dp_padding: bool):
     from forwardkit.config.builder import build_engine_config
     from forwardkit.config.compilation import CUDAGraphMode
+    from forwardkit.config.frozen import unfrozen
 
     if not dp_padding:
         return build_engine_config(path, data_parallel_size=nprocs, enable_expert_parallel=True,
@@ -31,7 +32,8 @@ def _engine_config(path: str, nprocs: int, dp_padding: bool):
     engine = {**ENGINE, "enforce_eager": False}
     cfg = build_engine_config(path, data_parallel_size=nprocs, enable_expert_parallel=True,
                               compilation_config={"mode": 0}, **engine)
-    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    with unfrozen(cfg):
+        cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
     return cfg
 
 

@@ -18,10 +18,12 @@ from .conftest import make_engine_config  # noqa: TID252
 @pytest.mark.parametrize("custom_ops", [["none"], ["all"]])
 def test_inner_model_traces_once_and_matches_eager(which, custom_ops, request):
     from forwardkit.config.engine import EngineConfig
+    from forwardkit.config.model import ModelConfig
+    from forwardkit.models.default import default_hf_config
 
     overrides = {"compilation_config": {"mode": 0, "custom_ops": custom_ops}}  # our own compile below
     if which == "default":
-        config = EngineConfig(**overrides)
+        config = EngineConfig(model_config=ModelConfig(hf_config=default_hf_config()), **overrides)
     else:
         config = make_engine_config(request.getfixturevalue("mixtral_dir"), **overrides)
     model = load_model(config)

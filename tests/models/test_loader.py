@@ -100,6 +100,7 @@ def test_dtype_override(llama_dir):
 
 def test_default_model_is_seeded_and_runs():
     from forwardkit.config.engine import EngineConfig
+    from forwardkit.config.model import ModelConfig
     from forwardkit.forward_context import set_forward_context
     from forwardkit.layers.attention import build_attention_metadata
     from forwardkit.layers.kv_cache import bind_kv_cache
@@ -107,7 +108,8 @@ def test_default_model_is_seeded_and_runs():
 
     cfg = default_hf_config()
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (256, 4, 4096)
-    configs = [EngineConfig(compilation_config={"mode": 0}) for _ in range(2)]
+    configs = [EngineConfig(model_config=ModelConfig(hf_config=cfg), compilation_config={"mode": 0})
+               for _ in range(2)]
     models = [load_model(c) for c in configs]
     assert type(models[0]).__name__ == "LlamaForCausalLM"
     assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
@@ -140,3 +142,17 @@ def test_wrong_typed_config_json_value_is_named(llama_dir, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"'hidden_size' in .*config\.json must be a positive integer, got '64' \(str\)"):
         _load(str(d))
+
+
+def test_an_engine_config_without_a_model_config_is_refused_clearly():
+    """``EngineConfig()`` (vLLM-compatible) may lack a model config; building a model from it
+    names the fix. The builder always sets one (the built-in model)."""
+    from forwardkit.config.builder import build_engine_config
+    from forwardkit.config.engine import EngineConfig
+    from forwardkit.runner import ModelRunner
+
+    bare = EngineConfig(compilation_config={"mode": 0})
+    for build in (load_model, ModelRunner):
+        with pytest.raises(ValueError, match="has no model_config; build it with .*build_engine_config"):
+            build(bare)
+    assert build_engine_config(platform="cpu").model_config.architectures == ["LlamaForCausalLM"]

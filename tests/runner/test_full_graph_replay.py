@@ -20,6 +20,7 @@ import torch.nn as nn
 from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.config.engine import EngineConfig, set_current_engine_config
+from forwardkit.config.frozen import unfrozen
 from forwardkit.config.model import ModelConfig
 from forwardkit.config.scheduler import SchedulerConfig
 from forwardkit.cudagraph.wrapper import GraphBackend
@@ -98,10 +99,11 @@ def _config(graphs: bool) -> EngineConfig:
     )
     if graphs:
         cc = cfg.compilation_config
-        cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
-        cc.cudagraph_capture_sizes = [1, 2, 4]
-        cc.max_cudagraph_capture_size = 4
-        cc.compute_bs_to_padded_graph_size()
+        with unfrozen(cfg):  # graphs on the CPU: resolution would turn them off
+            cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+            cc.cudagraph_capture_sizes = [1, 2, 4]
+            cc.max_cudagraph_capture_size = 4
+            cc.compute_bs_to_padded_graph_size()
     return cfg
 
 

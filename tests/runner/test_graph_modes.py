@@ -16,6 +16,7 @@ from forwardkit.compilation.counters import compilation_counter
 from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.config.engine import EngineConfig
+from forwardkit.config.frozen import unfrozen
 from forwardkit.config.model import ModelConfig
 from forwardkit.config.scheduler import SchedulerConfig
 from forwardkit.cudagraph.wrapper import CUDAGraphWrapper
@@ -46,7 +47,8 @@ def _config(mode: str | None) -> EngineConfig:
         compilation_config=cc,
         platform=CudaPlatform(device_capability=90),
     )
-    cfg.platform = CpuPlatform()  # graph settings stay as resolved for CUDA
+    with unfrozen(cfg):
+        cfg.platform = CpuPlatform()  # graph settings stay as resolved for CUDA
     return cfg
 
 

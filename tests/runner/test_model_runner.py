@@ -8,6 +8,7 @@ import torch
 from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CompilationConfig, CUDAGraphMode
 from forwardkit.config.engine import EngineConfig
+from forwardkit.config.frozen import unfrozen
 from forwardkit.config.model import ModelConfig
 from forwardkit.config.scheduler import SchedulerConfig
 from forwardkit.runner import ModelRunner, StepBatch
@@ -174,8 +175,9 @@ def test_step_batch_views():
 def test_warm_up_compile_sizes_runs_dummy_steps(monkeypatch):
     runner = _runner(LLAMA)
     assert runner.warm_up_compile_sizes() == []  # enforce_eager: nothing to compile
-    runner.model_config.enforce_eager = False
-    monkeypatch.setattr(runner.compilation_config, "compile_sizes", [8, 2, 100, 8])
+    with unfrozen(runner.engine_config):  # emulate a compiling config on the same runner
+        runner.model_config.enforce_eager = False
+        runner.compilation_config.compile_sizes = [8, 2, 100, 8]
     seen = []
     monkeypatch.setattr(runner, "dummy_run", lambda n, mode=None: seen.append((n, mode)))
     assert runner.warm_up_compile_sizes() == [8, 2]  # 100 exceeds the 64-token buffers

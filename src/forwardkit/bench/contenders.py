@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,8 +71,8 @@ def engine_config_for(name: str, args: argparse.Namespace, hf_config: dict[str, 
         ns.engine_O = ["0"]
         ns.compilation_config = NATIVE_EAGER
     cfg = engine_config_from_args(ns, default_hf_config=hf_config)
-    cfg.cache_config.num_gpu_blocks = num_blocks
-    return cfg
+    return dataclasses.replace(cfg, cache_config=dataclasses.replace(cfg.cache_config,
+                                                                     num_gpu_blocks=num_blocks))
 
 
 def build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import platform as host
@@ -95,8 +96,9 @@ def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any
     if cfg.model_config is None:  # max_model_len is set above, and that needs a model config
         raise RuntimeError("the generation benchmark's engine config has no model config")
     block = int(cfg.cache_config.block_size)
-    cfg.cache_config.num_gpu_blocks = ns.max_num_seqs * -(-cfg.model_config.get_max_model_len() // block) + 1
-    return cfg
+    blocks = ns.max_num_seqs * -(-cfg.model_config.get_max_model_len() // block) + 1
+    return dataclasses.replace(cfg, cache_config=dataclasses.replace(cfg.cache_config,
+                                                                     num_gpu_blocks=blocks))
 
 
 def _build(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
@@ -131,11 +133,15 @@ def run_generation(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from forwardkit.bench import generation as gen
-    from forwardkit.config.model_shapes import model_shape_config, weight_bytes_per_token
+    from forwardkit.config.model_shapes import (
+        BUILTIN_MODEL_SHAPE,
+        model_shape_config,
+        weight_bytes_per_token,
+    )
 
     s = _settings(args)
     names = args.contenders or list(gen.GENERATION_CONTENDERS)
-    hf_config = None if args.model is not None else model_shape_config(args.model_shape or "default")
+    hf_config = None if args.model is not None else model_shape_config(args.model_shape or BUILTIN_MODEL_SHAPE)
     if "transformers" in names and "forwardkit" in names:  # it borrows forwardkit's weights
         names = [n for n in names if n != "transformers"] + ["transformers"]
     progress = not args.no_progress

@@ -15,7 +15,11 @@ from typing import Any
 
 from forwardkit.bench.generation_cli import add_generation_args, run_generation
 from forwardkit.bench.trace import BUILTIN_TRACES
-from forwardkit.config.model_shapes import model_shape_config, model_shape_names
+from forwardkit.config.model_shapes import (
+    BUILTIN_MODEL_SHAPE,
+    model_shape_config,
+    model_shape_names,
+)
 
 __all__ = ["register", "run"]
 
@@ -171,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         QUICK_WARMUP if args.quick else DEFAULT_WARMUP)
     hf_config = None
     if args.model is None:
-        hf_config = model_shape_config(args.model_shape or "default")
+        hf_config = model_shape_config(args.model_shape or BUILTIN_MODEL_SHAPE)
     names = args.contenders or list(CONTENDER_NAMES)
     if "transformers" in names:
         raise ValueError("--contenders transformers needs --generation (the step trace runs "

@@ -18,15 +18,6 @@ from forwardkit.config.engine import EngineConfig
 __all__ = ["padding_runs", "register", "summarize"]
 
 
-def _default_hf_config() -> dict[str, Any] | None:
-    """The built-in model's config.json, when the model package is available."""
-    try:
-        from forwardkit.models.default import default_hf_config
-    except ImportError:
-        return None
-    return default_hf_config()
-
-
 def padding_runs(table: list[int] | None) -> list[tuple[int, int, int]]:
     """Runs ``(first, last, padded)`` of batch sizes >= 1 that pad to the same capture size."""
     runs: list[tuple[int, int, int]] = []
@@ -49,12 +40,12 @@ def _format_runs(runs: list[tuple[int, int, int]]) -> str:
 def summarize(cfg: EngineConfig) -> dict[str, Any]:
     """The resolved facts ``forwardkit config`` shows, as JSON-able values."""
     cc = cfg.compilation_config
-    model = cfg.model_config
+    model = cfg.require_model_config()
     return {
         "optimization_level": f"O{int(cfg.optimization_level)}",
         "platform": cfg.platform.name,
-        "model": None if model is None else (model.model or "(built-in default model)"),
-        "architectures": [] if model is None else model.architectures,
+        "model": model.model or "(built-in default model)",
+        "architectures": model.architectures,
         "max_num_seqs": cfg.scheduler_config.max_num_seqs,
         "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
         "data_parallel_size": cfg.parallel_config.data_parallel_size,
@@ -106,7 +97,7 @@ def _text(info: dict[str, Any], cfg: EngineConfig) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Resolve the config from ``args`` and print it (text or ``--json``)."""
-    cfg = engine_config_from_args(args, default_hf_config=_default_hf_config())
+    cfg = engine_config_from_args(args)
     info = summarize(cfg)
     print(json.dumps(info, indent=2) if args.json else _text(info, cfg))
     return 0

@@ -65,7 +65,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Build the engine from the arguments, generate, print; returns the exit code."""
     from forwardkit.engine import LLM, SamplingParams
-    from forwardkit.models.default import default_hf_config
 
     if not args.prompt and not args.prompt_token_ids:
         raise ValueError("no prompts: pass --prompt TEXT or --prompt-token-ids 1,2,3 (repeatable)")
@@ -73,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
     )
-    config = engine_config_from_args(args, default_hf_config=default_hf_config())
+    config = engine_config_from_args(args)
     dp = config.parallel_config.data_parallel_size
     if dp > 1 and "WORLD_SIZE" not in os.environ:
         raise ValueError(

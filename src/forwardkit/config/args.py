@@ -236,9 +236,8 @@ def engine_config_from_args(ns: argparse.Namespace, *,
 
     A thin adapter over :func:`forwardkit.config.builder.build_engine_config` (same defaults
     as ``LLM(...)``): ``-O`` / ``-cc`` are parsed here, everything else is passed on.
-    ``default_hf_config`` describes the model used when ``--model`` is absent (the tools pass
-    the built-in model's config so capture sizes are worked out for it); without it and
-    without ``--model`` the engine has no model config.
+    ``default_hf_config`` describes the model used when ``--model`` is absent; None = the
+    built-in model (the config always has a ``ModelConfig``).
     """
     level, compilation = compilation_overrides_from_args(ns)
     chunked = getattr(ns, "enable_chunked_prefill", None)

@@ -4,9 +4,10 @@ The one place that turns the arguments a user types (``LLM(...)`` keywords, or t
 ``forwardkit config/generate/bench`` flags via :func:`forwardkit.config.args.engine_config_from_args`)
 into the nested configs, so both paths configure the same engine. Rules:
 
-* ``model`` (a local Hugging Face directory) wins; else ``default_hf_config`` describes the
-  model; with neither there is no model config, and model-only arguments (``dtype``,
-  ``max_model_len``, ``enforce_eager``) are an error.
+* ``model`` (a local Hugging Face directory) wins; else ``model_shape`` or
+  ``default_hf_config`` describes the model; with none of them the model is the built-in one
+  (shape ``config.model_shapes.BUILTIN_MODEL_SHAPE``). So the result always has a
+  ``ModelConfig``, and code downstream reads ``engine_config.model_config`` without a None case.
 * ``max_num_batched_tokens`` defaults to ``max(2048, max_num_seqs)``, raised to
   ``max_model_len`` when chunked prefill is off (so every prompt fits one step);
   ``max_num_seqs`` defaults to ``min(128, max_num_batched_tokens)``.
@@ -16,8 +17,8 @@ into the nested configs, so both paths configure the same engine. Rules:
 * Every invalid value is a one-line ``ValueError`` naming the argument (pydantic's
   multi-line ``ValidationError`` is condensed by :func:`one_line_error`).
 
-The config layer knows no model: callers that want the built-in default model pass its HF
-config (``forwardkit.models.default.default_hf_config()``) as ``default_hf_config``.
+The built-in model is the named shape ``default`` (its HF config lives in
+``config/model_shapes.py``); the model layer builds it with seeded random weights.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CompilationConfig
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.model import ModelConfig
-from forwardkit.config.model_shapes import model_shape_config
+from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
 from forwardkit.config.parallel import ParallelConfig
 from forwardkit.config.scheduler import (
-    DEFAULT_MAX_MODEL_LEN,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     SchedulerConfig,
@@ -141,7 +141,8 @@ def build_engine_config(
 
     Args:
         model: local Hugging Face checkpoint directory (config.json + safetensors), or None.
-        default_hf_config: HF config dict of the model used when ``model`` is None.
+        default_hf_config: HF config dict of the model used when ``model`` is None; None =
+            the built-in model (shape ``BUILTIN_MODEL_SHAPE``).
         model_shape: a named real-architecture shape (``config.model_shapes``, e.g.
             ``"llama-3.2-1b"``) built with seeded random weights; replaces ``default_hf_config``
             and excludes ``model``.
@@ -178,11 +179,11 @@ def build_engine_config(
     if data_parallel_size is not None:
         parallel_kwargs["data_parallel_size"] = data_parallel_size
 
-    default_hf_config = _shape_hf_config(model, model_shape, default_hf_config, label)
+    builtin_hf_config = _shape_hf_config(model, model_shape, default_hf_config, label)
     resolved_platform = _resolve_platform(platform)
     compilation = _compilation(compilation_config, resolved_platform, label("compilation_config"))
     try:
-        model_config = _model_config(model, default_hf_config, dtype, max_model_len, enforce_eager, label)
+        model_config = _model_config(model, builtin_hf_config, dtype, max_model_len, enforce_eager)
         model_config = _cpu_dtype_fallback(model_config, dtype, resolved_platform)
         scheduler_config = _scheduler_config(model_config, max_num_seqs, max_num_batched_tokens,
                                              enable_chunked_prefill, scheduler_kwargs)
@@ -204,9 +205,12 @@ def build_engine_config(
 
 
 def _shape_hf_config(model: Any, model_shape: str | None, default_hf_config: Mapping[str, Any] | None,
-                     label: Any) -> Mapping[str, Any] | None:
-    """The HF config of the model built without a checkpoint (``model_shape`` wins)."""
+                     label: Any) -> Mapping[str, Any]:
+    """The HF config of the model built without a checkpoint: ``model_shape``, else
+    ``default_hf_config``, else the built-in model's."""
     if model_shape is None:
+        if default_hf_config is None:
+            return model_shape_config(BUILTIN_MODEL_SHAPE)
         return default_hf_config
     if model is not None:
         raise ValueError(f"give {label('model')} or {label('model_shape')}, not both "
@@ -219,12 +223,11 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _cpu_dtype_fallback(model_config: ModelConfig | None, dtype: Any,
-                        platform: Platform) -> ModelConfig | None:
+def _cpu_dtype_fallback(model_config: ModelConfig, dtype: Any, platform: Platform) -> ModelConfig:
     """On a CPU without native bf16, a checkpoint's bf16 (taken by ``dtype="auto"``) runs in
     float32: emulated bf16 matmuls are several times slower. An explicit dtype is kept."""
     auto = dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto")
-    if (model_config is None or not auto or model_config.dtype != torch.bfloat16
+    if (not auto or model_config.dtype != torch.bfloat16
             or not platform.is_cpu() or cpu_has_native_bf16()):
         return model_config
     logger.info_once("This CPU has no native bf16 matmuls: running the bf16 model in float32 "
@@ -247,11 +250,11 @@ def _split_engine_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dic
     return parallel_kwargs, scheduler_kwargs
 
 
-def _scheduler_config(model_config: ModelConfig | None, max_num_seqs: int | None,
+def _scheduler_config(model_config: ModelConfig, max_num_seqs: int | None,
                       max_num_batched_tokens: int | None, enable_chunked_prefill: bool,
                       scheduler_kwargs: Mapping[str, Any]) -> SchedulerConfig:
     """The scheduler limits, defaults filled in from the model's ``max_model_len``."""
-    model_len = model_config.get_max_model_len() if model_config is not None else DEFAULT_MAX_MODEL_LEN
+    model_len = model_config.get_max_model_len()
     seqs, tokens = default_batch_limits(max_num_seqs, max_num_batched_tokens, max_model_len=model_len,
                                         enable_chunked_prefill=enable_chunked_prefill)
     return SchedulerConfig(
@@ -259,7 +262,7 @@ def _scheduler_config(model_config: ModelConfig | None, max_num_seqs: int | None
         max_num_batched_tokens=tokens,
         enable_chunked_prefill=enable_chunked_prefill,
         max_model_len=model_len,
-        is_encoder_decoder=model_config.is_encoder_decoder if model_config is not None else False,
+        is_encoder_decoder=model_config.is_encoder_decoder,
         **scheduler_kwargs,
     )
 
@@ -293,22 +296,15 @@ def _check_argument_types(label: Any, **args: Any) -> None:
                              f"({type(value).__name__})")
 
 
-def _model_config(model: str | os.PathLike[str] | None, default_hf_config: Mapping[str, Any] | None,
-                  dtype: str | torch.dtype | None, max_model_len: int | None, enforce_eager: bool,
-                  label: Any) -> ModelConfig | None:
+def _model_config(model: str | os.PathLike[str] | None, builtin_hf_config: Mapping[str, Any],
+                  dtype: str | torch.dtype | None, max_model_len: int | None,
+                  enforce_eager: bool) -> ModelConfig:
+    """A checkpoint's ``ModelConfig`` when ``model`` is given, else one of ``builtin_hf_config``
+    (a model built with seeded random weights)."""
     overrides: dict[str, Any] = {"enforce_eager": bool(enforce_eager)}
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
     if model is not None:
         return ModelConfig.from_pretrained(model, dtype=dtype, **overrides)
-    if default_hf_config is not None:
-        return ModelConfig(hf_config=dict(default_hf_config), dtype="auto" if dtype is None else dtype,
-                           **overrides)
-    given = [label(name) for name, on in (
-        ("dtype", not (dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto"))),
-        ("enforce_eager", bool(enforce_eager)),
-        ("max_model_len", max_model_len is not None),
-    ) if on]
-    if given:
-        raise ValueError(f"{', '.join(given)} need a model: pass {label('model')}")
-    return None
+    return ModelConfig(hf_config=dict(builtin_hf_config), dtype="auto" if dtype is None else dtype,
+                       **overrides)

@@ -5,13 +5,14 @@ from __future__ import annotations
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass
 
+from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.utils import hash_factors
 
 __all__ = ["CacheConfig"]
 
 
 @dataclass(config=ConfigDict(extra="forbid"))
-class CacheConfig:
+class CacheConfig(FreezableConfig):
     """Paged KV cache: tokens per block and (once profiled or given) the number of blocks."""
 
     block_size: int = 16

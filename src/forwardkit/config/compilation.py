@@ -48,6 +48,7 @@ from forwardkit.config.compilation_enums import (
 from forwardkit.config.compilation_methods import CompilationMethods
 from forwardkit.config.compilation_serde import compilation_config_repr, compilation_config_to_dict
 from forwardkit.config.compilation_sizes import MAX_CAPTURE_SIZE
+from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.pass_config import DynamicShapesConfig, PassConfig, resolve_inductor_pass
 from forwardkit.config.utils import ConfigAssertionError, check_nesting, short_repr
 from forwardkit.config.utils import is_plain_json as _is_plain_json
@@ -96,7 +97,7 @@ def _torch_at_least(version: str) -> bool:
 
 
 @dataclass(config=ConfigDict(extra="forbid", use_attribute_docstrings=True))
-class CompilationConfig(CompilationMethods):
+class CompilationConfig(CompilationMethods, FreezableConfig):
     """Configuration for compilation and CUDA-graph capture.
 
     Three parts: top-level control (``mode``, ``backend``, ``custom_ops``,
@@ -117,6 +118,13 @@ class CompilationConfig(CompilationMethods):
         "forwardkit::unified_attention_with_output",
     )
     """Attention ops used as default splitting ops (callers get a list copy)."""
+
+    RUNTIME_FIELDS: ClassVar[frozenset[str]] = frozenset({
+        "local_cache_dir", "enabled_custom_ops", "disabled_custom_ops", "traced_files",
+        "compilation_time", "static_forward_context",
+    })
+    """Run-time state (vLLM's ``init=False`` fields) the model build and the compile backend
+    write; writable after resolution (see ``config/frozen.py``) and never hashed."""
 
     level: int | None = None
     """Deprecated alias of ``mode`` (0-3)."""

@@ -50,6 +50,7 @@ from forwardkit.config.engine_graphs import (
     set_compile_ranges,
     sizes_for_sequence_parallelism,
 )
+from forwardkit.config.frozen import FreezableConfig, freeze, is_frozen, thawed_copy
 from forwardkit.config.levels import (
     OptimizationLevel,
     apply_level_defaults,
@@ -79,7 +80,7 @@ _ASYNC_EXECUTORS = ("mp", "uni", "external_launcher")
 
 
 @dataclass(config=ConfigDict(extra="forbid", arbitrary_types_allowed=True))
-class EngineConfig:
+class EngineConfig(FreezableConfig):
     """Every config of one engine instance, resolved together on construction."""
 
     model_config: ModelConfig | None = None
@@ -123,6 +124,13 @@ class EngineConfig:
         return value
 
     def __post_init__(self) -> None:
+        # A sub-config resolved before (it belongs to another engine config) is read-only:
+        # this config resolves a copy of it and the original stays as it is.
+        for name in ("model_config", "parallel_config", "scheduler_config", "cache_config",
+                     "compilation_config", "speculative_config"):
+            value = getattr(self, name)
+            if is_frozen(value):
+                setattr(self, name, thawed_copy(value))
         if self.platform is None:
             self.platform = current_platform._get()
         # NOTE: CompilationConfig/PassConfig consult current_platform, so resolve under ours.
@@ -140,6 +148,19 @@ class EngineConfig:
                 for obj, state in saved:
                     vars(obj).update(state)
                 raise
+        freeze(self)  # resolved: this config and its sub-configs are read-only from here on
+
+    def require_model_config(self) -> ModelConfig:
+        """``model_config``; a ``ValueError`` when this config has none (an ``EngineConfig``
+        built directly without one, as vLLM allows). ``build_engine_config`` always sets one
+        (the built-in model when no checkpoint or shape is given)."""
+        if self.model_config is None:
+            raise ValueError(
+                "this engine config has no model_config; build it with "
+                "forwardkit.config.builder.build_engine_config (no model = the built-in model) "
+                "or pass model_config=ModelConfig(...)"
+            )
+        return self.model_config
 
     # ------------------------------------------------------------------ resolution
     def _resolve(self) -> None:

@@ -16,6 +16,7 @@ import torch
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
+from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.utils import hash_factors, normalize_value, short_repr
 
 __all__ = ["ModelConfig", "resolve_dtype"]
@@ -89,7 +90,7 @@ def _check_hf_config(hf_config: dict[str, Any], model: str | None) -> None:
 
 
 @dataclass(config=ConfigDict(extra="forbid", arbitrary_types_allowed=True))
-class ModelConfig:
+class ModelConfig(FreezableConfig):
     """The model an engine runs: checkpoint dir (or None), its HF config and runtime choices."""
 
     model: str | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["MODEL_SHAPES", "model_shape_config", "model_shape_names", "weight_bytes_per_token"]
+__all__ = ["BUILTIN_MODEL_SHAPE", "MODEL_SHAPES", "model_shape_config", "model_shape_names", "weight_bytes_per_token"]
 
 _LLAMA3_ROPE_1B = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                    "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -79,6 +79,9 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "mixtral-small": _MIXTRAL_SMALL,
 }
 """Shape name -> HF config dict (read-only: use :func:`model_shape_config` for a copy)."""
+
+BUILTIN_MODEL_SHAPE = "default"
+"""The shape of the built-in model: what an engine runs when given no checkpoint and no shape."""
 
 
 def model_shape_names() -> list[str]:

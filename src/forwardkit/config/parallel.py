@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
 
 from forwardkit import envs
+from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.utils import get_hash_factors, hash_factors
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
@@ -90,7 +91,7 @@ def get_open_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 @dataclass(config=ConfigDict(extra="forbid"))
-class EPLBConfig:
+class EPLBConfig(FreezableConfig):
     """Expert-parallel load balancer settings (kept for validation; no balancer runs here)."""
 
     window_size: int = 1000
@@ -110,7 +111,7 @@ class EPLBConfig:
 
 
 @dataclass(config=ConfigDict(extra="forbid", arbitrary_types_allowed=True))
-class ParallelConfig:
+class ParallelConfig(FreezableConfig):
     """How the model is split over processes; ``world_size`` excludes data parallelism."""
 
     pipeline_parallel_size: int = 1

@@ -17,6 +17,7 @@ from pydantic import ConfigDict, field_validator
 from pydantic.dataclasses import dataclass
 
 from forwardkit.config.compilation_enums import DynamicShapesType
+from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.utils import get_hash_factors, hash_factors
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
@@ -36,7 +37,7 @@ _CONFIG = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 @dataclass(config=_CONFIG)
-class PassConfig:
+class PassConfig(FreezableConfig):
     """Switches for forwardkit's custom Inductor passes.
 
     The ``bool | None`` flags are tri-state: ``None`` means "not decided yet"; the
@@ -137,7 +138,7 @@ class PassConfig:
 
 
 @dataclass(config=_CONFIG)
-class DynamicShapesConfig:
+class DynamicShapesConfig(FreezableConfig):
     """How Dynamo treats the dynamic token dimension."""
 
     type: DynamicShapesType = DynamicShapesType.BACKED

@@ -7,6 +7,7 @@ from dataclasses import InitVar, field
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass
 
+from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.utils import hash_factors
 
 __all__ = ["SchedulerConfig", "SpeculativeConfig"]
@@ -17,7 +18,7 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass(config=ConfigDict(extra="forbid"))
-class SchedulerConfig:
+class SchedulerConfig(FreezableConfig):
     """Per-step limits of the scheduler (vLLM ``SchedulerConfig`` subset).
 
     ``max_model_len`` and ``is_encoder_decoder`` are init-only inputs used for the checks;
@@ -81,7 +82,7 @@ _EAGLE_LIKE_METHODS = frozenset({"eagle", "eagle3", "mtp", "deepseek_mtp", "draf
 
 
 @dataclass(config=ConfigDict(extra="forbid"))
-class SpeculativeConfig:
+class SpeculativeConfig(FreezableConfig):
     """Speculative decoding, as far as config resolution needs it (no drafter runs here).
 
     ``num_speculative_tokens`` draft tokens per request make a uniform decode step

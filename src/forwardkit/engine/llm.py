@@ -19,6 +19,7 @@ import torch
 
 from forwardkit.config.builder import build_engine_config
 from forwardkit.config.engine import EngineConfig
+from forwardkit.config.frozen import freeze, thawed_copy
 from forwardkit.engine.block_manager import BlockManager
 from forwardkit.engine.inputs import build_requests, parse_prompts
 from forwardkit.engine.outputs import RequestOutput
@@ -31,7 +32,6 @@ from forwardkit.engine.scheduler import Scheduler
 from forwardkit.engine.tokenizer import load_tokenizer
 from forwardkit.engine.weight_update import KVCacheSleeper, update_model_weights
 from forwardkit.logger import init_logger
-from forwardkit.models.default import default_hf_config
 from forwardkit.runner.model_runner import ModelRunner
 
 __all__ = ["LLM"]
@@ -81,16 +81,16 @@ class LLM:
                              f"({type(seed).__name__})")
         if engine_config is None:
             engine_config = build_engine_config(
-                model, default_hf_config=default_hf_config(), dtype=dtype, max_num_seqs=max_num_seqs,
+                model, dtype=dtype, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
                 compilation_config=compilation_config, data_parallel_size=data_parallel_size,
                 block_size=block_size, platform=platform, **kwargs,
             )
         elif kwargs:
             raise TypeError(f"LLM(engine_config=...) takes no extra config arguments, got {sorted(kwargs)}")
-        self.engine_config = cfg = engine_config
+        self._dp_group, cfg = self._init_dp(engine_config)
+        self.engine_config = cfg
         self.seed = seed
-        self._dp_group = self._init_dp(cfg)
         from forwardkit.platforms import use_platform
 
         with use_platform(cfg.platform):
@@ -98,8 +98,8 @@ class LLM:
             self.runner.warm_up_compile_ranges()
             self.runner.warm_up_compile_sizes()
             self.runner.capture_model()
-        model_config = cfg.model_config
-        self.tokenizer = load_tokenizer(model_config.model if model_config else None)
+        self.model_config = self.runner.model_config
+        self.tokenizer = load_tokenizer(self.model_config.model)
         self.eos_token_id = self._eos_token_id()
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(
@@ -119,10 +119,11 @@ class LLM:
         return cls(engine_config=engine_config, seed=seed)
 
     @staticmethod
-    def _init_dp(cfg: EngineConfig) -> Any:
+    def _init_dp(cfg: EngineConfig) -> tuple[Any, EngineConfig]:
+        """(the DP group or None, the engine config with this process's DP rank)."""
         parallel = cfg.parallel_config
         if parallel.data_parallel_size <= 1:
-            return None
+            return None, cfg
         from forwardkit.distributed import get_dp_group, init_dp_group, is_dp_group_initialized
 
         group = get_dp_group() if is_dp_group_initialized() else init_dp_group(parallel)
@@ -131,11 +132,17 @@ class LLM:
                 f"data_parallel_size={parallel.data_parallel_size} but the DP group has "
                 f"{group.world_size} ranks"
             )
-        parallel.data_parallel_rank = group.rank
-        return group
+        if group.rank != parallel.data_parallel_rank:
+            # The config is read-only: a copy with the group's rank. The rank is no input of
+            # resolution, so the copy is not resolved again (everything else stays identical).
+            ranked = thawed_copy(cfg)
+            ranked.parallel_config.data_parallel_rank = group.rank
+            freeze(ranked)
+            cfg = ranked
+        return group, cfg
 
     def _eos_token_id(self) -> Any:
-        hf = self.engine_config.model_config.hf_config if self.engine_config.model_config else {}
+        hf = self.model_config.hf_config
         eos = hf.get("eos_token_id")
         if eos is None and self.tokenizer is not None:
             eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -183,9 +190,8 @@ class LLM:
         if isinstance(prompts, (list, tuple)) and len(prompts) == 0 and prompt_token_ids is None:
             pairs: list[tuple[str | None, list[int]]] = []
         else:
-            model_config = self.engine_config.model_config
             pairs = parse_prompts(prompts, prompt_token_ids, self.tokenizer, self.runner.vocab_size,
-                                  model_config.model if model_config else None)
+                                  self.model_config.model)
         params = as_params_list(sampling_params, len(pairs))
         if self.tokenizer is None:
             for i, p in enumerate(params):

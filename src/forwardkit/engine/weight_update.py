@@ -44,8 +44,7 @@ def freezing_reason(engine_config: EngineConfig) -> str | None:
     (Inductor freezing folds parameters into constants), or None when updates are safe."""
     cc = engine_config.compilation_config
     mode = cc.mode if cc.mode is not None else CompilationMode.NONE
-    model_config = engine_config.model_config
-    if mode == CompilationMode.NONE or (model_config is not None and model_config.enforce_eager):
+    if mode == CompilationMode.NONE or engine_config.require_model_config().enforce_eager:
         return None
     if (cc.backend or "inductor") != "inductor":
         return None

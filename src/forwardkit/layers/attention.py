@@ -8,7 +8,9 @@ per-step state is looked up at run time:
 2. ``md = ctx.attn_metadata[layer_name]`` (None, or no metadata: profile / warm-up run -> zeros);
 3. ``layer = ctx.no_compile_layers[layer_name]``;
 4. ``kv_cache = layer.kv_cache[ctx.virtual_engine]``;
-5. the torch-native paged-attention backend runs.
+5. ``layer.backend.forward(layer, q, k, v, kv_cache, md, output)`` runs (the layer's
+   :class:`~forwardkit.layers.attention_backend.AttentionBackend`, chosen at construction by
+   ``get_attention_backend``).
 
 So nothing per-step is baked into a compiled graph. Both ops are tagged
 ``torch.Tag.cudagraph_unsafe`` and have fake implementations for tracing.
@@ -21,11 +23,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from forwardkit.config.engine import get_current_engine_config
+from forwardkit.forward_context import get_forward_context
 from forwardkit.layers.attention_backend import (
+    AttentionBackend,
     AttentionMetadata,
-    TorchNativeAttentionBackend,
     build_attention_metadata,
-    paged_attention,
+    get_attention_backend,
 )
 
 __all__ = [
@@ -40,8 +44,6 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 
 def _lookup(layer_name: str) -> tuple[Attention, AttentionMetadata | None, torch.Tensor]:
-    from forwardkit.forward_context import get_forward_context
-
     ctx = get_forward_context()
     try:
         layer = ctx.no_compile_layers[layer_name]
@@ -54,9 +56,10 @@ def _lookup(layer_name: str) -> tuple[Attention, AttentionMetadata | None, torch
     md: Any = ctx.attn_metadata
     if isinstance(md, dict):
         md = md.get(layer_name)
-    elif md is not None and not isinstance(md, AttentionMetadata):
+    elif md is not None and not isinstance(md, layer.backend.metadata_cls):
         raise TypeError(
-            f"attn_metadata must be a dict of layer name -> AttentionMetadata or None, got {type(md).__name__}"
+            f"attn_metadata must be a dict of layer name -> {layer.backend.metadata_cls.__name__} "
+            f"or None, got {type(md).__name__}"
         )
     kv_cache = layer.kv_cache[ctx.virtual_engine]
     return layer, md, kv_cache
@@ -73,13 +76,13 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor
             "forwardkit.layers.kv_cache.bind_kv_cache(...) before running with attention metadata"
         )
     t = q.shape[0]
-    paged_attention(
+    layer.backend.forward(
+        layer,
         q.view(t, layer.num_heads, layer.head_size),
         k.view(t, layer.num_kv_heads, layer.head_size),
         v.view(t, layer.num_kv_heads, layer.head_size),
         kv_cache,
         md,
-        layer.scale,
         output.view(t, layer.num_heads, layer.head_size),
     )
 
@@ -140,9 +143,11 @@ class Attention(nn.Module):
 
     ``forward(q[T, Hq*D], k[T, Hk*D], v[T, Hk*D]) -> [T, Hq*D]``. Rotary embedding is applied
     by the caller. ``kv_cache`` holds one placeholder until ``bind_kv_cache`` sets ``[tensor]``.
+    ``backend``: the attention backend class; None = ``get_attention_backend()`` (the
+    ``FORWARDKIT_ATTENTION_BACKEND`` name, else ``TORCH_NATIVE``).
     """
 
-    backend = TorchNativeAttentionBackend
+    backend: type[AttentionBackend]
 
     def __init__(
         self,
@@ -152,6 +157,7 @@ class Attention(nn.Module):
         num_kv_heads: int | None = None,
         prefix: str = "",
         use_output: bool = True,
+        backend: type[AttentionBackend] | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -170,8 +176,7 @@ class Attention(nn.Module):
         self.use_output = use_output
         self.attn_type = "decoder"
         self.kv_cache: list[torch.Tensor] = [torch.tensor([])]
-
-        from forwardkit.config.engine import get_current_engine_config
+        self.backend = get_attention_backend() if backend is None else backend
 
         context = get_current_engine_config().compilation_config.static_forward_context
         if prefix in context:

@@ -17,15 +17,24 @@ widest block table of the batch; fixed-shape metadata (``max_num_blocks_per_req`
 as one call. Multi-token requests run one SDPA call each (grouped-query, no K/V repeat). The
 backend's CUDA-graph support level is therefore ``UNIFORM_SINGLE_TOKEN_DECODE``: full graphs
 are safe for pure decode batches only. The per-step metadata lives in ``attention_metadata``.
+
+The interface every backend implements is :class:`AttentionBackend`: a metadata builder (the
+runner calls it once per step), ``forward`` (the opaque attention op calls it per layer), the
+KV-cache shape and the CUDA-graph support level. Backends are registered by name
+(:func:`register_attention_backend`); :func:`get_attention_backend` selects one by name, by
+default ``FORWARDKIT_ATTENTION_BACKEND`` or ``TORCH_NATIVE``. A second backend is one subclass
+plus one ``register_attention_backend`` call.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from forwardkit import envs
 from forwardkit.layers.attention_metadata import (
     AttentionMetadata,
     DecodeBucket,
@@ -34,13 +43,19 @@ from forwardkit.layers.attention_metadata import (
 )
 
 __all__ = [
+    "ATTENTION_BACKENDS",
+    "DEFAULT_ATTENTION_BACKEND",
+    "AttentionBackend",
     "AttentionCGSupport",
+    "AttentionLayerSpec",
     "AttentionMetadata",
     "DecodeBucket",
     "PrefillChunk",
     "TorchNativeAttentionBackend",
     "build_attention_metadata",
+    "get_attention_backend",
     "paged_attention",
+    "register_attention_backend",
     "write_kv_cache",
 ]
 
@@ -151,11 +166,115 @@ def paged_attention(
         _prefill(query, key, value, kv_cache, chunk, scale, output)
 
 
-class TorchNativeAttentionBackend:
+class AttentionLayerSpec(Protocol):
+    """What a backend's ``forward`` may read from the attention layer it runs for."""
+
+    layer_name: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+
+
+class AttentionBackend:
+    """The interface between the runner, the attention op and an attention implementation.
+
+    A backend is a class (never instantiated) with:
+
+    - ``name``: its registry key;
+    - ``cudagraph_support``: an :class:`AttentionCGSupport`; the runner lowers the configured
+      CUDA-graph mode to it once at start-up;
+    - ``metadata_cls``: the type ``build_metadata`` returns (the op checks it);
+    - ``get_kv_cache_shape``: the per-layer KV-cache tensor shape;
+    - ``build_metadata``: the per-step metadata, built once per step by the runner and shared
+      by every layer through the forward context;
+    - ``forward``: one layer's attention, called by the opaque attention op.
+    """
+
+    name: ClassVar[str] = ""
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    metadata_cls: ClassVar[type] = AttentionMetadata
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Per-layer cache shape; block id ``num_blocks`` must be a usable scratch block."""
+        raise NotImplementedError
+
+    @classmethod
+    def build_metadata(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        num_padded_tokens: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        max_num_blocks_per_req: int | None = None,
+    ) -> Any:
+        """Metadata of one padded step (see :func:`build_attention_metadata` for the inputs).
+
+        ``max_num_blocks_per_req`` set means fixed shapes per padded size (FULL graphs).
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def forward(
+        cls,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        output: torch.Tensor,
+    ) -> None:
+        """Store this step's K/V [T, Hk, D] and write the attention of ``query`` [T, Hq, D]
+        into ``output`` [T, Hq, D] (padding rows zero)."""
+        raise NotImplementedError
+
+
+# name -> backend class; filled by register_attention_backend.
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
+DEFAULT_ATTENTION_BACKEND = "TORCH_NATIVE"
+
+
+def register_attention_backend(backend: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Register ``backend`` under ``backend.name`` (usable as a class decorator)."""
+    if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
+        raise TypeError(f"an attention backend must subclass AttentionBackend, got {backend!r}")
+    if not backend.name:
+        raise ValueError(f"attention backend {backend.__name__} has no name")
+    if not isinstance(backend.cudagraph_support, AttentionCGSupport):
+        raise TypeError(
+            f"attention backend {backend.name}: cudagraph_support must be an AttentionCGSupport, "
+            f"got {backend.cudagraph_support!r}"
+        )
+    ATTENTION_BACKENDS[backend.name] = backend
+    return backend
+
+
+def get_attention_backend(name: str | None = None) -> type[AttentionBackend]:
+    """The registered backend called ``name``; None: ``FORWARDKIT_ATTENTION_BACKEND`` if set,
+    else ``TORCH_NATIVE``."""
+    if name is None:
+        name = envs.FORWARDKIT_ATTENTION_BACKEND or DEFAULT_ATTENTION_BACKEND
+    try:
+        return ATTENTION_BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; registered: {sorted(ATTENTION_BACKENDS)}"
+        ) from None
+
+
+@register_attention_backend
+class TorchNativeAttentionBackend(AttentionBackend):
     """The reference attention backend: pure torch over the paged cache (see module doc)."""
 
     name = "TORCH_NATIVE"
     cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    metadata_cls = AttentionMetadata
 
     @staticmethod
     def get_kv_cache_shape(
@@ -164,5 +283,29 @@ class TorchNativeAttentionBackend:
         """Per-layer cache shape; one extra scratch block absorbs padding-row writes."""
         return (2, num_blocks + 1, block_size, num_kv_heads, head_size)
 
-    build_metadata = staticmethod(build_attention_metadata)
-    forward = staticmethod(paged_attention)
+    @classmethod
+    def build_metadata(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        num_padded_tokens: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        max_num_blocks_per_req: int | None = None,
+    ) -> AttentionMetadata:
+        return build_attention_metadata(query_lens, seq_lens, block_tables, num_padded_tokens,
+                                        block_size, device, max_num_blocks_per_req)
+
+    @classmethod
+    def forward(
+        cls,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        output: torch.Tensor,
+    ) -> None:
+        paged_attention(query, key, value, kv_cache, metadata, layer.scale, output)

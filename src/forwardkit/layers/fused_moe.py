@@ -23,6 +23,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from forwardkit import envs
+from forwardkit.config.engine import get_current_engine_config
+from forwardkit.distributed import get_dp_group
+from forwardkit.forward_context import get_forward_context
 from forwardkit.layers.kernels import silu_and_mul_native
 from forwardkit.layers.linear import copy_weight
 
@@ -69,8 +72,6 @@ class FusedMoE(nn.Module):
         prefix: str = "",
     ) -> None:
         super().__init__()
-        from forwardkit.config.engine import get_current_engine_config
-
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k must be in 1..num_experts={num_experts}, got {top_k}")
         if not prefix:
@@ -172,8 +173,6 @@ class FusedMoE(nn.Module):
         """The op body: local experts only, or the DP expert-parallel exchange."""
         if not self.use_ep:
             return self.compute_local(hidden_states, router_logits).to(hidden_states.dtype)
-        from forwardkit.forward_context import get_forward_context
-
         dp_metadata = get_forward_context().dp_metadata
         if dp_metadata is None:
             raise RuntimeError(
@@ -187,8 +186,6 @@ class FusedMoE(nn.Module):
 def _dp_exchange(
     layer: FusedMoE, hidden: torch.Tensor, logits: torch.Tensor, dp_metadata: Any
 ) -> torch.Tensor:
-    from forwardkit.distributed import get_dp_group
-
     group = get_dp_group()
     rank, world = group.rank, group.world_size
     if world != layer.ep_size:
@@ -228,8 +225,6 @@ def _dp_exchange(
 
 
 def _lookup_layer(layer_name: str) -> FusedMoE:
-    from forwardkit.forward_context import get_forward_context
-
     layers = get_forward_context().no_compile_layers
     layer = layers.get(layer_name)
     if not isinstance(layer, FusedMoE):

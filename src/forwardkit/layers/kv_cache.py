@@ -7,13 +7,26 @@ from typing import Any
 import torch
 
 from forwardkit.layers.attention import Attention
+from forwardkit.layers.attention_backend import AttentionBackend
 
-__all__ = ["attention_layers", "bind_kv_cache", "kv_cache_bytes_per_block"]
+__all__ = ["attention_backend_of", "attention_layers", "bind_kv_cache", "kv_cache_bytes_per_block"]
 
 
 def attention_layers(static_forward_context: dict[str, Any]) -> dict[str, Attention]:
     """The attention layers among the registered layers, in registration order."""
     return {name: layer for name, layer in static_forward_context.items() if isinstance(layer, Attention)}
+
+
+def attention_backend_of(layers: dict[str, Attention]) -> type[AttentionBackend]:
+    """The one attention backend the given layers share (the runner builds one metadata per
+    step for all of them); a ``ValueError`` names the backends when they differ."""
+    backends = {layer.backend for layer in layers.values()}
+    if len(backends) != 1:
+        names = sorted(b.name for b in backends)
+        raise ValueError(
+            f"the attention layers must share one attention backend, found {names or 'none'}"
+        )
+    return backends.pop()
 
 
 def kv_cache_bytes_per_block(

@@ -29,19 +29,15 @@ __all__ = ["LlamaForCausalLM", "LlamaModel", "hf_config_of", "model_dtype_of"]
 
 
 def hf_config_of(engine_config: EngineConfig) -> dict[str, Any]:
-    """The HF config dict of the engine's model (the built-in default when there is none)."""
-    model_config = engine_config.model_config
-    if model_config is None or not model_config.hf_config:
-        from forwardkit.models.default import default_hf_config
-
-        return default_hf_config()
-    return model_config.hf_config
+    """The HF config dict of the engine's model."""
+    hf_config: dict[str, Any] = engine_config.require_model_config().hf_config
+    return hf_config
 
 
 def model_dtype_of(engine_config: EngineConfig) -> torch.dtype:
-    """Parameter dtype: ``model_config.dtype`` (float32 without a model config)."""
-    model_config = engine_config.model_config
-    return model_config.dtype if model_config is not None else torch.float32
+    """Parameter dtype: ``model_config.dtype``."""
+    dtype: torch.dtype = engine_config.require_model_config().dtype
+    return dtype
 
 
 def _head_dim(cfg: dict[str, Any]) -> int:

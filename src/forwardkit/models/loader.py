@@ -3,7 +3,8 @@
 Weights come from a local Hugging Face checkpoint directory (``config.json`` plus
 ``*.safetensors``, sharded checkpoints through ``model.safetensors.index.json``). Pickle-based
 formats (``pytorch_model.bin``, ``*.pt``) are refused: loading them can run arbitrary code.
-With ``model_config.model`` None the built-in default model gets seeded random weights.
+With ``model_config.model`` None (the built-in model or a named shape) the model gets seeded
+random weights.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from forwardkit.layers.linear import prepack_weights
 from forwardkit.logger import init_logger
 from forwardkit.models import get_model_class
 from forwardkit.models.default import init_random_weights
-from forwardkit.models.llama import hf_config_of
 from forwardkit.models.weights import WeightLoadError, missing_parameters
 
 if TYPE_CHECKING:
@@ -98,12 +98,12 @@ def load_model(engine_config: EngineConfig, prepack: bool | None = None) -> nn.M
     """
     from forwardkit.config.engine import set_current_engine_config
 
-    model_config = engine_config.model_config
-    hf_config = hf_config_of(engine_config)
+    model_config = engine_config.require_model_config()
+    hf_config = model_config.hf_config
     model_cls = get_model_class(hf_config.get("architectures"))
     platform = engine_config.platform
     device = platform.device() if platform is not None else torch.device("cpu")
-    model_dir = model_config.model if model_config is not None else None
+    model_dir = model_config.model
     files = safetensors_files(model_dir) if model_dir is not None else []
     with set_current_engine_config(engine_config), torch.device(device):
         model = model_cls(engine_config)

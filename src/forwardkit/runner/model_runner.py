@@ -24,8 +24,13 @@ from forwardkit.cudagraph import monitor
 from forwardkit.cudagraph.dispatcher import cudagraphs_available
 from forwardkit.cudagraph.wrapper import CUDAGraphWrapper, GraphBackend, piecewise_cudagraph_options
 from forwardkit.forward_context import set_forward_context
-from forwardkit.layers.attention import build_attention_metadata
-from forwardkit.layers.kv_cache import attention_layers, bind_kv_cache, kv_cache_bytes_per_block
+from forwardkit.layers.attention_backend import AttentionBackend, AttentionCGSupport
+from forwardkit.layers.kv_cache import (
+    attention_backend_of,
+    attention_layers,
+    bind_kv_cache,
+    kv_cache_bytes_per_block,
+)
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
 from forwardkit.runner.batch import StepBatch
@@ -78,7 +83,7 @@ class ModelRunner:
         self.parallel_config = cfg.parallel_config
         self.dp_size = int(self.parallel_config.data_parallel_size)
         self.dp_rank = int(self.parallel_config.data_parallel_rank)
-        self.model_config = cfg.model_config
+        self.model_config = cfg.require_model_config()
         if model is None:
             from forwardkit.models.loader import load_model  # model layer, loaded lazily
 
@@ -86,17 +91,9 @@ class ModelRunner:
                 model = load_model(cfg)
         # the model, or the CUDAGraphWrapper around it (which forwards attribute access)
         self.model: Any = self._place(model)
-        self.dtype = (self.model_config.dtype if self.model_config is not None
-                      else next(self.model.parameters()).dtype)
-        if self.model_config is not None:
-            self.vocab_size = self.model_config.get_vocab_size()
-            self.max_model_len = self.model_config.get_max_model_len()
-        else:  # no model config: load_model built the built-in default model
-            from forwardkit.models.default import default_hf_config
-
-            hf = default_hf_config()
-            self.vocab_size = int(hf["vocab_size"])
-            self.max_model_len = int(hf["max_position_embeddings"])
+        self.dtype: torch.dtype = self.model_config.dtype
+        self.vocab_size = self.model_config.get_vocab_size()
+        self.max_model_len = self.model_config.get_max_model_len()
         self.block_size = int(cfg.cache_config.block_size)
         self.max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
         self._init_kv_cache()
@@ -126,6 +123,10 @@ class ModelRunner:
                 "static_forward_context; build it under set_current_engine_config(engine_config)"
             )
         self.attn_layer_names = list(layers)
+        # The attention backend every layer was built with: it builds the step metadata and
+        # its CUDA-graph support level bounds the graph mode.
+        self.attn_backend: type[AttentionBackend] = attention_backend_of(layers)
+        self.attn_cg_support: AttentionCGSupport = self.attn_backend.cudagraph_support
         self.num_blocks = num_kv_blocks(
             num_gpu_blocks=self.engine_config.cache_config.num_gpu_blocks,
             block_size=self.block_size,
@@ -134,16 +135,14 @@ class ModelRunner:
             bytes_per_block=kv_cache_bytes_per_block(sfc, self.block_size, self.dtype),
             device=self.device,
         )
-        self.engine_config.cache_config.num_gpu_blocks = self.num_blocks
         self.kv_caches = bind_kv_cache(sfc, self.num_blocks, self.block_size, self.dtype, self.device)
         # Block id num_blocks is the backend's scratch block: dummy requests live there.
         self.scratch_block = self.num_blocks
         self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
-        self.attn_cg_support = min(int(layer.backend.cudagraph_support) for layer in layers.values())
 
     def _init_cudagraphs(self) -> None:
         """Resolve the graph mode once, build the step planner and install the graph wrappers."""
-        eager = self.model_config is not None and self.model_config.enforce_eager
+        eager = self.model_config.enforce_eager
         can_capture = self._graphs_supported()
         configured = CUDAGraphMode.parse(self.compilation_config.cudagraph_mode or CUDAGraphMode.NONE)
         if configured != CUDAGraphMode.NONE and not eager and not can_capture:
@@ -243,12 +242,13 @@ class ModelRunner:
             query_lens = list(query_lens) + [1] * extra
             seq_lens = list(seq_lens) + [1] * extra
             block_tables = list(block_tables) + [[self.scratch_block]] * extra
-            md = build_attention_metadata(query_lens, seq_lens, block_tables, padded,
-                                          self.block_size, self.device, self.max_blocks_per_req)
+            md = self.attn_backend.build_metadata(query_lens, seq_lens, block_tables, padded,
+                                                  self.block_size, self.device,
+                                                  self.max_blocks_per_req)
             md = self.static_metadata.update(padded, md)
         else:
-            md = build_attention_metadata(query_lens, seq_lens, block_tables, padded,
-                                          self.block_size, self.device)
+            md = self.attn_backend.build_metadata(query_lens, seq_lens, block_tables, padded,
+                                                  self.block_size, self.device)
         return dict.fromkeys(self.attn_layer_names, md)
 
     # ------------------------------------------------------------------ dummy runs, capture
@@ -303,7 +303,7 @@ class ModelRunner:
         A no-op for eager models (mode NONE or ``enforce_eager``). Returns the sizes run.
         """
         mode = int(self.compilation_config.mode or 0)
-        if mode == 0 or (self.model_config is not None and self.model_config.enforce_eager):
+        if mode == 0 or self.model_config.enforce_eager:
             return []
         ranges = self.compilation_config.get_compile_ranges() or []
         if self.device.type == "cpu":
@@ -326,7 +326,7 @@ class ModelRunner:
 
         Returns the sizes run.
         """
-        if self.model_config is not None and self.model_config.enforce_eager:
+        if self.model_config.enforce_eager:
             return []
         capture = set(self.compilation_config.cudagraph_capture_sizes or [])
         sizes = [s for s in (self.compilation_config.compile_sizes or [])

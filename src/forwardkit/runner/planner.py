@@ -26,6 +26,7 @@ from forwardkit.cudagraph.dispatcher import CudagraphDispatcher
 from forwardkit.cudagraph.metrics import CUDAGraphStat
 from forwardkit.distributed import coordinate_batch_across_dp
 from forwardkit.forward_context import BatchDescriptor
+from forwardkit.layers.attention_backend import AttentionCGSupport
 from forwardkit.logger import init_logger
 
 if TYPE_CHECKING:
@@ -35,8 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["StepPlan", "StepPlanner", "is_uniform_decode", "resolve_graph_mode"]
 
 logger = init_logger(__name__)
-
-ALWAYS, NEVER = 3, 0  # AttentionCGSupport values used below
 
 
 class StepPlan(NamedTuple):
@@ -48,23 +47,23 @@ class StepPlan(NamedTuple):
     cudagraph_stats: CUDAGraphStat | None
 
 
-def resolve_graph_mode(compilation_config: CompilationConfig, support: int, *, enforce_eager: bool = False,
+def resolve_graph_mode(compilation_config: CompilationConfig, support: AttentionCGSupport, *, enforce_eager: bool = False,
                        can_capture: bool = True) -> CUDAGraphMode:
     """The graph mode the runner will serve, decided once at start-up.
 
     NONE when the config's mode is NONE, ``enforce_eager`` is set or the device cannot capture
     graphs. Otherwise the configured mode lowered to what attention supports (``support`` is
-    the minimum ``AttentionCGSupport`` over the attention layers: 0 NEVER, 1 single-token
-    decode, 2 uniform batch, 3 always). No speculative decoding: the uniform decode query
+    the attention backend's ``AttentionCGSupport``). No speculative decoding: the uniform decode query
     length is 1, so every support level above NEVER can run uniform-decode FULL graphs.
     """
+    support = AttentionCGSupport(support)
     mode = CUDAGraphMode.parse(compilation_config.cudagraph_mode or CUDAGraphMode.NONE)
     if mode == CUDAGraphMode.NONE or enforce_eager or not can_capture:
         return CUDAGraphMode.NONE
     piecewise_attn = bool(compilation_config.is_attention_compiled_piecewise())
     attn_split = bool(compilation_config.splitting_ops_contain_attention())
-    if mode.mixed_mode() == CUDAGraphMode.FULL and support < ALWAYS:
-        if support == NEVER:
+    if mode.mixed_mode() == CUDAGraphMode.FULL and support < AttentionCGSupport.ALWAYS:
+        if support == AttentionCGSupport.NEVER:
             raise ValueError(
                 f"cudagraph_mode={mode} needs full CUDA graphs but the attention backend "
                 "supports none; use PIECEWISE or NONE"
@@ -75,7 +74,7 @@ def resolve_graph_mode(compilation_config: CompilationConfig, support: int, *, e
             "using %s", mode, new,
         )
         mode = new
-    if mode.decode_mode() == CUDAGraphMode.FULL and support == NEVER:
+    if mode.decode_mode() == CUDAGraphMode.FULL and support == AttentionCGSupport.NEVER:
         mode = CUDAGraphMode.PIECEWISE if piecewise_attn else CUDAGraphMode.NONE
     return mode
 
