@@ -49,17 +49,18 @@ def make_cfg(
             data_parallel_size=dp_size, data_parallel_rank=dp_rank, tensor_parallel_size=tp
         ),
     )
-    cc = cfg.compilation_config
-    cc.cudagraph_mode = mode
-    cc.cudagraph_capture_sizes = sizes_l
-    cc.max_cudagraph_capture_size = sizes_l[-1] if sizes_l else 0
-    cc.bs_to_padded_graph_size = padding_table(sizes_l) if with_table else None
-    cc.cudagraph_specialize_lora = specialize_lora
-    cc.mode = CompilationMode.VLLM_COMPILE if piecewise_ok else CompilationMode.NONE
-    cc.splitting_ops = list(cc.ATTENTION_OPS) if piecewise_ok else []
-    cc.pass_config.enable_sp = enable_sp
-    if lora:  # forwardkit has no LoRA config; the dispatcher only asks whether one is set
-        cfg.lora_config = object()
+    with unfrozen(cfg):  # a state resolution would not produce on this platform
+        cc = cfg.compilation_config
+        cc.cudagraph_mode = mode
+        cc.cudagraph_capture_sizes = sizes_l
+        cc.max_cudagraph_capture_size = sizes_l[-1] if sizes_l else 0
+        cc.bs_to_padded_graph_size = padding_table(sizes_l) if with_table else None
+        cc.cudagraph_specialize_lora = specialize_lora
+        cc.mode = CompilationMode.VLLM_COMPILE if piecewise_ok else CompilationMode.NONE
+        cc.splitting_ops = list(cc.ATTENTION_OPS) if piecewise_ok else []
+        cc.pass_config.enable_sp = enable_sp
+        if lora:  # forwardkit has no LoRA config; the dispatcher only asks whether one is set
+            cfg.lora_config = object()
     return cfg
 
 

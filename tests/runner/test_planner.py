@@ -9,6 +9,7 @@ import torch
 
 from forwardkit.config.compilation import CompilationMode, CUDAGraphMode
 from forwardkit.config.engine import EngineConfig
+from forwardkit.config.frozen import unfrozen
 from forwardkit.config.parallel import ParallelConfig
 from forwardkit.config.scheduler import SchedulerConfig
 from forwardkit.cudagraph.metrics import CUDAGraphStat
@@ -28,15 +29,16 @@ def make_cfg(mode=M.FULL_AND_PIECEWISE, metrics=False, dp_size=1, dp_rank=0, tp=
         parallel_config=ParallelConfig(data_parallel_size=dp_size, data_parallel_rank=dp_rank,
                                        tensor_parallel_size=tp),
     )
-    cc = cfg.compilation_config
-    cc.mode = CompilationMode.VLLM_COMPILE
-    cc.splitting_ops = list(cc.ATTENTION_OPS)  # attention compiled piecewise
-    cc.cudagraph_mode = mode
-    cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = list(SIZES), 16
-    cc.bs_to_padded_graph_size = [0] + [min(s for s in SIZES if s >= b) for b in range(1, 17)]
-    cc.pass_config.enable_sp = enable_sp
-    if metrics:  # EngineConfig has no observability config; the planner reads one if present
-        cfg.observability_config = NS(cudagraph_metrics=True)
+    with unfrozen(cfg):  # states resolution does not produce on this platform
+        cc = cfg.compilation_config
+        cc.mode = CompilationMode.VLLM_COMPILE
+        cc.splitting_ops = list(cc.ATTENTION_OPS)  # attention compiled piecewise
+        cc.cudagraph_mode = mode
+        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = list(SIZES), 16
+        cc.bs_to_padded_graph_size = [0] + [min(s for s in SIZES if s >= b) for b in range(1, 17)]
+        cc.pass_config.enable_sp = enable_sp
+        if metrics:  # EngineConfig has no observability config; the planner reads one if present
+            cfg.observability_config = NS(cudagraph_metrics=True)
     return cfg
 
 

@@ -18,6 +18,7 @@ ROWS = [([1] * 5, [1] * 3), ([1] * 5, [4, 1, 1, 7]), ([1] * 5, [10, 10])]
 def _rank_main(rank: int, nprocs: int, port: int) -> list[tuple]:
     from forwardkit.config.compilation import CompilationMode
     from forwardkit.config.engine import EngineConfig
+    from forwardkit.config.frozen import unfrozen
     from forwardkit.config.parallel import ParallelConfig
     from forwardkit.config.scheduler import SchedulerConfig
     from forwardkit.distributed import destroy_dp_group, init_dp_group
@@ -29,12 +30,13 @@ def _rank_main(rank: int, nprocs: int, port: int) -> list[tuple]:
     )
     cfg = EngineConfig(scheduler_config=SchedulerConfig(max_num_seqs=8), parallel_config=parallel)
     # the graph fields set to the state under test (on CPU resolution turns graphs off)
-    cc = cfg.compilation_config
-    cc.mode, cc.splitting_ops = CompilationMode.VLLM_COMPILE, list(cc.ATTENTION_OPS)
-    cc.cudagraph_mode = M.FULL_AND_PIECEWISE
-    cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = sizes, 16
-    cc.bs_to_padded_graph_size = [0] + [min(s for s in sizes if s >= b) for b in range(1, 17)]
-    cfg.observability_config = NS(cudagraph_metrics=True)  # EngineConfig has none; stats on
+    with unfrozen(cfg):  # states resolution does not produce on the CPU
+        cc = cfg.compilation_config
+        cc.mode, cc.splitting_ops = CompilationMode.VLLM_COMPILE, list(cc.ATTENTION_OPS)
+        cc.cudagraph_mode = M.FULL_AND_PIECEWISE
+        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = sizes, 16
+        cc.bs_to_padded_graph_size = [0] + [min(s for s in sizes if s >= b) for b in range(1, 17)]
+        cfg.observability_config = NS(cudagraph_metrics=True)  # EngineConfig has none; stats on
     planner = StepPlanner(cfg, M.FULL_AND_PIECEWISE)
     # ParallelConfig picks its own free master port (as vLLM's does); the ranks meet at ``port``
     init_dp_group(parallel, backend="gloo", timeout_s=60, master_addr="127.0.0.1", master_port=port)
