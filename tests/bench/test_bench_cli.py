@@ -132,6 +132,8 @@ def test_bench_generation_quick_json(tmp_path, capsys):
     assert set(data) >= {"model", "dtype", "batch_sizes", "prompt_len", "new_tokens", "stream_gb_s",
                          "weight_bytes_per_step", "machine", "contenders"}
     assert data["batch_sizes"] == [1, 4] and data["new_tokens"] == 3 and data["stream_gb_s"] > 0
+    per_run = data["stream_gb_s_per_run"]  # re-measured before every timed run
+    assert set(per_run) == {"min", "median", "max"} and 0 < per_run["min"] <= per_run["median"] <= per_run["max"]
     assert list(data["contenders"]) == ["eager", "torch.compile", "forwardkit", "transformers"]
     for name, c in data["contenders"].items():
         assert set(c) == GEN_KEYS, name

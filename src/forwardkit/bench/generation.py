@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["GENERATION_CONTENDERS", "GenerationResult", "hf_state_dict", "measure_stream_bandwidth",
-           "time_generation"]
+__all__ = ["GENERATION_CONTENDERS", "GenerationResult", "StreamProbe", "hf_state_dict",
+           "measure_stream_bandwidth", "time_generation"]
 
 GENERATION_CONTENDERS = ("eager", "torch.compile", "forwardkit", "transformers")
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
@@ -78,6 +78,41 @@ def _best_stream_rate(rows: int, cols: int, huge: bool, repeats: int) -> float:
         best = max(best, _rate(lambda: cpu_gemm.linear(x, bf), bf.numel() * 2, repeats))
         cpu_gemm.unpack_weight(bf)
     return best
+
+
+class StreamProbe:
+    """Quick re-measurements of the streaming bandwidth, taken right before each timed run.
+
+    On a shared machine the bandwidth the memory gives moves from minute to minute (here 30 to
+    60 GB/s); a roof measured once would flatter or punish runs taken at other moments. The
+    probe keeps a 1 GiB float32 matrix and a 1 GiB bf16 matrix on huge pages and returns the
+    best of reading each and a GEMV over each (~0.3 s)."""
+
+    def __init__(self, gib: float = 1.0) -> None:
+        from forwardkit.layers import hugepages
+
+        cols = 4096
+        rows = int(gib * 2**30) // (4 * cols)
+        self.f32 = torch.empty(rows, cols)
+        self.bf16 = torch.empty(2 * rows, cols, dtype=torch.bfloat16)
+        for t in (self.f32, self.bf16):
+            hugepages.advise(t)  # before the first write
+            t.normal_()
+        self.vec = torch.randn(cols)
+        self.row = torch.randn(1, cols, dtype=torch.bfloat16)
+
+    def probe(self, repeats: int = 2) -> float:
+        """Bytes/s: the best of the four streams."""
+        from forwardkit.layers import native_linear
+
+        n = self.f32.numel() * 4
+        best = max(_rate(lambda: torch.mv(self.f32, self.vec), n, repeats),
+                   _rate(lambda: self.f32.sum(), n, repeats),
+                   _rate(lambda: self.bf16.sum(), n, repeats))
+        if native_linear.available(torch.bfloat16):
+            best = max(best, _rate(lambda: native_linear.linear_rows(self.row, self.bf16, None), n,
+                                   repeats))
+        return best
 
 
 def _rate(fn: Callable[[], Any], nbytes: int, repeats: int) -> float:
