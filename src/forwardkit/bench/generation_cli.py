@@ -160,23 +160,7 @@ def run_generation(args: argparse.Namespace) -> int:
     runner_cfg = _fk_model_info(keep)
     stream = gen.measure_stream_bandwidth()  # 4 KiB and huge pages, once
     probe = gen.StreamProbe()  # then re-measured right before every timed run
-    roofs: list[float] = []
-    total = len(s["batch_sizes"]) * s["repeats"] * len(names)
-    bar = tqdm(total=total, desc="timed generations", unit="run", disable=not progress)
-    for b in s["batch_sizes"]:
-        prompts = [[rng.randrange(vocab) for _ in range(s["prompt_len"])] for _ in range(b)]
-        for rep in range(s["repeats"]):
-            order = names[rep % len(names):] + names[: rep % len(names)]
-            for name in order:
-                roof = max(probe.probe(), 1.0)
-                roofs.append(roof)
-                results[name].samples.setdefault(f"roof_{b}", []).append(roof)
-                fns[name](prompts[:1], 1)  # untimed: brings the weights back into the caches
-                first, full = gen.time_generation(fns[name], prompts, s["new_tokens"])
-                results[name].samples.setdefault(f"first_{b}", []).append(first)
-                results[name].samples.setdefault(f"decode_{b}", []).append(full - first)
-                bar.update(1)
-    bar.close()
+    roofs = _timed_runs(fns, names, results, s, probe, rng, vocab, progress)
     hf, itemsize, model_name = runner_cfg
     bytes_per_step = {b: weight_bytes_per_token(hf, itemsize, b) for b in s["batch_sizes"]}
     for r in results.values():
@@ -198,6 +182,34 @@ def run_generation(args: argparse.Namespace) -> int:
             json.dump(report, f, indent=2)
         print(f"\nwrote {args.json_path}")
     return 0
+
+
+def _timed_runs(fns: dict[str, Any], names: list[str], results: dict[str, Any], s: dict[str, Any],
+                probe: Any, rng: random.Random, vocab: int, progress: bool) -> list[float]:
+    """Every contender's timed generations per batch size, in rotating order; returns the
+    bandwidth measured before each (also kept per contender as ``roof_B`` samples)."""
+    from tqdm import tqdm
+
+    from forwardkit.bench import generation as gen
+
+    roofs: list[float] = []
+    total = len(s["batch_sizes"]) * s["repeats"] * len(names)
+    bar = tqdm(total=total, desc="timed generations", unit="run", disable=not progress)
+    for b in s["batch_sizes"]:
+        prompts = [[rng.randrange(vocab) for _ in range(s["prompt_len"])] for _ in range(b)]
+        for rep in range(s["repeats"]):
+            order = names[rep % len(names):] + names[: rep % len(names)]
+            for name in order:
+                roof = max(probe.probe(), 1.0)
+                roofs.append(roof)
+                results[name].samples.setdefault(f"roof_{b}", []).append(roof)
+                fns[name](prompts[:1], 1)  # untimed: brings the weights back into the caches
+                first, full = gen.time_generation(fns[name], prompts, s["new_tokens"])
+                results[name].samples.setdefault(f"first_{b}", []).append(first)
+                results[name].samples.setdefault(f"decode_{b}", []).append(full - first)
+                bar.update(1)
+    bar.close()
+    return roofs
 
 
 def _vocab(keep: dict[str, Any]) -> int:

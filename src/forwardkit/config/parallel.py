@@ -185,19 +185,7 @@ class ParallelConfig(FreezableConfig):
 
     def __post_init__(self) -> None:
         self._port_list: list[int] = []
-        if envs.is_set("FORWARDKIT_ALL2ALL_BACKEND"):
-            value = envs.FORWARDKIT_ALL2ALL_BACKEND
-            if value not in ALL2ALL_BACKENDS:
-                raise ValueError(
-                    f"Invalid value {value!r} for FORWARDKIT_ALL2ALL_BACKEND. "
-                    f"Valid options: {list(ALL2ALL_BACKENDS)}"
-                )
-            logger.warning_once(
-                "FORWARDKIT_ALL2ALL_BACKEND is deprecated; use the all2all_backend field. "
-                "Using %s from the environment.",
-                value,
-            )
-            self.all2all_backend = value
+        self._apply_all2all_env()
         for name in ("pipeline_parallel_size", "tensor_parallel_size", "prefill_context_parallel_size",
                      "decode_context_parallel_size", "nnodes"):
             if getattr(self, name) < 1:
@@ -214,6 +202,47 @@ class ParallelConfig(FreezableConfig):
         if external:
             self.world_size *= self.data_parallel_size
 
+        self._place_dp_rank(external)
+        self.data_parallel_index = self.data_parallel_rank
+
+        if external:
+            os.environ["FORWARDKIT_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self.distributed_executor_backend is None:
+            if self.world_size > 1:
+                self.distributed_executor_backend = "ray" if self.data_parallel_backend == "ray" else "mp"
+            else:
+                self.distributed_executor_backend = "uni"
+        if self.distributed_executor_backend not in _EXECUTORS:
+            raise ValueError(
+                f"distributed_executor_backend {self.distributed_executor_backend!r} is not "
+                f"supported; expected one of {list(_EXECUTORS)}"
+            )
+        if self.nnodes > 1 and self.distributed_executor_backend not in ("mp", "uni", "external_launcher"):
+            raise ValueError(
+                f"nnodes={self.nnodes} needs distributed_executor_backend mp, uni or "
+                f"external_launcher, got {self.distributed_executor_backend!r}"
+            )
+
+    def _apply_all2all_env(self) -> None:
+        """The deprecated ``FORWARDKIT_ALL2ALL_BACKEND`` overrides ``all2all_backend``."""
+        if not envs.is_set("FORWARDKIT_ALL2ALL_BACKEND"):
+            return
+        value = envs.FORWARDKIT_ALL2ALL_BACKEND
+        if value not in ALL2ALL_BACKENDS:
+            raise ValueError(
+                f"Invalid value {value!r} for FORWARDKIT_ALL2ALL_BACKEND. "
+                f"Valid options: {list(ALL2ALL_BACKENDS)}"
+            )
+        logger.warning_once(
+            "FORWARDKIT_ALL2ALL_BACKEND is deprecated; use the all2all_backend field. "
+            "Using %s from the environment.",
+            value,
+        )
+        self.all2all_backend = value
+
+    def _place_dp_rank(self, external: bool) -> None:
+        """This process's DP rank and master port: from the fields (or ``RANK`` under an
+        external launcher) when DP > 1, else from the offline SPMD environment variables."""
         if self.data_parallel_size > 1 or self.data_parallel_size_local == 0:
             if external:
                 self.data_parallel_rank = int(os.environ["RANK"]) // (
@@ -239,25 +268,6 @@ class ParallelConfig(FreezableConfig):
                     "Offline data parallel mode is not supported/useful for dense models. "
                     "Launch one independent engine per replica instead."
                 )
-        self.data_parallel_index = self.data_parallel_rank
-
-        if external:
-            os.environ["FORWARDKIT_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if self.distributed_executor_backend is None:
-            if self.world_size > 1:
-                self.distributed_executor_backend = "ray" if self.data_parallel_backend == "ray" else "mp"
-            else:
-                self.distributed_executor_backend = "uni"
-        if self.distributed_executor_backend not in _EXECUTORS:
-            raise ValueError(
-                f"distributed_executor_backend {self.distributed_executor_backend!r} is not "
-                f"supported; expected one of {list(_EXECUTORS)}"
-            )
-        if self.nnodes > 1 and self.distributed_executor_backend not in ("mp", "uni", "external_launcher"):
-            raise ValueError(
-                f"nnodes={self.nnodes} needs distributed_executor_backend mp, uni or "
-                f"external_launcher, got {self.distributed_executor_backend!r}"
-            )
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> ParallelConfig:

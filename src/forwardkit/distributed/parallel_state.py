@@ -234,60 +234,13 @@ def init_dp_group(
     global _DP_GROUP
     if _DP_GROUP is not None:
         raise RuntimeError("The DP group is already initialized; call destroy_dp_group() first")
-    timeout_s = envs.FORWARDKIT_DP_TIMEOUT_S if timeout_s is None else float(timeout_s)
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    backend = backend or _default_backend()
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"Unsupported DP backend {backend!r}; expected 'gloo' or 'nccl'")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend='nccl' needs CUDA, but no GPU is visible; use 'gloo'")
+    timeout_s, backend = _checked_settings(timeout_s, backend)
     timeout = datetime.timedelta(seconds=timeout_s)
-
     owns = not dist.is_initialized()
-    if owns:
-        world, me, addr, port = _resolve_rendezvous(
-            parallel_config, world_size, rank, master_addr, master_port
-        )
-        try:
-            dist.init_process_group(
-                backend=backend, init_method=f"tcp://{addr}:{port}",
-                world_size=world, rank=me, timeout=timeout,
-            )
-        except Exception as exc:
-            raise DPCollectiveError(
-                f"DP rendezvous at tcp://{addr}:{port} failed for rank {me} of {world} "
-                f"(timeout {timeout_s:g} s, FORWARDKIT_DP_TIMEOUT_S): not every rank arrived, "
-                f"or the address is unreachable. Cause: {exc}"
-            ) from exc
-    else:
-        world, me = dist.get_world_size(), dist.get_rank()
-        want = _pick(world_size,
-                     parallel_config.data_parallel_size if parallel_config is not None else None, world)
-        if want != world:
-            raise ValueError(
-                f"torch.distributed is already initialized with world size {world}, but the "
-                f"DP size is {want}; forwardkit needs the DP group to span the whole world"
-            )
+    world, me = _join_world(owns, parallel_config, world_size, rank, master_addr, master_port,
+                            backend, timeout)
     try:
-        extra: list[Any] = []
-        default_backend = dist.get_backend()
-        if default_backend == "gloo":
-            cpu_group = dist.group.WORLD
-        else:
-            cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-            extra.append(cpu_group)
-        if backend == "nccl":
-            if default_backend == "nccl":
-                device_group = dist.group.WORLD
-            else:
-                device_group = dist.new_group(backend="nccl", timeout=timeout)
-                extra.append(device_group)
-            index = _pick(local_rank, _env_int("LOCAL_RANK"), me % torch.cuda.device_count())
-            device = torch.device("cuda", index)
-            torch.cuda.set_device(device)
-        else:
-            device_group, device = cpu_group, torch.device("cpu")
+        cpu_group, device_group, device, extra = _sub_groups(backend, timeout, me, local_rank)
     except BaseException:
         if owns:
             dist.destroy_process_group()
@@ -300,6 +253,75 @@ def init_dp_group(
         raise
     logger.debug("DP group ready: rank %d of %d, backend %s", me, world, backend)
     return _DP_GROUP
+
+
+def _checked_settings(timeout_s: float | None, backend: str | None) -> tuple[float, str]:
+    """The timeout (default ``FORWARDKIT_DP_TIMEOUT_S``) and device backend, validated."""
+    timeout_s = envs.FORWARDKIT_DP_TIMEOUT_S if timeout_s is None else float(timeout_s)
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    backend = backend or _default_backend()
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"Unsupported DP backend {backend!r}; expected 'gloo' or 'nccl'")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, but no GPU is visible; use 'gloo'")
+    return timeout_s, backend
+
+
+def _join_world(owns: bool, parallel_config: ParallelConfig | None, world_size: int | None,
+                rank: int | None, master_addr: str | None, master_port: int | None, backend: str,
+                timeout: datetime.timedelta) -> tuple[int, int]:
+    """``(world, rank)``: a new default process group when ``owns``, else the existing one,
+    which must span the DP world."""
+    if owns:
+        world, me, addr, port = _resolve_rendezvous(
+            parallel_config, world_size, rank, master_addr, master_port
+        )
+        try:
+            dist.init_process_group(
+                backend=backend, init_method=f"tcp://{addr}:{port}",
+                world_size=world, rank=me, timeout=timeout,
+            )
+        except Exception as exc:
+            raise DPCollectiveError(
+                f"DP rendezvous at tcp://{addr}:{port} failed for rank {me} of {world} "
+                f"(timeout {timeout.total_seconds():g} s, FORWARDKIT_DP_TIMEOUT_S): not every "
+                f"rank arrived, or the address is unreachable. Cause: {exc}"
+            ) from exc
+        return world, me
+    world, me = dist.get_world_size(), dist.get_rank()
+    want = _pick(world_size,
+                 parallel_config.data_parallel_size if parallel_config is not None else None, world)
+    if want != world:
+        raise ValueError(
+            f"torch.distributed is already initialized with world size {world}, but the "
+            f"DP size is {want}; forwardkit needs the DP group to span the whole world"
+        )
+    return world, me
+
+
+def _sub_groups(backend: str, timeout: datetime.timedelta, me: int,
+                local_rank: int | None) -> tuple[Any, Any, torch.device, list[Any]]:
+    """``(cpu_group, device_group, device, groups created here)``: the world itself where its
+    backend fits, else new groups (gloo for the CPU group, NCCL for the device group)."""
+    extra: list[Any] = []
+    default_backend = dist.get_backend()
+    if default_backend == "gloo":
+        cpu_group = dist.group.WORLD
+    else:
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+        extra.append(cpu_group)
+    if backend != "nccl":
+        return cpu_group, cpu_group, torch.device("cpu"), extra
+    if default_backend == "nccl":
+        device_group = dist.group.WORLD
+    else:
+        device_group = dist.new_group(backend="nccl", timeout=timeout)
+        extra.append(device_group)
+    index = _pick(local_rank, _env_int("LOCAL_RANK"), me % torch.cuda.device_count())
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return cpu_group, device_group, device, extra
 
 
 def destroy_dp_group() -> None:

@@ -207,6 +207,33 @@ def _slots(q: int, s: int, bt: list[int], block_size: int, out: list[int]) -> No
         pos += run
 
 
+def _padded_table(block_tables: list[list[int]], width: int) -> torch.Tensor:
+    """The block tables as one [num_reqs, width] tensor, rows padded with block 0."""
+    flat_table: list[int] = []
+    zeros = [0] * width
+    for bt in block_tables:
+        flat_table += bt
+        flat_table += zeros[: width - len(bt)]
+    return _ints(flat_table).view(len(block_tables), width)
+
+
+def _prefill_chunks(prefill_reqs: list[int], query_lens: list[int], seq_lens: list[int],
+                    starts: list[int], table: torch.Tensor, block_size: int,
+                    device: torch.device) -> list[PrefillChunk]:
+    """One :class:`PrefillChunk` per multi-token request, with its causal mask over a cached
+    prefix (None when it has none)."""
+    chunks = []
+    for i in prefill_reqs:
+        q, s = query_lens[i], seq_lens[i]
+        mask = None
+        if s > q:
+            # query row r (position s - q + r) sees keys 0 .. s - q + r
+            mask = torch.ones(q, s, dtype=torch.bool).tril_(s - q).to(device)
+        blocks = table[i, : -(-s // block_size)].to(device)
+        chunks.append(PrefillChunk(starts[i], starts[i + 1], s, blocks, mask))
+    return chunks
+
+
 def build_attention_metadata(
     query_lens: list[int],
     seq_lens: list[int],
@@ -244,12 +271,7 @@ def build_attention_metadata(
         starts.append(starts[-1] + q)
     slots.extend([-1] * (num_padded_tokens - num_actual))
 
-    flat_table: list[int] = []
-    zeros = [0] * width
-    for bt in block_tables:
-        flat_table += bt
-        flat_table += zeros[: width - len(bt)]
-    table = _ints(flat_table).view(len(block_tables), width)
+    table = _padded_table(block_tables, width)
     decode_seq = _ints([seq_lens[i] for i in decode_reqs]).unsqueeze(1)
     all_decode = len(decode_reqs) == len(block_tables)
     cpu = {
@@ -264,15 +286,7 @@ def build_attention_metadata(
     buckets = None
     if max_num_blocks_per_req is None:
         buckets = _decode_buckets(decode_reqs, seq_lens, starts, block_tables, block_size, device)
-    chunks = []
-    for i in prefill_reqs:
-        q, s = query_lens[i], seq_lens[i]
-        mask = None
-        if s > q:
-            # query row r (position s - q + r) sees keys 0 .. s - q + r
-            mask = torch.ones(q, s, dtype=torch.bool).tril_(s - q).to(device)
-        blocks = table[i, : -(-s // block_size)].to(device)
-        chunks.append(PrefillChunk(starts[i], starts[i + 1], s, blocks, mask))
+    chunks = _prefill_chunks(prefill_reqs, query_lens, seq_lens, starts, table, block_size, device)
     tensors = {k: v.to(device) for k, v in cpu.items()} if device.type != "cpu" else cpu
     return AttentionMetadata(
         num_actual_tokens=num_actual,
