@@ -234,3 +234,11 @@ def test_rejected_resolution_leaves_the_given_configs_unchanged():
     with pytest.raises(ValueError, match="attention ops should not be in splitting_ops"):
         EngineConfig(model_config=_model(True), platform=PLATFORMS["cuda"], compilation_config=cc)
     assert (cc.to_dict(), list(cc.custom_ops), cc.mode, cc.cudagraph_capture_sizes) == before
+
+
+def test_capture_sizes_all_above_the_token_budget_are_refused():
+    """Found by the idempotence property: the sizes were dropped, graphs stayed on, and the
+    resolved config could not be resolved again."""
+    with pytest.raises(ValueError, match=r"cudagraph_capture_sizes \[2\] are all above max_num_batched_tokens=1"):
+        _resolved("cuda", True, False, {"cudagraph_capture_sizes": [2]},
+                  {"scheduler_config": {"max_num_seqs": 1, "max_num_batched_tokens": 1}})

@@ -125,18 +125,27 @@ def _rate(fn: Callable[[], Any], nbytes: int, repeats: int) -> float:
     return nbytes / statistics.median(times)
 
 
-def time_generation(fn: GenerateFn, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """``(seconds for 1 token, seconds for 1 + new_tokens)`` of a greedy generate of ``prompts``."""
-    start = time.perf_counter()
-    fn(prompts, 1)
-    first = time.perf_counter() - start
-    start = time.perf_counter()
-    out = fn(prompts, 1 + new_tokens)
-    total = time.perf_counter() - start
-    short = [len(o) for o in out if len(o) != 1 + new_tokens]
-    if short:
-        raise RuntimeError(f"a contender generated {short[0]} tokens instead of {1 + new_tokens}")
-    return first, total
+def time_generation(fn: GenerateFn, prompts: list[list[int]], new_tokens: int,
+                    tries: int = 3) -> tuple[float, float]:
+    """``(seconds for 1 token, seconds for 1 + new_tokens)`` of a greedy generate of ``prompts``.
+
+    Decode time is the difference. When it is not clearly above the noise (less than half the
+    1-token time: short runs of small models), both are measured again, up to ``tries`` times,
+    and the fastest of each is kept."""
+    best_first = best_full = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        fn(prompts, 1)
+        best_first = min(best_first, time.perf_counter() - start)
+        start = time.perf_counter()
+        out = fn(prompts, 1 + new_tokens)
+        best_full = min(best_full, time.perf_counter() - start)
+        short = [len(o) for o in out if len(o) != 1 + new_tokens]
+        if short:
+            raise RuntimeError(f"a contender generated {short[0]} tokens instead of {1 + new_tokens}")
+        if best_full - best_first > 0.5 * best_first:
+            break
+    return best_first, best_full
 
 
 # ---------------------------------------------------------------------------- transformers

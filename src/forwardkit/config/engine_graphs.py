@@ -71,6 +71,11 @@ def _set_cudagraph_sizes(cfg: EngineConfig) -> None:
                 "cudagraph_capture_sizes should contain at least one element when using cuda "
                 "graph (use cudagraph_mode NONE to turn graphs off).")
         sizes = sorted(s for s in set(user_sizes) if s <= tokens)
+        if not sizes:  # graphs on with nothing to capture: no resolved state says that
+            raise ValueError(
+                f"cudagraph_capture_sizes {sorted(user_sizes)} are all above "
+                f"max_num_batched_tokens={tokens}, so no CUDA graph could be captured; give "
+                "sizes <= max_num_batched_tokens or set cudagraph_mode NONE")
     else:
         sizes = default_capture_sizes(limit)
     tp = cfg.parallel_config.tensor_parallel_size
