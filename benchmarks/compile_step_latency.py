@@ -53,7 +53,7 @@ class Variant:
         extra = {"custom_ops": ["none"]} if native else {}
         self.cfg = EngineConfig(model_config=ModelConfig(hf_config=default_hf_config()),
                                 compilation_config={"mode": mode, "backend": "inductor", **extra})
-        self.model = load_model(self.cfg)
+        self.model = load_model(self.cfg, prepack=not native)  # baselines: plain F.linear
         self.ctx = self.cfg.compilation_config.static_forward_context
         self.caches = bind_kv_cache(self.ctx, 64 * 4 + 40, BLOCK, torch.float32, "cpu")
         self.traces = 0
