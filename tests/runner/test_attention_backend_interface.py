@@ -161,6 +161,15 @@ def test_registration_checks_the_interface():
         register_attention_backend(NoName)
     with pytest.raises(TypeError, match="must be an AttentionCGSupport"):
         register_attention_backend(RawLevel)
+    class NoForward(AttentionBackend):
+        name = "NO_FORWARD"
+        cudagraph_support = AttentionCGSupport.NEVER
+        get_kv_cache_shape = TorchNativeAttentionBackend.get_kv_cache_shape
+        build_metadata = TorchNativeAttentionBackend.build_metadata
+
+    with pytest.raises(TypeError, match=r"NO_FORWARD does not implement \['forward'\]"):
+        register_attention_backend(NoForward)
+    assert "NO_FORWARD" not in ATTENTION_BACKENDS
     with pytest.raises(ValueError, match="unknown attention backend 'NOPE'; registered: "):
         get_attention_backend("NOPE")
     with pytest.raises(TypeError, match="must subclass AttentionBackend"):

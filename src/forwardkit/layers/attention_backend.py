@@ -235,6 +235,9 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+# What every registered backend must define itself (register_attention_backend checks).
+_REQUIRED_METHODS = ("get_kv_cache_shape", "build_metadata", "forward")
+
 # name -> backend class; filled by register_attention_backend.
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
 DEFAULT_ATTENTION_BACKEND = "TORCH_NATIVE"
@@ -251,6 +254,10 @@ def register_attention_backend(backend: type[AttentionBackend]) -> type[Attentio
             f"attention backend {backend.name}: cudagraph_support must be an AttentionCGSupport, "
             f"got {backend.cudagraph_support!r}"
         )
+    missing = [m for m in _REQUIRED_METHODS  # defined by the base class, not the backend
+               if next(k for k in backend.__mro__ if m in vars(k)) is AttentionBackend]
+    if missing:  # the base class's methods only describe the interface
+        raise TypeError(f"attention backend {backend.name} does not implement {missing}")
     ATTENTION_BACKENDS[backend.name] = backend
     return backend
 
@@ -283,19 +290,8 @@ class TorchNativeAttentionBackend(AttentionBackend):
         """Per-layer cache shape; one extra scratch block absorbs padding-row writes."""
         return (2, num_blocks + 1, block_size, num_kv_heads, head_size)
 
-    @classmethod
-    def build_metadata(
-        cls,
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
-        num_padded_tokens: int,
-        block_size: int,
-        device: torch.device | str = "cpu",
-        max_num_blocks_per_req: int | None = None,
-    ) -> AttentionMetadata:
-        return build_attention_metadata(query_lens, seq_lens, block_tables, num_padded_tokens,
-                                        block_size, device, max_num_blocks_per_req)
+    # the torch-native metadata builder, as is
+    build_metadata = staticmethod(build_attention_metadata)
 
     @classmethod
     def forward(
