@@ -92,8 +92,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
         "FORWARDKIT_COMPILE_CACHE_SAVE_FORMAT", "binary", ("binary", "unpacked")
     ),
     "FORWARDKIT_DEBUG_DUMP_PATH": _str("FORWARDKIT_DEBUG_DUMP_PATH", None),
-    # save/load Dynamo's result (mode 3, Inductor) so a warm start skips the trace (opt-in)
-    "FORWARDKIT_USE_AOT_COMPILE": _bool("FORWARDKIT_USE_AOT_COMPILE", False),
+    # save/load Dynamo's result (mode 3, Inductor, cache on) so a warm start skips the trace
+    "FORWARDKIT_USE_AOT_COMPILE": _bool("FORWARDKIT_USE_AOT_COMPILE", True),
     # CPU: give bf16 linear weights a oneDNN-packed copy after loading (faster decode matmuls)
     "FORWARDKIT_CPU_PREPACK_WEIGHTS": _bool("FORWARDKIT_CPU_PREPACK_WEIGHTS", True),
     # CPU: the native few-row bf16 linear for decode products of prepacked layers (AVX-512-BF16)

@@ -84,11 +84,20 @@ def test_warm_process_skips_the_trace_and_falls_back_when_stale_or_corrupt(tmp_p
     assert again["counters"]["num_aot_loads"] == 1 and again["max_err"] < 1e-5
 
 
+def test_on_by_default_off_by_the_switch(monkeypatch):
+    from forwardkit import envs
+
+    monkeypatch.delenv("FORWARDKIT_USE_AOT_COMPILE", raising=False)
+    assert envs.FORWARDKIT_USE_AOT_COMPILE is True
+    monkeypatch.setenv("FORWARDKIT_USE_AOT_COMPILE", "0")
+    assert envs.FORWARDKIT_USE_AOT_COMPILE is False
+
+
 @pytest.mark.slow
-def test_off_by_default_saves_nothing(tmp_path):
+def test_switched_off_saves_nothing(tmp_path):
     root = str(tmp_path / "cache")
     os.mkdir(root, 0o700)
-    out = _run("5", "1102", FORWARDKIT_CACHE_ROOT=root)  # FORWARDKIT_USE_AOT_COMPILE unset
+    out = _run("5", "1102", FORWARDKIT_CACHE_ROOT=root, FORWARDKIT_USE_AOT_COMPILE="0")
     c = out["counters"]
     assert c["num_aot_saves"] == 0 and c["num_dynamo_traces"] == 1, c
     assert not os.path.exists(os.path.join(root, "torch_aot_compile"))

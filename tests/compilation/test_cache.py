@@ -156,9 +156,15 @@ def test_concurrent_writers_leave_one_consistent_entry(cache):
 WORKER = os.path.join(os.path.dirname(__file__), "cache_worker.py")
 
 
+def _piece_env() -> dict[str, str]:
+    """The environment with AOT precompile off: these tests count piece artifacts only (the AOT
+    entry, another cache entry, has its own tests in test_aot.py)."""
+    return {**os.environ, "FORWARDKIT_USE_AOT_COMPILE": "0"}
+
+
 def _run(*args: str, env=None) -> dict:
     out = subprocess.run([sys.executable, WORKER, *args], capture_output=True, text=True,
-                         timeout=600, env=env or os.environ.copy())
+                         timeout=600, env=env or _piece_env())
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -185,7 +191,7 @@ def test_second_process_loads_without_compiling_and_survives_corruption():
 @pytest.mark.slow
 def test_two_processes_on_a_cold_cache_both_succeed():
     procs = [subprocess.Popen([sys.executable, WORKER, str(n), "1002"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for n in (5, 6)]
+                              stderr=subprocess.PIPE, text=True, env=_piece_env()) for n in (5, 6)]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=600)

@@ -1,6 +1,6 @@
 """AOT precompile: save Dynamo's result for a model, and load it instead of tracing again.
 
-On a cold start (mode 3, Inductor, cache on, ``FORWARDKIT_USE_AOT_COMPILE=1``) the model's
+On a cold start (mode 3, Inductor, cache on, ``FORWARDKIT_USE_AOT_COMPILE`` not 0) the model's
 ``forward`` is traced with ``torch.compile(...).aot_compile`` instead of a plain first call. The
 piecewise backend then returns a :class:`SerializableSplitFunction`: the stitched split module
 for running, plus the Dynamo FX graph for saving. The whole Dynamo result (transformed
@@ -16,12 +16,13 @@ file makes the entry stale and the model is traced again (and the entry replaced
 to load (corrupt, unreadable, stale, incompatible) falls back to tracing; any failure to save
 only warns. Guards are dropped (as for every trace-once compile).
 
-Off by default (``FORWARDKIT_USE_AOT_COMPILE=1`` turns it on), as vLLM leaves it off on CPU.
-Measured on 2 CPU cores: on the built-in 4-layer model it saves almost nothing (the trace it
-skips is ~1 s, most of it imports that loading Inductor's artifacts needs anyway, while
-rebuilding the backend from the saved graph costs ~0.7 s: a fake-tensor pass to restore the
-example values, then the split); on the 16-layer Llama-3.2-1B shape a warm ``LLM(...)`` takes
-8.4 s with it against 11.5 s without. Runner inputs are slices of persistent buffers; their
+On by default (``FORWARDKIT_USE_AOT_COMPILE=0`` turns it off; it is off whenever the compile
+cache is). vLLM 0.14.0 leaves it off on CPU; here it pays on CPU too. Measured on 2 CPU cores:
+on the built-in 4-layer model it saves almost nothing (the trace it skips is ~1 s, most of it
+imports that loading Inductor's artifacts needs anyway, while rebuilding the backend from the
+saved graph costs ~0.7 s: a fake-tensor pass to restore the example values, then the split);
+on the 16-layer Llama-3.2-1B shape it takes about 1 s off a warm start (the warm-up step with
+the trace 3.7-4.6 s, with the AOT entry 2.7-3.5 s). Runner inputs are slices of persistent buffers; their
 fake values are saved as plain tensors of the same size and strides (the graph pickler cannot
 save a view's link to its base).
 """

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -152,3 +154,33 @@ class PieceCompiler:
             except Exception as e:  # a full disk must not fail the forward pass
                 logger.warning_once("compile cache: could not save %s: %s", name, e)
         return _unwrapping(artifact, True), "compiled"
+
+
+# What a first piece compile or artifact load imports (about 1-2 s on 2 cores). These are torch
+# modules only: none imports forwardkit, so a thread importing them cannot wait on a module
+# lock the main thread holds.
+_COMPILE_MODULES = ("torch._dynamo", "torch._inductor.compile_fx", "torch._inductor",
+                    "torch.utils.cpp_extension")
+
+
+def prefetch_compiler_imports() -> threading.Thread | None:
+    """Import what the first compile needs on a daemon thread and return it (None when all is
+    imported). The model runner starts it before building the model and joins it before the
+    first compile, so the imports overlap weight loading (which mostly runs with the GIL
+    released) and never run beside the compile path's own imports."""
+    import sys
+
+    todo = [m for m in _COMPILE_MODULES if m not in sys.modules]
+    if not todo:
+        return None
+
+    def run() -> None:
+        for name in todo:
+            try:
+                importlib.import_module(name)
+            except Exception:  # the compile path imports it again and reports the error
+                return
+
+    thread = threading.Thread(target=run, name="forwardkit-import-prefetch", daemon=True)
+    thread.start()
+    return thread

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from forwardkit.config.compilation_enums import CompilationMode, CUDAGraphMode
-from forwardkit.layers import cpu_gemm
+from forwardkit.layers import cpu_gemm, hugepages
 from forwardkit.logger import init_logger
 from forwardkit.models.weights import WeightLoadError, check_named_weights, load_named_weights
 
@@ -194,7 +194,7 @@ class KVCacheSleeper:
             return 0
         for name, t in self.kv_caches.items():
             t.untyped_storage().resize_(self._sizes[name])
-            t.zero_()
+            hugepages.zero_(t)
         total = sum(self._sizes.values())
         self._sizes = None
         return total

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from forwardkit.layers import hugepages
 from forwardkit.layers.attention import Attention
 from forwardkit.layers.attention_backend import AttentionBackend
 
@@ -49,6 +50,9 @@ def bind_kv_cache(
 ) -> dict[str, torch.Tensor]:
     """Allocate one zeroed cache per attention layer and set ``layer.kv_cache = [tensor]``.
 
+    On a CPU the caches are zeroed lazily (:func:`forwardkit.layers.hugepages.zero_`): their
+    pages are committed as blocks are first written, not at start-up.
+
     Each cache has shape ``[2, num_blocks + 1, block_size, num_kv_heads, head_size]`` (the last
     block is scratch for padding rows, see ``attention_backend``); block ids ``0..num_blocks-1``
     are usable. Returns ``{layer_name: tensor}``.
@@ -63,6 +67,7 @@ def bind_kv_cache(
     caches: dict[str, torch.Tensor] = {}
     for name, layer in layers.items():
         shape = layer.backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-        caches[name] = torch.zeros(shape, dtype=dtype, device=device)
+        cache = torch.empty(shape, dtype=dtype, device=device)
+        caches[name] = hugepages.zero_(cache)  # on a CPU: zero pages mapped in on first touch
         layer.kv_cache = [caches[name]]
     return caches

@@ -55,13 +55,29 @@ def init_random_weights(model: nn.Module, seed: int = DEFAULT_SEED, std: float =
                 values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
                 param.copy_(values)
             else:
-                if pool is None or pool.dtype != param.dtype:
+                if pool is None or pool.dtype != param.dtype or pool.device != param.device:
                     if pool is None:
                         pool32 = torch.randn(_POOL_THRESHOLD + _POOL_CHUNK, generator=generator) * std
-                    pool = pool32.to(param.dtype)  # chunk copies are then plain memcpy
+                    # chunk copies are then plain memcpy on the parameter's device
+                    pool = pool32.to(device=param.device, dtype=param.dtype)
                 flat = param.view(-1)
                 offsets = torch.randint(0, _POOL_THRESHOLD, (-(-flat.numel() // _POOL_CHUNK),),
-                                        generator=generator).tolist()
-                for i, offset in enumerate(offsets):
-                    chunk = flat[i * _POOL_CHUNK:(i + 1) * _POOL_CHUNK]
-                    chunk.copy_(pool[offset:offset + chunk.numel()])
+                                        generator=generator)
+                _fill_from_pool(flat, pool, offsets)
+
+
+def _fill_from_pool(flat: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor) -> None:
+    """``flat[i*C:(i+1)*C] = pool[offsets[i]:offsets[i]+C]`` for every chunk ``i`` (``C`` =
+    ``_POOL_CHUNK``; the last chunk may be shorter). The whole chunks are one ``index_select``
+    over overlapping windows of the pool: one call that releases the GIL once, instead of one
+    Python-level copy per chunk (a 1B shape has ~1200), so threads running beside the loader
+    (the compiler-import prefetch) do not stall it at every chunk."""
+    whole = flat.numel() // _POOL_CHUNK
+    if whole:
+        windows = pool.as_strided((_POOL_THRESHOLD, _POOL_CHUNK), (1, 1))
+        torch.index_select(windows, 0, offsets[:whole].to(pool.device),
+                           out=flat[:whole * _POOL_CHUNK].view(whole, _POOL_CHUNK))
+    tail = flat.numel() - whole * _POOL_CHUNK
+    if tail:
+        start = int(offsets[whole])
+        flat[whole * _POOL_CHUNK:].copy_(pool[start:start + tail])

@@ -123,8 +123,9 @@ def load_model(engine_config: EngineConfig, prepack: bool | None = None) -> nn.M
             raise WeightLoadError(missing=missing, source=f"checkpoint {model_dir}")
         logger.info("Loaded %s from %s (%d files)", model_cls.__name__, model_dir, len(files))
     if prepack and device.type == "cpu":
-        # written weights move onto huge pages in the background (faulting them in as huge
-        # pages is slower: each 2 MiB fault zeroes and may compact synchronously)
-        hugepages.collapse_in_background(list(model.parameters()))
+        # written weights move onto huge pages in the background once the runner has served
+        # its first step (faulting them in as huge pages is slower: each 2 MiB fault zeroes and
+        # may compact synchronously; collapsing during start-up slows start-up by seconds)
+        hugepages.defer_collapse(model.parameters())
         prepack_weights(model)
     return model.eval()

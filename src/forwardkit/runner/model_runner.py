@@ -24,6 +24,7 @@ from forwardkit.cudagraph import monitor
 from forwardkit.cudagraph.dispatcher import cudagraphs_available
 from forwardkit.cudagraph.wrapper import CUDAGraphWrapper, GraphBackend, piecewise_cudagraph_options
 from forwardkit.forward_context import set_forward_context
+from forwardkit.layers import hugepages
 from forwardkit.layers.attention_backend import AttentionBackend, AttentionCGSupport
 from forwardkit.layers.kv_cache import (
     attention_backend_of,
@@ -84,11 +85,20 @@ class ModelRunner:
         self.dp_size = int(self.parallel_config.data_parallel_size)
         self.dp_rank = int(self.parallel_config.data_parallel_rank)
         self.model_config = cfg.require_model_config()
+        prefetch = None
         if model is None:
             from forwardkit.models.loader import load_model  # model layer, loaded lazily
 
-            with set_current_engine_config(cfg):
-                model = load_model(cfg)
+            if int(self.compilation_config.mode or 0) != 0 and not self.model_config.enforce_eager:
+                from forwardkit.compilation.compiler import prefetch_compiler_imports
+
+                prefetch = prefetch_compiler_imports()  # overlaps the weight loading
+            try:
+                with set_current_engine_config(cfg):
+                    model = load_model(cfg)
+            finally:
+                if prefetch is not None:
+                    prefetch.join()
         # the model, or the CUDAGraphWrapper around it (which forwards attribute access)
         self.model: Any = self._place(model)
         self.dtype: torch.dtype = self.model_config.dtype
@@ -106,6 +116,7 @@ class ModelRunner:
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
         self.capture_stats: dict[str, Any] = {}
+        self._served = False  # set by the first real step
 
     # ------------------------------------------------------------------ start-up
     def _place(self, model: nn.Module) -> nn.Module:
@@ -222,6 +233,9 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         self.last_step = StepInfo(mode, desc, n, across_dp)
         self.last_hidden = hidden if self.keep_hidden else None
+        if not self._served:  # start-up is over: weights move onto huge pages from now on
+            self._served = True
+            hugepages.start_deferred_collapse()
         rows = batch.logits_indices()
         if len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1:
             selected = hidden  # every row is a sampled last token (unpadded decode step)
