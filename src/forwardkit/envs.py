@@ -98,6 +98,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FORWARDKIT_CPU_PREPACK_WEIGHTS": _bool("FORWARDKIT_CPU_PREPACK_WEIGHTS", True),
     # CPU: the native few-row bf16 linear for decode products of prepacked layers (AVX-512-BF16)
     "FORWARDKIT_CPU_NATIVE_LINEAR": _bool("FORWARDKIT_CPU_NATIVE_LINEAR", True),
+    # CPU: small weights (under 4 MiB) take plain F.linear or the fast path, per row count, by
+    # timing both at first use (off: always the fast path)
+    "FORWARDKIT_CPU_LINEAR_TUNE": _bool("FORWARDKIT_CPU_LINEAR_TUNE", True),
     # with AOT compile on: a missing or unusable saved entry is a FileNotFoundError instead of
     # a trace (vLLM: VLLM_FORCE_AOT_LOAD), for deployments that must never compile
     "FORWARDKIT_FORCE_AOT_LOAD": _bool("FORWARDKIT_FORCE_AOT_LOAD", False),

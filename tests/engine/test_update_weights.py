@@ -233,10 +233,12 @@ def test_update_under_dynamo_modes_no_retrace(make_checkpoint, tmp_path, mode):
     assert after != before and after == _greedy(_engine(new_path))
 
 
-def test_update_reaches_prepacked_bf16_weights(make_checkpoint, tmp_path):
+def test_update_reaches_prepacked_bf16_weights(make_checkpoint, tmp_path, monkeypatch):
     """bf16 on a CPU with native bf16: linear layers run through oneDNN-packed copies of their
     weights; a full and a partial (one shard of qkv_proj) update re-derive them."""
     from forwardkit.layers import cpu_gemm
+
+    monkeypatch.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "0")  # the fast paths, not timed away
 
     if not cpu_gemm.prepack_supported(torch.bfloat16):
         pytest.skip("this CPU has no native bf16 matmul, so no weights are packed")

@@ -23,6 +23,13 @@ needs_bf16 = pytest.mark.skipif(not cpu_gemm.prepack_supported(BF16),
                                 reason="this CPU has no native bf16 matmul (AVX-512-BF16 / AMX)")
 
 
+@pytest.fixture(autouse=True)
+def _fast_paths(monkeypatch):
+    """These tests exercise the fast paths themselves: no timing may route a small weight to
+    plain F.linear."""
+    monkeypatch.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "0")
+
+
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     # both accumulate in float32 and round to bf16 once; the order of the sums may differ
     torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
@@ -146,3 +153,75 @@ def test_compiled_graph_reads_the_packed_copy_at_run_time():
     graph_ops = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
     assert "forwardkit.linear" in graph_ops  # the opaque op, not an aten matmul
     assert not any("mm" in op or "linear" == op for op in graph_ops)
+
+
+# ------------------------------------------------------------------ timed path choice
+@pytest.fixture
+def tuning(monkeypatch):
+    """Tuning on, with a clean slate of choices before and after."""
+    monkeypatch.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "1")
+    cpu_gemm.clear_routes()
+    yield monkeypatch
+    cpu_gemm.clear_routes()
+
+
+def _small_model(dtype):
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(Linear(64, 48, bias=True, dtype=dtype), Linear(48, 40, dtype=dtype))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return model
+
+
+@pytest.mark.parametrize("fast_wins", [False, True])
+def test_small_models_keep_the_path_that_timed_faster(tuning, fast_wins):
+    tuning.setattr(cpu_gemm, "_faster_is_fast_path", lambda *a: fast_wins)
+    model = _small_model(torch.float32)
+    routed = prepack_weights(model)
+    assert [m.packed for m in model] == [fast_wins, fast_wins]
+    assert routed == (2 if fast_wins else 0)
+    for key, route in cpu_gemm.routes().items():
+        assert route == [fast_wins] * len(route), key
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(model(x), F.linear(F.linear(x, model[0].weight, model[0].bias),
+                                                  model[1].weight))
+
+
+def test_a_weight_is_routed_per_row_bucket(tuning):
+    # the fast path only for 1 row: 2+ rows go to F.linear, the weight stays registered
+    tuning.setattr(cpu_gemm, "_faster_is_fast_path", lambda x, *a: x.shape[0] == 1)
+    layer = Linear(64, 48, dtype=torch.float32)
+    with torch.no_grad():
+        layer.weight.normal_()
+    assert prepack_weights(torch.nn.Sequential(layer)) == 1 and layer.packed
+    (route,) = cpu_gemm.routes().values()
+    assert route[0] is True and not any(route[1:])
+    before = cpu_gemm.packed_weight_count()
+    for rows in (1, 3, 20, 300):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+    assert cpu_gemm.packed_weight_count() == before  # 3-32 rows took F.linear: nothing packed
+
+
+def test_real_timing_gives_f_linear_results_either_way(tuning):
+    model = _small_model(torch.float32)
+    prepack_weights(model)
+    assert all(all(r is not None for r in route) for route in cpu_gemm.routes().values())
+    for rows in (1, 2, 7, 40):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(model(x), F.linear(F.linear(x, model[0].weight, model[0].bias),
+                                                      model[1].weight), atol=1e-4, rtol=1e-4)
+
+
+def test_large_models_and_the_switch_skip_the_timing(tuning):
+    tuning.setattr(cpu_gemm, "_faster_is_fast_path", lambda *a: pytest.fail("timed"))
+    tuning.setattr(cpu_gemm, "TUNE_MAX_BYTES", 0)  # as if the model were large
+    model = _small_model(torch.float32)
+    assert prepack_weights(model) == 2 and cpu_gemm.routes() == {}
+    model(torch.randn(3, 64))
+    tuning.setattr(cpu_gemm, "TUNE_MAX_BYTES", 64 << 20)
+    tuning.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "0")
+    other = _small_model(torch.float32)
+    assert prepack_weights(other) == 2 and cpu_gemm.routes() == {}
+    other(torch.randn(3, 64))

@@ -15,6 +15,13 @@ needs_kernel = pytest.mark.skipif(not native_linear.cpu_has_avx512_bf16(),
                                   reason="the CPU has no AVX-512-BF16 (the native kernel's instructions)")
 
 
+@pytest.fixture(autouse=True)
+def _fast_paths(monkeypatch):
+    """These tests exercise the fast paths themselves: no timing may route a small weight to
+    plain F.linear."""
+    monkeypatch.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "0")
+
+
 @pytest.fixture
 def fresh_kernel(monkeypatch):
     """The kernel loader re-run under this test's environment, and again after it."""

@@ -10,6 +10,16 @@ call by the number of rows of the input:
   weight, made at the first such call (compute-bound; the packing pays for itself);
 - more rows (prompts): the packed copy if it exists, else plain ``F.linear``.
 
+When all registered weights together are under :data:`TUNE_MAX_BYTES` (a small model), they
+stay in the caches, a product is over in microseconds, and which path wins depends on the
+machine: on the 2-core EPYC forwardkit's paths beat MKL's small GEMMs (the toy model's lead
+came from them), on the 2-core Xeon MKL's ``F.linear`` was 1.5-3x faster at 2-8 rows. Then the
+first product of each row bucket (1, 2, 3-4, 5-8, ... rows) of each weight shape times both
+(plain ``F.linear`` and the fast path, a few interleaved calls each, ~1 ms) and keeps the
+faster one for the process (``FORWARDKIT_CPU_LINEAR_TUNE=0``: always the fast path). Larger
+models stream their weights from memory, where the fast paths win everywhere measured (and a
+timing loop over one cache-hot weight would mislead); they are not timed.
+
 The graph sees ``torch.ops.forwardkit.linear(x, weight, bias)``: an opaque op whose kernel
 looks the weight up by its data pointer, so every layer's graph stays the same (identical
 pieces still share one compiled artifact) and nothing is baked into a compiled graph. The
@@ -25,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -32,11 +44,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from forwardkit import envs
 from forwardkit.layers import native_linear
 from forwardkit.logger import init_logger
 
-__all__ = ["LAZY_PACK_MAX_ROWS", "batched_refresh", "linear", "pack_weight", "packed_weight_count",
-           "prepack_supported", "refresh_packed", "register_weight", "unpack_weight"]
+__all__ = ["LAZY_PACK_MAX_ROWS", "TUNE_MAX_BYTES", "batched_refresh", "clear_routes", "linear",
+           "pack_weight", "packed_weight_count", "prepack_supported", "refresh_packed",
+           "register_weight", "routes", "tune", "tuning_applies", "unpack_weight"]
 
 logger = init_logger(__name__)
 
@@ -56,6 +70,48 @@ LAZY_PACK_MAX_ROWS = 32
 _PACK_ROWS_HINT = 64
 
 
+# While all registered weights take at most this many bytes, paths are chosen per weight shape
+# and row bucket by timing (module doc).
+TUNE_MAX_BYTES = 64 << 20
+_registered_bytes = 0  # storage bytes of the weights in _PACKED
+_TUNE_BUCKETS = 10  # 1, 2, 3-4, 5-8, ..., 257+ rows
+_TUNE_CALLS = 9  # timed calls per candidate, after two untimed
+# (out, in, dtype, has bias) -> per row bucket: True = fast path, False = F.linear, None = not
+# timed yet.
+_ROUTES: dict[tuple[int, int, torch.dtype, bool], list[bool | None]] = {}
+
+
+def tune(weight: torch.Tensor, bias: torch.Tensor | None = None) -> list[bool]:
+    """Choose the path of every row bucket for ``weight``'s shape now (on random inputs of 1, 2,
+    4, ..., 512 rows; shapes already timed are not timed again) and return the choices (True =
+    the fast path). Registers ``weight`` if it is not registered."""
+    register_weight(weight)
+    key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
+    route = _ROUTES.setdefault(key, [None] * _TUNE_BUCKETS)
+    gen = torch.Generator().manual_seed(0)
+    for bucket in range(_TUNE_BUCKETS):
+        if route[bucket] is None:
+            x = torch.randn(1 << bucket, weight.shape[1], generator=gen).to(weight.dtype)
+            route[bucket] = _faster_is_fast_path(x, weight, bias, route, bucket)
+    return [bool(r) for r in route]
+
+
+def tuning_applies(nbytes: int) -> bool:
+    """Whether weights of ``nbytes`` in all (with those registered already) choose their paths
+    by timing."""
+    return envs.FORWARDKIT_CPU_LINEAR_TUNE and _registered_bytes + nbytes <= TUNE_MAX_BYTES
+
+
+def routes() -> dict[tuple[int, int, torch.dtype, bool], list[bool | None]]:
+    """The path chosen per small-weight shape and row bucket so far (for tests and logs)."""
+    return {k: list(v) for k, v in _ROUTES.items()}
+
+
+def clear_routes() -> None:
+    """Forget every choice (the next product of each bucket times the paths again)."""
+    _ROUTES.clear()
+
+
 def prepack_supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether weights of ``dtype`` on ``device`` go through these paths: float32 on a CPU
     with oneDNN, bf16 on one with native bf16 instructions (AVX-512-BF16 or AMX)."""
@@ -67,8 +123,14 @@ def prepack_supported(dtype: torch.dtype, device: torch.device | str = "cpu") ->
 
 
 def _entry(weight: torch.Tensor, packed: torch.Tensor | None) -> None:
+    global _registered_bytes
     ptr = weight.data_ptr()
-    _PACKED[ptr] = [weakref.ref(weight, lambda _ref: _forget(ptr, _ref)), packed]
+    old = _PACKED.get(ptr)
+    if old is not None:
+        _registered_bytes -= old[2]
+    nbytes = weight.numel() * weight.element_size()
+    _PACKED[ptr] = [weakref.ref(weight, lambda _ref: _forget(ptr, _ref)), packed, nbytes]
+    _registered_bytes += nbytes
 
 
 def register_weight(weight: torch.Tensor) -> None:
@@ -86,12 +148,19 @@ def pack_weight(weight: torch.Tensor) -> None:
 def _forget(ptr: int, ref: weakref.ref) -> None:
     entry = _PACKED.get(ptr)
     if entry is not None and entry[0] is ref:
-        del _PACKED[ptr]
+        _drop(ptr)
+
+
+def _drop(ptr: int) -> None:
+    global _registered_bytes
+    entry = _PACKED.pop(ptr, None)
+    if entry is not None:
+        _registered_bytes -= entry[2]
 
 
 def unpack_weight(weight: torch.Tensor) -> None:
     """Drop the packed copy of ``weight`` (no-op when it has none)."""
-    _PACKED.pop(weight.data_ptr(), None)
+    _drop(weight.data_ptr())
 
 
 # Inside ``batched_refresh``: data_ptr -> weight whose packed copy is re-derived at the end.
@@ -160,6 +229,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     entry = _PACKED.get(weight.data_ptr())
     if entry is None:
         return F.linear(x, weight, bias)
+    if _registered_bytes <= TUNE_MAX_BYTES and envs.FORWARDKIT_CPU_LINEAR_TUNE:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
+        bucket = min(max(rows - 1, 0).bit_length(), _TUNE_BUCKETS - 1)
+        route = _ROUTES.setdefault(key, [None] * _TUNE_BUCKETS)
+        fast = route[bucket]
+        if fast is None:
+            fast = route[bucket] = _faster_is_fast_path(x, weight, bias, route, bucket)
+            logger.debug("linear %s, %d rows: %s", key, rows, "fast path" if fast else "F.linear")
+        if not fast:
+            return F.linear(x, weight, bias)
+    return _fast_path(x, weight, bias, entry)
+
+
+def _fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               entry: list[Any]) -> torch.Tensor:
     out = native_linear.linear_rows(x, weight, bias)  # 1-2 rows: the plain weight streams faster
     if out is not None:
         return out
@@ -171,6 +256,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         pack_weight(weight)
         packed = _PACKED[weight.data_ptr()][1]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _faster_is_fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         route: list[bool | None], bucket: int) -> bool:
+    """Time plain ``F.linear`` against the fast path as the model calls it (through the
+    ``forwardkit::linear`` op, whose dispatch costs microseconds too) on this product: two
+    untimed calls each, then interleaved calls. The fast path is kept only when its median is
+    at least 10% lower (a tie keeps the plain matmul, which needs no op and no packed copy)."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    route[bucket] = True  # the op below takes the fast path for this bucket while it is timed
+    try:
+        for i in range(_TUNE_CALLS + 2):
+            for fast in (False, True):
+                start = time.perf_counter()
+                if fast:
+                    torch.ops.forwardkit.linear(x, weight, bias)
+                else:
+                    F.linear(x, weight, bias)
+                if i >= 2:
+                    times[fast].append(time.perf_counter() - start)
+    finally:
+        route[bucket] = None
+    return statistics.median(times[True]) < 0.9 * statistics.median(times[False])
 
 
 # NOTE: registered through ``torch.library.Library`` (direct kernel dispatch, ~2 us a call)

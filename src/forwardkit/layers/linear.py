@@ -152,6 +152,16 @@ def prepack_weights(model: nn.Module) -> int:
     for module in todo:
         cpu_gemm.register_weight(module.weight)
         module.packed = True
-    logger.info_once("%d bf16 linear weights (%.2f GiB) use the native kernel for 1-2 rows and "
+    if cpu_gemm.tuning_applies(0):  # a small model: keep plain F.linear where it is faster
+        plain = 0
+        for module in todo:
+            if not any(cpu_gemm.tune(module.weight, getattr(module, "bias", None))):
+                cpu_gemm.unpack_weight(module.weight)  # F.linear at every row count
+                module.packed = False
+                plain += 1
+        logger.info_once("%d of %d small linear weights keep plain F.linear (faster here at "
+                         "every row count, timed)", plain, len(todo))
+        todo = [m for m in todo if m.packed]
+    logger.info_once("%d bf16/float32 linear weights (%.2f GiB) use the native kernel for 1-2 rows and "
                      "oneDNN-packed copies (made at first use) for more", len(todo), need / 2**30)
     return len(todo)
