@@ -157,9 +157,10 @@ def test_compiled_graph_reads_the_packed_copy_at_run_time():
 
 # ------------------------------------------------------------------ timed path choice
 @pytest.fixture
-def tuning(monkeypatch):
-    """Tuning on, with a clean slate of choices before and after."""
+def tuning(monkeypatch, tmp_path):
+    """Tuning on, with a clean slate of choices (in memory and on disk) before and after."""
     monkeypatch.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "1")
+    monkeypatch.setenv("FORWARDKIT_CACHE_ROOT", str(tmp_path))
     cpu_gemm.clear_routes()
     yield monkeypatch
     cpu_gemm.clear_routes()
@@ -225,3 +226,20 @@ def test_large_models_and_the_switch_skip_the_timing(tuning):
     other = _small_model(torch.float32)
     assert prepack_weights(other) == 2 and cpu_gemm.routes() == {}
     other(torch.randn(3, 64))
+
+
+def test_choices_are_saved_and_a_later_process_makes_the_same(tuning, tmp_path):
+    tuning.setattr(cpu_gemm, "_faster_is_fast_path", lambda x, *a: x.shape[0] <= 2)
+    prepack_weights(_small_model(torch.float32))
+    chosen = cpu_gemm.routes()
+    (saved,) = (tmp_path / "linear_routes").iterdir()
+    cpu_gemm.clear_routes()  # as in a new process: the choices come from the file, untimed
+    tuning.setattr(cpu_gemm, "_faster_is_fast_path", lambda *a: pytest.fail("timed again"))
+    model = _small_model(torch.float32)
+    prepack_weights(model)
+    assert cpu_gemm.routes() == chosen and all(m.packed for m in model)
+    saved.write_text("{not json")  # unreadable: ignored, timed anew
+    cpu_gemm.clear_routes()
+    tuning.setattr(cpu_gemm, "_faster_is_fast_path", lambda *a: False)
+    other = _small_model(torch.float32)
+    assert prepack_weights(other) == 0

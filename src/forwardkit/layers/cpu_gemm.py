@@ -83,17 +83,91 @@ _ROUTES: dict[tuple[int, int, torch.dtype, bool], list[bool | None]] = {}
 
 def tune(weight: torch.Tensor, bias: torch.Tensor | None = None) -> list[bool]:
     """Choose the path of every row bucket for ``weight``'s shape now (on random inputs of 1, 2,
-    4, ..., 512 rows; shapes already timed are not timed again) and return the choices (True =
-    the fast path). Registers ``weight`` if it is not registered."""
+    4, ..., 512 rows) and return the choices (True = the fast path). Registers ``weight`` if it
+    is not registered.
+
+    Choices are kept on disk per machine (CPU model and flags, torch version, thread count)
+    under ``$FORWARDKIT_CACHE_ROOT/linear_routes/``: which layers are routed decides the graph
+    that is compiled, so a later process must choose the same way to find its compiled pieces
+    in the cache (and it then skips the timing)."""
     register_weight(weight)
     key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
+    if not _ROUTES and not _routes_loaded:
+        _load_routes()
     route = _ROUTES.setdefault(key, [None] * _TUNE_BUCKETS)
-    gen = torch.Generator().manual_seed(0)
-    for bucket in range(_TUNE_BUCKETS):
-        if route[bucket] is None:
-            x = torch.randn(1 << bucket, weight.shape[1], generator=gen).to(weight.dtype)
-            route[bucket] = _faster_is_fast_path(x, weight, bias, route, bucket)
+    if None in route:
+        gen = torch.Generator().manual_seed(0)
+        for bucket in range(_TUNE_BUCKETS):
+            if route[bucket] is None:
+                x = torch.randn(1 << bucket, weight.shape[1], generator=gen).to(weight.dtype)
+                route[bucket] = _faster_is_fast_path(x, weight, bias, route, bucket)
+        _save_routes()
     return [bool(r) for r in route]
+
+
+_routes_loaded = False
+
+
+def _routes_file() -> str:
+    import hashlib
+    import json
+
+    machine = json.dumps([sorted(native_linear.cpu_flags()), _cpu_model(), torch.__version__,
+                          torch.get_num_threads(), _TUNE_BUCKETS, _TUNE_CALLS])
+    digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
+    return os.path.join(envs.FORWARDKIT_CACHE_ROOT, "linear_routes", f"{digest}.json")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _route_key(key: tuple[int, int, torch.dtype, bool]) -> str:
+    return f"{key[0]},{key[1]},{str(key[2]).removeprefix('torch.')},{int(key[3])}"
+
+
+def _load_routes() -> None:
+    """Read the choices saved for this machine (none, or an unreadable file: time anew)."""
+    import json
+
+    global _routes_loaded
+    _routes_loaded = True
+    try:
+        with open(_routes_file(), encoding="utf-8") as f:
+            saved = json.load(f)
+        for text, route in saved.items():
+            n, k, dtype, has_bias = text.split(",")
+            if (len(route) == _TUNE_BUCKETS and all(isinstance(r, bool) for r in route)
+                    and isinstance(getattr(torch, dtype, None), torch.dtype)):
+                _ROUTES[(int(n), int(k), getattr(torch, dtype), has_bias == "1")] = list(route)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        if not isinstance(exc, FileNotFoundError):
+            logger.warning_once("Ignoring saved linear-path choices (%s); timing anew", exc)
+
+
+def _save_routes() -> None:
+    """Write every complete choice atomically (a failure only logs: the choices still hold for
+    this process)."""
+    import json
+    import tempfile
+
+    path = _routes_file()
+    data = {_route_key(k): v for k, v in _ROUTES.items() if None not in v}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:
+        logger.warning_once("Could not save linear-path choices to %s: %s", path, exc)
 
 
 def tuning_applies(nbytes: int) -> bool:
@@ -108,8 +182,11 @@ def routes() -> dict[tuple[int, int, torch.dtype, bool], list[bool | None]]:
 
 
 def clear_routes() -> None:
-    """Forget every choice (the next product of each bucket times the paths again)."""
+    """Forget every choice made or loaded in this process (the next product of each bucket
+    times the paths again; the file of saved choices is left alone)."""
+    global _routes_loaded
     _ROUTES.clear()
+    _routes_loaded = False
 
 
 def prepack_supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:

@@ -26,6 +26,7 @@ memory a short run never uses is never committed.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import mmap
@@ -101,16 +102,47 @@ def collapse(t: torch.Tensor) -> int:
     return _apply(t, _MADV_COLLAPSE)
 
 
+# Memory is moved in slices of this size, so a stop request waits for one slice at most.
+_COLLAPSE_STEP = 64 << 20
+_stop = threading.Event()
+_workers: list[threading.Thread] = []
+
+
+def _stop_workers() -> None:
+    """At interpreter exit: stop the collapse threads between two slices and wait for them. A
+    daemon thread still inside a system call at finalisation would be torn down when it
+    returns, which aborts the process if C++ frames are on its stack."""
+    _stop.set()
+    for thread in _workers:
+        thread.join(timeout=10)
+
+
+atexit.register(_stop_workers)
+
+
 def collapse_in_background(tensors: Iterable[torch.Tensor]) -> threading.Thread | None:
     """:func:`collapse` each tensor on a daemon thread and return it (None when there is
     nothing to do). The system call releases the GIL and the kernel keeps the memory readable
-    and writable while it moves, so start-up work (tracing, compiling) goes on meanwhile."""
+    and writable while it moves, so other work goes on meanwhile. The addresses are worked
+    out here; the thread runs only ``madvise`` (through ``ctypes``, no torch frames) on 64 MiB
+    slices and stops early when the interpreter exits."""
+    fn = _madvise()
     todo = [t for t in tensors if t.device.type == "cpu" and not t.is_mkldnn
             and t.untyped_storage().nbytes() >= HUGE_PAGE]
-    if not todo or _madvise() is None:
+    spans = [span for span in map(_interior, todo) if span[1] > span[0]]
+    if not spans or fn is None:
         return None
-    thread = threading.Thread(target=lambda: [collapse(t) for t in todo], name="forwardkit-hugepages",
-                              daemon=True)
+
+    def run(keep: list[torch.Tensor] = todo) -> None:  # keep: the memory stays mapped meanwhile
+        for lo, hi in spans:
+            for start in range(lo, hi, _COLLAPSE_STEP):
+                if _stop.is_set():
+                    return
+                fn(start, min(_COLLAPSE_STEP, hi - start), _MADV_COLLAPSE)
+
+    _workers[:] = [t for t in _workers if t.is_alive()]
+    thread = threading.Thread(target=run, name="forwardkit-hugepages", daemon=True)
+    _workers.append(thread)
     thread.start()
     return thread
 
