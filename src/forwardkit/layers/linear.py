@@ -134,10 +134,13 @@ class LMHead(nn.Module):
 
 
 def prepack_weights(model: nn.Module) -> int:
-    """Route every :class:`Linear` and :class:`LMHead` of ``model`` whose weight is bf16 on a
-    CPU with bf16 instructions through ``cpu_gemm``'s fast paths (native kernel for 1-2 rows, a
-    oneDNN-packed copy made at first use for more), unless a packed second copy of every weight
-    would not fit in the memory available. Returns the number of layers routed."""
+    """Route every :class:`Linear` and :class:`LMHead` of ``model`` whose weight is float32, or
+    bf16 on a CPU with bf16 instructions, through ``cpu_gemm``'s fast paths (native kernel for
+    1-2 rows, a oneDNN-packed copy made at first use for more), unless a packed second copy of
+    every weight would not fit in the memory available. In a small model (all routed weights
+    within ``cpu_gemm.TUNE_MAX_BYTES``) each weight shape's paths are timed against plain
+    ``F.linear`` per row bucket, and a weight for which ``F.linear`` wins at every row count is
+    left unrouted. Returns the number of layers routed."""
     layers = [m for m in model.modules() if isinstance(m, (Linear, LMHead))]
     todo = [m for m in layers if cpu_gemm.prepack_supported(m.weight.dtype, m.weight.device)]
     if not todo:
