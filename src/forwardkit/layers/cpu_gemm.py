@@ -10,15 +10,15 @@ call by the number of rows of the input:
   weight, made at the first such call (compute-bound; the packing pays for itself);
 - more rows (prompts): the packed copy if it exists, else plain ``F.linear``.
 
-When all registered weights together are under :data:`TUNE_MAX_BYTES` (a small model), they
+When a model's routed weights together are under :data:`TUNE_MAX_BYTES` (a small model), they
 stay in the caches, a product is over in microseconds, and which path wins depends on the
 machine: on the 2-core EPYC forwardkit's paths beat MKL's small GEMMs (the toy model's lead
-came from them), on the 2-core Xeon MKL's ``F.linear`` was 1.5-3x faster at 2-8 rows. Then the
-first product of each row bucket (1, 2, 3-4, 5-8, ... rows) of each weight shape times both
-(plain ``F.linear`` and the fast path, a few interleaved calls each, ~1 ms) and keeps the
-faster one for the process (``FORWARDKIT_CPU_LINEAR_TUNE=0``: always the fast path). Larger
-models stream their weights from memory, where the fast paths win everywhere measured (and a
-timing loop over one cache-hot weight would mislead); they are not timed.
+came from them), on the 2-core Xeon MKL's ``F.linear`` was 1.5-3x faster at 2-8 rows. Then
+:func:`tune` (called by ``layers.linear.prepack_weights``) times both, per weight shape and row
+bucket (1, 2, 3-4, 5-8, ... rows), and the weight's entry keeps the choice, so a call reads it
+with one list index (``FORWARDKIT_CPU_LINEAR_TUNE=0``: always the fast path). Larger models
+stream their weights from memory, where the fast paths win everywhere measured (and a timing
+loop over one cache-hot weight would mislead); they are not timed.
 
 The graph sees ``torch.ops.forwardkit.linear(x, weight, bias)``: an opaque op whose kernel
 looks the weight up by its data pointer, so every layer's graph stays the same (identical
@@ -70,10 +70,9 @@ LAZY_PACK_MAX_ROWS = 32
 _PACK_ROWS_HINT = 64
 
 
-# While all registered weights take at most this many bytes, paths are chosen per weight shape
+# A model whose routed weights take at most this many bytes chooses its paths per weight shape
 # and row bucket by timing (module doc).
 TUNE_MAX_BYTES = 64 << 20
-_registered_bytes = 0  # storage bytes of the weights in _PACKED
 _TUNE_BUCKETS = 10  # 1, 2, 3-4, 5-8, ..., 257+ rows
 _TUNE_CALLS = 9  # timed calls per candidate, after two untimed
 # (out, in, dtype, has bias) -> per row bucket: True = fast path, False = F.linear, None = not
@@ -95,12 +94,13 @@ def tune(weight: torch.Tensor, bias: torch.Tensor | None = None) -> list[bool]:
     if not _ROUTES and not _routes_loaded:
         _load_routes()
     route = _ROUTES.setdefault(key, [None] * _TUNE_BUCKETS)
+    _PACKED[weight.data_ptr()][2] = route  # shared by every weight of this shape
     if None in route:
         gen = torch.Generator().manual_seed(0)
         for bucket in range(_TUNE_BUCKETS):
             if route[bucket] is None:
                 x = torch.randn(1 << bucket, weight.shape[1], generator=gen).to(weight.dtype)
-                route[bucket] = _faster_is_fast_path(x, weight, bias, route, bucket)
+                route[bucket] = _faster_is_fast_path(x, weight, bias)
         _save_routes()
     return [bool(r) for r in route]
 
@@ -112,21 +112,10 @@ def _routes_file() -> str:
     import hashlib
     import json
 
-    machine = json.dumps([sorted(native_linear.cpu_flags()), _cpu_model(), torch.__version__,
+    machine = json.dumps([sorted(native_linear.cpu_flags()), native_linear.cpu_model_name(), torch.__version__,
                           torch.get_num_threads(), _TUNE_BUCKETS, _TUNE_CALLS])
     digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
     return os.path.join(envs.FORWARDKIT_CACHE_ROOT, "linear_routes", f"{digest}.json")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def _route_key(key: tuple[int, int, torch.dtype, bool]) -> str:
@@ -171,9 +160,8 @@ def _save_routes() -> None:
 
 
 def tuning_applies(nbytes: int) -> bool:
-    """Whether weights of ``nbytes`` in all (with those registered already) choose their paths
-    by timing."""
-    return envs.FORWARDKIT_CPU_LINEAR_TUNE and _registered_bytes + nbytes <= TUNE_MAX_BYTES
+    """Whether a model whose routed weights take ``nbytes`` chooses its paths by timing."""
+    return envs.FORWARDKIT_CPU_LINEAR_TUNE and nbytes <= TUNE_MAX_BYTES
 
 
 def routes() -> dict[tuple[int, int, torch.dtype, bool], list[bool | None]]:
@@ -200,14 +188,10 @@ def prepack_supported(dtype: torch.dtype, device: torch.device | str = "cpu") ->
 
 
 def _entry(weight: torch.Tensor, packed: torch.Tensor | None) -> None:
-    global _registered_bytes
     ptr = weight.data_ptr()
     old = _PACKED.get(ptr)
-    if old is not None:
-        _registered_bytes -= old[2]
-    nbytes = weight.numel() * weight.element_size()
-    _PACKED[ptr] = [weakref.ref(weight, lambda _ref: _forget(ptr, _ref)), packed, nbytes]
-    _registered_bytes += nbytes
+    route = old[2] if old is not None else None  # the timed choice survives repacking
+    _PACKED[ptr] = [weakref.ref(weight, lambda _ref: _forget(ptr, _ref)), packed, route]
 
 
 def register_weight(weight: torch.Tensor) -> None:
@@ -225,19 +209,12 @@ def pack_weight(weight: torch.Tensor) -> None:
 def _forget(ptr: int, ref: weakref.ref) -> None:
     entry = _PACKED.get(ptr)
     if entry is not None and entry[0] is ref:
-        _drop(ptr)
-
-
-def _drop(ptr: int) -> None:
-    global _registered_bytes
-    entry = _PACKED.pop(ptr, None)
-    if entry is not None:
-        _registered_bytes -= entry[2]
+        del _PACKED[ptr]
 
 
 def unpack_weight(weight: torch.Tensor) -> None:
     """Drop the packed copy of ``weight`` (no-op when it has none)."""
-    _drop(weight.data_ptr())
+    _PACKED.pop(weight.data_ptr(), None)
 
 
 # Inside ``batched_refresh``: data_ptr -> weight whose packed copy is re-derived at the end.
@@ -306,16 +283,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     entry = _PACKED.get(weight.data_ptr())
     if entry is None:
         return F.linear(x, weight, bias)
-    if _registered_bytes <= TUNE_MAX_BYTES and envs.FORWARDKIT_CPU_LINEAR_TUNE:
+    route = entry[2]  # set by tune(): per row bucket, False = plain F.linear is faster here
+    if route is not None:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
-        bucket = min(max(rows - 1, 0).bit_length(), _TUNE_BUCKETS - 1)
-        route = _ROUTES.setdefault(key, [None] * _TUNE_BUCKETS)
-        fast = route[bucket]
-        if fast is None:
-            fast = route[bucket] = _faster_is_fast_path(x, weight, bias, route, bucket)
-            logger.debug("linear %s, %d rows: %s", key, rows, "fast path" if fast else "F.linear")
-        if not fast:
+        if route[min(max(rows - 1, 0).bit_length(), _TUNE_BUCKETS - 1)] is False:
             return F.linear(x, weight, bias)
     return _fast_path(x, weight, bias, entry)
 
@@ -335,26 +306,22 @@ def _fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _faster_is_fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         route: list[bool | None], bucket: int) -> bool:
+def _faster_is_fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Time plain ``F.linear`` against the fast path as the model calls it (through the
-    ``forwardkit::linear`` op, whose dispatch costs microseconds too) on this product: two
-    untimed calls each, then interleaved calls. The fast path is kept only when its median is
-    at least 10% lower (a tie keeps the plain matmul, which needs no op and no packed copy)."""
+    ``forwardkit::linear`` op, whose dispatch costs microseconds too; a bucket not chosen yet
+    takes the fast path) on this product: two untimed calls each, then interleaved calls. The
+    fast path is kept only when its median is at least 10% lower (a tie keeps the plain matmul,
+    which needs no op and no packed copy)."""
     times: dict[bool, list[float]] = {False: [], True: []}
-    route[bucket] = True  # the op below takes the fast path for this bucket while it is timed
-    try:
-        for i in range(_TUNE_CALLS + 2):
-            for fast in (False, True):
-                start = time.perf_counter()
-                if fast:
-                    torch.ops.forwardkit.linear(x, weight, bias)
-                else:
-                    F.linear(x, weight, bias)
-                if i >= 2:
-                    times[fast].append(time.perf_counter() - start)
-    finally:
-        route[bucket] = None
+    for i in range(_TUNE_CALLS + 2):
+        for fast in (False, True):
+            start = time.perf_counter()
+            if fast:
+                torch.ops.forwardkit.linear(x, weight, bias)
+            else:
+                F.linear(x, weight, bias)
+            if i >= 2:
+                times[fast].append(time.perf_counter() - start)
     return statistics.median(times[True]) < 0.9 * statistics.median(times[False])
 
 

@@ -155,7 +155,7 @@ def prepack_weights(model: nn.Module) -> int:
     for module in todo:
         cpu_gemm.register_weight(module.weight)
         module.packed = True
-    if cpu_gemm.tuning_applies(0):  # a small model: keep plain F.linear where it is faster
+    if cpu_gemm.tuning_applies(need):  # a small model: keep plain F.linear where it is faster
         plain = 0
         for module in todo:
             if not any(cpu_gemm.tune(module.weight, getattr(module, "bias", None))):

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from forwardkit import envs
 from forwardkit.logger import init_logger
 
-__all__ = ["MAX_ROWS", "available", "cpu_flags", "cpu_has_avx512_bf16", "linear_rows"]
+__all__ = ["MAX_ROWS", "available", "cpu_flags", "cpu_has_avx512_bf16", "cpu_model_name",
+           "linear_rows"]
 
 logger = init_logger(__name__)
 
@@ -45,17 +46,28 @@ _ABI_VERSION = 2
 _NEEDS = {torch.bfloat16: {"avx512_bf16"}, torch.float32: {"avx512f", "avx512bw", "avx512vl"}}
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+def _cpuinfo(field: str) -> str:
+    """The first ``field`` line's value in Linux ``/proc/cpuinfo`` ("" elsewhere)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model_name() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``; "" elsewhere)."""
+    return _cpuinfo("model name")
 
 
 def cpu_has_avx512_bf16() -> bool:
