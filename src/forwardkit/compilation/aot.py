@@ -46,6 +46,7 @@ from torch._dynamo.aot_compile_types import SerializableCallable
 from forwardkit import envs
 from forwardkit.compilation.cache import CompileCache, cache_enabled, code_hash
 from forwardkit.compilation.counters import compilation_counter
+from forwardkit.distributed.parallel_state import rank_dir_name
 from forwardkit.logger import init_logger
 
 if TYPE_CHECKING:
@@ -279,7 +280,7 @@ class AotEntry:
         digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:10]
         pc = engine_config.parallel_config
         local = os.path.join(root, "torch_aot_compile", digest,
-                             f"rank_{pc.rank}_{pc.data_parallel_rank}", self.prefix)
+                             rank_dir_name(pc), self.prefix)
         self.cache = CompileCache(root, local, "binary")
         self.cache.write_metadata("cache_key_factors.json", json.dumps(factors, indent=2, sort_keys=True))
 

@@ -32,6 +32,7 @@ from forwardkit.compilation.passes import PostGradPassManager
 from forwardkit.compilation.piecewise import ArtifactStore, PiecewiseBackend
 from forwardkit.compilation.split import SplitItem, split_graph
 from forwardkit.config.compilation_methods import register_piecewise_backend
+from forwardkit.distributed.parallel_state import rank_dir_name
 from forwardkit.logger import init_logger
 
 if TYPE_CHECKING:
@@ -178,10 +179,15 @@ class ForwardkitBackend:
             k: str(getattr(envs, k))
             for k in ("FORWARDKIT_COMPILE_CACHE_SAVE_FORMAT",)
         }
+        files = set(self.traced_files)
+        if cfg.compilation_config.pass_config.enable_sp:  # the rewrite's code shapes the pieces
+            from forwardkit.compilation import sequence_parallelism
+
+            files.add(sequence_parallelism.__file__)
         return {
             "config_hash": config_hash,
             "torch": torch.__version__,
-            "code_hash": code_hash(self.traced_files),
+            "code_hash": code_hash(files),
             "compiler": self.backend_name,
             "env": env,
             "prefix": self.prefix,
@@ -196,7 +202,7 @@ class ForwardkitBackend:
         factors = self._cache_factors()
         key_dir = CompileCache.key_dir(root, factors)
         pc = self.engine_config.parallel_config
-        local = os.path.join(key_dir, f"rank_{pc.rank}_{pc.data_parallel_rank}", self.prefix)
+        local = os.path.join(key_dir, rank_dir_name(pc), self.prefix)
         cache = CompileCache(root, local, cc.compile_cache_save_format)
         cache.write_metadata("cache_key_factors.json", json.dumps(factors, indent=2, sort_keys=True))
         with contextlib.suppress(AttributeError, TypeError, ValueError):  # a frozen config keeps None
@@ -218,6 +224,7 @@ class ForwardkitBackend:
         ops = list(DEFAULT_SPLITTING_OPS if cc.splitting_ops is None else cc.splitting_ops)
         if cc.use_inductor_graph_partition:
             ops = []
+        self._sequence_parallelism(gm)
         split_gm, items = split_graph(gm, ops)
         self.split_gm, self.pieces = split_gm, items
         compilation_counter.num_piecewise_graphs_seen += len(items)
@@ -262,6 +269,18 @@ class ForwardkitBackend:
 
             return SerializableSplitFunction(gm, self.prefix, split_gm)
         return split_gm
+
+    def _sequence_parallelism(self, gm: torch.fx.GraphModule) -> None:
+        """The sequence-parallelism rewrite of the whole graph, before the split
+        (``pass_config.enable_sp`` with TP > 1; ``compilation/sequence_parallelism.py``)."""
+        tp = self.engine_config.parallel_config.tensor_parallel_size
+        if not self.compilation_config.pass_config.enable_sp or tp < 2:
+            return
+        from forwardkit.compilation.sequence_parallelism import SequenceParallelismPass
+        from forwardkit.distributed.parallel_state import get_tp_group
+
+        converted = SequenceParallelismPass(tp, get_tp_group().rank)(gm)
+        compilation_counter.num_sp_reduce_scatters += converted
 
     def _all_compiled(self) -> None:
         """Every range and size of the last piece is compiled: log the summary once."""

@@ -57,7 +57,7 @@ from forwardkit.config.levels import (
     default_capture_sizes,
 )
 from forwardkit.config.model import ModelConfig
-from forwardkit.config.parallel import ParallelConfig
+from forwardkit.config.parallel import ParallelConfig, check_parallel_fits_model
 from forwardkit.config.scheduler import SchedulerConfig, SpeculativeConfig
 from forwardkit.config.utils import ConfigAssertionError
 from forwardkit.logger import init_logger
@@ -277,6 +277,16 @@ class EngineConfig(FreezableConfig):
 
     def _final_checks(self) -> None:
         cc, model, parallel = self.compilation_config, self.model_config, self.parallel_config
+        if model is not None:
+            check_parallel_fits_model(parallel, model)
+        tp = parallel.tensor_parallel_size
+        if cc.pass_config.enable_sp and tp > 1:
+            odd = [s for s in cc.compile_sizes or [] if isinstance(s, int) and s % tp]
+            if odd:
+                raise ValueError(
+                    f"compilation_config.compile_sizes {odd} are not multiples of "
+                    f"tensor_parallel_size={tp}: with pass_config.enable_sp every step is padded "
+                    f"to a multiple of {tp}, so they would never run; give multiples of {tp}")
         if cc.mode in (CompilationMode.STOCK_TORCH_COMPILE, CompilationMode.DYNAMO_TRACE_ONCE):
             cc.init_backend(self)  # an unknown backend is a ValueError now, not at start-up
         if cc.mode == CompilationMode.VLLM_COMPILE:  # the split needs 'namespace::op' names

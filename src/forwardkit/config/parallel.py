@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
@@ -24,7 +24,11 @@ from forwardkit.config.utils import get_hash_factors, hash_factors
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
 
-__all__ = ["ALL2ALL_BACKENDS", "EPLBConfig", "ParallelConfig", "get_open_ports"]
+if TYPE_CHECKING:
+    from forwardkit.config.model import ModelConfig
+
+__all__ = ["ALL2ALL_BACKENDS", "EPLBConfig", "ParallelConfig", "check_parallel_fits_model",
+           "get_open_ports"]
 
 logger = init_logger(__name__)
 
@@ -356,3 +360,36 @@ class ParallelConfig(FreezableConfig):
     def compute_hash(self) -> str:
         """SHA-256 over every field except the launch/address ones in ``_HASH_IGNORED``."""
         return hash_factors(get_hash_factors(self, _HASH_IGNORED))
+
+
+def check_parallel_fits_model(parallel: ParallelConfig, model: ModelConfig) -> None:
+    """Raise a ``ValueError`` naming the fields when the model cannot be split as asked:
+    attention heads not divisible by ``tensor_parallel_size``, KV heads that neither divide
+    nor are divided by it, an (expert) intermediate size not divisible by it, or fewer experts
+    than expert-parallel ranks. The vocabulary need not divide: it is padded per rank."""
+    tp = parallel.tensor_parallel_size
+    dp = parallel.data_parallel_size
+    hf = model.hf_config
+    where = f"the model's config.json ({model.model or model.architecture})"
+    if tp > 1:
+        heads = model.get_num_attention_heads()
+        if heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads="
+                             f"{heads} of {where}; use a tensor_parallel_size that divides it")
+        kv = model.get_num_kv_heads()
+        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+            raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={kv} of {where}: "
+                             "one must divide the other (KV heads are split, or replicated when "
+                             "there are fewer than TP ranks)")
+        experts = model.is_moe
+        ep = parallel.enable_expert_parallel and dp * tp > 1
+        inter = hf.get("intermediate_size")
+        if inter is not None and not (experts and ep) and int(inter) % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={inter} "
+                             f"of {where}")
+    if model.is_moe and parallel.enable_expert_parallel and dp * tp > 1:
+        num = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+        if num < dp * tp:
+            raise ValueError(f"enable_expert_parallel over data_parallel_size x "
+                             f"tensor_parallel_size = {dp * tp} ranks needs at least one expert "
+                             f"per rank, but {where} has {num} experts")

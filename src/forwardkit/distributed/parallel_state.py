@@ -1,11 +1,22 @@
-"""The data-parallel (DP) process group on ``torch.distributed``.
+"""Process groups on ``torch.distributed``: data (DP), tensor (TP) and expert (EP) parallel.
 
-:func:`init_dp_group` creates (or adopts) the process group every DP rank joins; the
-returned :class:`DPGroup` holds a CPU (gloo) group for small coordination tensors and a
-device group (NCCL on CUDA, the gloo group on CPU). Every collective issued through
-:class:`DPGroup` waits with a timeout (``FORWARDKIT_DP_TIMEOUT_S``): a dead or stalled peer
-makes the waiting ranks raise :class:`DPCollectiveError` instead of hanging. vLLM's
-collectives have no such bound; this is a deliberate fix (DESIGN.md, "Distributed").
+The world holds ``data_parallel_size x tensor_parallel_size`` ranks laid out as vLLM lays
+them out (pipeline and context parallel size 1): global rank = ``dp_rank * tp + tp_rank``.
+
+* the **TP group** of DP replica ``d`` holds the consecutive ranks ``[d * tp, (d + 1) * tp)``;
+* the **DP group** of TP rank ``t`` holds the ranks with that TP rank, ``[t, tp + t, ...]``;
+* the **EP group** holds every rank, and a rank's EP rank is its global rank
+  ``dp_rank * tp + tp_rank``: the order in which ``DPMetadata.sp_local_sizes`` repeats each
+  DP rank's token count ``tp`` times, so those size lists index EP ranks directly.
+
+:func:`init_distributed` creates (or adopts) the world and these groups; :func:`init_dp_group`
+is the same for a world of DP ranks only (TP size 1). Each :class:`RankGroup` holds a CPU
+(gloo) group for small coordination tensors and a device group (NCCL on CUDA, the gloo group on
+CPU). Every collective issued through a :class:`RankGroup` waits with a timeout
+(``FORWARDKIT_DP_TIMEOUT_S``): a dead or stalled peer makes the waiting ranks raise
+:class:`DPCollectiveError` naming the group, the rank and, for a peer on the same host, which
+rank died or stopped, instead of hanging. vLLM's collectives have no such bound; this is a
+deliberate fix (docs/design.md, "Distributed"). A group of one rank runs no collective at all.
 
 Rendezvous settings: under torchrun (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT`` set) the launcher's values are used; otherwise, in this order, the explicit
@@ -17,6 +28,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +46,20 @@ if TYPE_CHECKING:
 __all__ = [
     "DPCollectiveError",
     "DPGroup",
+    "RankGroup",
+    "destroy_distributed",
     "destroy_dp_group",
     "get_dp_group",
+    "get_ep_group",
+    "get_group",
+    "get_tp_group",
+    "get_world_group",
+    "init_distributed",
     "init_dp_group",
     "is_dp_group_initialized",
+    "is_tp_group_initialized",
+    "rank_dir_name",
+    "tp_rank_and_size",
 ]
 
 logger = init_logger(__name__)
@@ -45,16 +68,18 @@ _TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 class DPCollectiveError(RuntimeError):
-    """A DP collective failed or did not finish within the configured timeout."""
+    """A collective of a DP, TP or EP group failed or did not finish within the timeout."""
 
 
 @dataclass
-class DPGroup:
-    """This process's view of the DP group.
+class RankGroup:
+    """This process's view of one process group (DP, TP, EP or the whole world).
 
-    Attributes: ``rank`` / ``world_size`` within the group, ``cpu_group`` (gloo),
-    ``device_group`` (NCCL on CUDA, else the gloo group), ``device`` (where device-group
-    tensors live) and ``timeout_s`` (the bound on every collective).
+    Attributes: ``name`` (``"dp"``, ``"tp"``, ``"ep"``, ``"world"``), ``rank`` /
+    ``world_size`` within the group, ``ranks`` (the members' global ranks, in group-rank
+    order), ``cpu_group`` (gloo; None for a one-rank group), ``device_group`` (NCCL on CUDA,
+    else the gloo group), ``device`` (where device-group tensors live) and ``timeout_s`` (the
+    bound on every collective).
     """
 
     rank: int
@@ -66,7 +91,18 @@ class DPGroup:
     owns_default_group: bool = False
     _extra_groups: list[Any] = field(default_factory=list, repr=False)
     peers: list[tuple[int, int, int]] = field(default_factory=list, repr=False)
-    """Per rank: (host id, pid, process start time), to name a dead or stopped local peer."""
+    """Per global rank: (host id, pid, process start time), to name a dead or stopped peer."""
+    name: str = "dp"
+    ranks: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            self.ranks = list(range(self.world_size))
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the world."""
+        return self.ranks[self.rank]
 
     def _group(self, use_cpu: bool) -> Any:
         return self.cpu_group if use_cpu else self.device_group
@@ -76,14 +112,25 @@ class DPGroup:
         try:
             work.wait(timeout=datetime.timedelta(seconds=limit))
         except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses with terse text
-            peers = describe_local_peers(self.peers, self.rank, end_stopped=True)
-            why = "; ".join(peers) if peers else ("a peer rank has probably died, stalled, or "
-                                                  "called a different collective")
-            raise DPCollectiveError(
-                f"DP {what} on rank {self.rank} of {self.world_size} failed or did not finish "
-                f"within {limit:g} s (FORWARDKIT_DP_TIMEOUT_S): {why}. Cause: "
-                f"{' '.join(str(exc).split())[:500]}"
-            ) from exc
+            raise self._failure(what, limit, exc) from exc
+
+    def _failure(self, what: str, limit: float, exc: BaseException) -> DPCollectiveError:
+        peers = describe_local_peers(self.peers, self.global_rank, end_stopped=True)
+        for _ in range(5):  # a dying peer resets its sockets before it shows as exited
+            if peers:
+                break
+            time.sleep(0.1)
+            peers = describe_local_peers(self.peers, self.global_rank, end_stopped=True)
+        why = "; ".join(peers) if peers else ("a peer rank has probably died, stalled, or "
+                                              "called a different collective")
+        where = f"rank {self.rank} of {self.world_size}"
+        if self.ranks != list(range(self.world_size)):
+            where += f" (global rank {self.global_rank}; group ranks {self.ranks})"
+        return DPCollectiveError(
+            f"{self.name.upper()} {what} on {where} failed or did not finish "
+            f"within {limit:g} s (FORWARDKIT_DP_TIMEOUT_S): {why}. Cause: "
+            f"{' '.join(str(exc).split())[:500]}"
+        )
 
     def all_reduce(
         self,
@@ -94,6 +141,8 @@ class DPGroup:
         timeout_s: float | None = None,
     ) -> torch.Tensor:
         """In-place all-reduce (default SUM) over the group; returns ``tensor``."""
+        if self.world_size == 1:
+            return tensor
         work = dist.all_reduce(
             tensor, op=dist.ReduceOp.SUM if op is None else op,
             group=self._group(use_cpu), async_op=True,
@@ -105,33 +154,181 @@ class DPGroup:
         self, tensor: torch.Tensor, *, use_cpu: bool = False, timeout_s: float | None = None
     ) -> torch.Tensor:
         """Gather ``tensor`` from every rank; returns a tensor stacked on a new dim 0."""
+        if self.world_size == 1:
+            return tensor.unsqueeze(0)
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        work = dist.all_gather(out, tensor, group=self._group(use_cpu), async_op=True)
+        work = dist.all_gather(out, tensor.contiguous(), group=self._group(use_cpu), async_op=True)
         self._wait(work, "all_gather", timeout_s)
         return torch.stack(out)
+
+    def all_gather_v(self, tensor: torch.Tensor, sizes: Sequence[int], *, use_cpu: bool = False,
+                     timeout_s: float | None = None) -> torch.Tensor:
+        """All-gather of uneven row counts: rank ``r`` sends ``sizes[r]`` rows of ``tensor``
+        (dim 0); returns every rank's rows concatenated in rank order (``sum(sizes)`` rows).
+
+        gloo's all-gather needs equal shapes, so each rank sends its rows padded to
+        ``max(sizes)`` and the padding is cut from the result.
+        """
+        sizes = [int(s) for s in sizes]
+        self._check_sizes(sizes, tensor, "all_gather_v")
+        if self.world_size == 1:
+            return tensor
+        top = max(sizes)
+        if tensor.shape[0] == top:
+            send = tensor.contiguous()
+        else:
+            send = tensor.new_zeros((top, *tensor.shape[1:]))
+            send[: tensor.shape[0]] = tensor
+        gathered = self.all_gather(send, use_cpu=use_cpu, timeout_s=timeout_s)
+        if all(s == top for s in sizes):
+            return gathered.flatten(0, 1)
+        return torch.cat([gathered[r, :s] for r, s in enumerate(sizes)])
+
+    def reduce_scatter_v(self, tensor: torch.Tensor, sizes: Sequence[int], *,
+                         use_cpu: bool = False, timeout_s: float | None = None) -> torch.Tensor:
+        """Sum ``tensor`` (``sum(sizes)`` rows, the same layout on every rank) over the group
+        and return this rank's ``sizes[rank]`` rows of the sum (uneven sizes allowed)."""
+        sizes = [int(s) for s in sizes]
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(f"reduce_scatter_v: tensor has {tensor.shape[0]} rows, sizes "
+                             f"{sizes} add up to {sum(sizes)}")
+        if self.world_size == 1:
+            return tensor
+        if len(sizes) != self.world_size:
+            raise ValueError(f"reduce_scatter_v: {len(sizes)} sizes for a group of "
+                             f"{self.world_size} ranks")
+        parts = list(torch.split(tensor.contiguous(), sizes))
+        out = torch.empty((sizes[self.rank], *tensor.shape[1:]), dtype=tensor.dtype,
+                          device=tensor.device)
+        work = dist.reduce_scatter(out, parts, group=self._group(use_cpu), async_op=True)
+        self._wait(work, "reduce_scatter", timeout_s)
+        return out
+
+    def _check_sizes(self, sizes: list[int], tensor: torch.Tensor, what: str) -> None:
+        if len(sizes) != self.world_size:
+            raise ValueError(f"{what}: {len(sizes)} sizes for a group of {self.world_size} ranks")
+        if tensor.shape[0] != sizes[self.rank]:
+            raise ValueError(f"{what}: rank {self.rank} holds {tensor.shape[0]} rows but its "
+                             f"size is {sizes[self.rank]} (sizes {sizes})")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, use_cpu: bool = False,
+                  timeout_s: float | None = None) -> torch.Tensor:
+        """In-place broadcast of group rank ``src``'s ``tensor`` (contiguous) to every rank."""
+        if self.world_size == 1:
+            return tensor
+        work = dist.broadcast(tensor, src=self.ranks[src], group=self._group(use_cpu),
+                              async_op=True)
+        self._wait(work, "broadcast", timeout_s)
+        return tensor
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """Group rank ``src`` sends a picklable object to every rank of the group (CPU group,
+        bounded by the group's timeout); returns it on every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj if self.rank == src else None]
+        try:
+            dist.broadcast_object_list(box, src=self.ranks[src], group=self.cpu_group)
+        except Exception as exc:
+            raise self._failure("broadcast", self.timeout_s, exc) from exc
+        return box[0]
 
     def barrier(self, timeout_s: float | None = None) -> None:
         """Wait until every rank arrives (on the CPU group), bounded by the timeout."""
         self.all_reduce(torch.zeros(1, dtype=torch.int32), use_cpu=True, timeout_s=timeout_s)
 
 
-_DP_GROUP: DPGroup | None = None
+DPGroup = RankGroup
+"""The DP group's type (kept under its first name)."""
+
+
+@dataclass
+class _State:
+    world: RankGroup
+    dp: RankGroup
+    tp: RankGroup
+    ep: RankGroup
+    created: list[Any]
+    owns_default_group: bool
+
+
+_STATE: _State | None = None
 
 
 def is_dp_group_initialized() -> bool:
-    """True after :func:`init_dp_group` and before :func:`destroy_dp_group`."""
-    return _DP_GROUP is not None
+    """True after :func:`init_dp_group` / :func:`init_distributed` and before the destroy."""
+    return _STATE is not None
 
 
-def get_dp_group() -> DPGroup:
-    """The DP group of this process; raises ``RuntimeError`` if none was initialised."""
-    if _DP_GROUP is None:
+def is_tp_group_initialized() -> bool:
+    """Same as :func:`is_dp_group_initialized`: the groups are created together."""
+    return _STATE is not None
+
+
+def _state(name: str = "distributed") -> _State:
+    if _STATE is None:
         raise RuntimeError(
-            "The DP group is not initialized. Call forwardkit.distributed.init_dp_group("
-            "parallel_config) on every DP rank first (or launch with "
-            "forwardkit.distributed.launch.spawn / torchrun)."
+            f"The {name} group is not initialized. Call forwardkit.distributed."
+            "init_dp_group(parallel_config) (DP only) or init_distributed(parallel_config) "
+            "(DP x TP) on every rank first (or launch with forwardkit.distributed.launch.spawn "
+            "/ torchrun; LLM(tensor_parallel_size=N) starts its own TP ranks)."
         )
-    return _DP_GROUP
+    return _STATE
+
+
+def get_dp_group() -> RankGroup:
+    """The DP group of this process; raises ``RuntimeError`` if none was initialised."""
+    return _state("DP").dp
+
+
+def get_tp_group() -> RankGroup:
+    """The TP group of this process (its DP replica's ranks)."""
+    return _state("TP").tp
+
+
+def get_ep_group() -> RankGroup:
+    """The expert-parallel group: every rank, EP rank = ``dp_rank * tp + tp_rank``."""
+    return _state("EP").ep
+
+
+def get_world_group() -> RankGroup:
+    """Every rank of the job."""
+    return _state("world").world
+
+
+def get_group(name: str) -> RankGroup:
+    """The group called ``name``: ``"dp"``, ``"tp"``, ``"ep"`` or ``"world"``."""
+    state = _state()
+    groups = {"dp": state.dp, "tp": state.tp, "ep": state.ep, "world": state.world}
+    if name not in groups:
+        raise ValueError(f"unknown process group {name!r}; expected one of {sorted(groups)}")
+    return groups[name]
+
+
+def tp_rank_and_size(tensor_parallel_size: int) -> tuple[int, int]:
+    """``(tp_rank, tp_size)`` for a model built with ``tensor_parallel_size``: ``(0, 1)`` for
+    1, else this process's place in the initialised TP group (which must have that size)."""
+    if tensor_parallel_size == 1:
+        return 0, 1
+    if _STATE is None:
+        raise RuntimeError(
+            f"tensor_parallel_size={tensor_parallel_size} but this process joined no TP group; "
+            "build the model through LLM(..., tensor_parallel_size=N) (which starts its TP "
+            "ranks), under torchrun with init_distributed(parallel_config), or set "
+            "tensor_parallel_size=1"
+        )
+    tp = _STATE.tp
+    if tp.world_size != tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but this process's TP "
+                         f"group has {tp.world_size} ranks")
+    return tp.rank, tp.world_size
+
+
+def rank_dir_name(parallel_config: ParallelConfig) -> str:
+    """``rank_<tp rank>_<dp rank>``: the per-rank directory name of compile-cache entries (TP
+    ranks of one replica compile the same graphs but keep their own entries, as in vLLM)."""
+    tp_rank = _STATE.tp.rank if _STATE is not None else parallel_config.rank
+    return f"rank_{tp_rank}_{parallel_config.data_parallel_rank}"
 
 
 def _pick(*candidates: Any) -> Any:
@@ -151,12 +348,17 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
+def _config_world(pc: ParallelConfig | None, tp: int) -> int | None:
+    return pc.data_parallel_size * tp if pc is not None else None
+
+
 def _resolve_rendezvous(
     parallel_config: ParallelConfig | None,
     world_size: int | None,
     rank: int | None,
     master_addr: str | None,
     master_port: int | None,
+    tp: int = 1,
 ) -> tuple[int, int, str, int]:
     pc = parallel_config
     if all(v in os.environ for v in _TORCHRUN_VARS) and world_size is None and rank is None:
@@ -165,16 +367,20 @@ def _resolve_rendezvous(
         world_size, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
         master_addr = _pick(master_addr, os.environ["MASTER_ADDR"])
         master_port = _pick(master_port, _env_int("MASTER_PORT"))
-        pc_size = pc.data_parallel_size if pc is not None else 1
-        if pc_size not in (1, world_size):
-            raise ValueError(
-                f"torchrun started {world_size} processes but data_parallel_size is {pc_size}"
-            )
+        dp_size = pc.data_parallel_size if pc is not None else None
+        if dp_size is not None and dp_size != 1 and dp_size * tp != world_size:
+            what = (f"data_parallel_size is {dp_size}" if tp == 1 else
+                    f"data_parallel_size x tensor_parallel_size is {dp_size} x {tp} = {dp_size * tp}")
+            raise ValueError(f"torchrun started {world_size} processes but {what}; start that "
+                             "many processes")
     else:
-        world_size = _pick(
-            world_size, pc.data_parallel_size if pc is not None else None, envs.FORWARDKIT_DP_SIZE
-        )
-        rank = _pick(rank, pc.data_parallel_rank if pc is not None else None, envs.FORWARDKIT_DP_RANK)
+        world_size = _pick(world_size, _config_world(pc, tp), envs.FORWARDKIT_DP_SIZE * tp)
+        dp_rank = pc.data_parallel_rank if pc is not None else None
+        if rank is None and tp > 1:
+            raise ValueError(
+                f"tensor_parallel_size={tp}: pass this process's global rank (rank=, "
+                "dp_rank * tensor_parallel_size + tp_rank) or launch with torchrun")
+        rank = _pick(rank, dp_rank, envs.FORWARDKIT_DP_RANK)
         master_addr = _pick(
             master_addr, pc.data_parallel_master_ip if pc is not None else None,
             envs.FORWARDKIT_DP_MASTER_IP,
@@ -184,10 +390,11 @@ def _resolve_rendezvous(
             (pc.data_parallel_master_port if pc is not None else None) or None,  # 0 = unset
             envs.FORWARDKIT_DP_MASTER_PORT,
         )
+    what = "DP" if tp == 1 else "world"
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"DP world size must be a positive int, got {world_size!r}")
+        raise ValueError(f"{what} world size must be a positive int, got {world_size!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"DP rank must be an int in [0, {world_size}), got {rank!r}")
+        raise ValueError(f"{what} rank must be an int in [0, {world_size}), got {rank!r}")
     if not isinstance(master_port, int) or not 0 < master_port < 65536:
         raise ValueError(
             f"DP master port must be an int in [1, 65535], got {master_port!r}; pass "
@@ -215,8 +422,10 @@ def init_dp_group(
     backend: str | None = None,
     timeout_s: float | None = None,
     local_rank: int | None = None,
-) -> DPGroup:
+) -> RankGroup:
     """Create the DP process group for this process and make it the current one.
+
+    The world is the DP ranks alone (TP size 1); :func:`init_distributed` creates DP x TP.
 
     Args:
         parallel_config: read by attribute (``data_parallel_size``, ``data_parallel_rank``,
@@ -231,28 +440,62 @@ def init_dp_group(
     If ``torch.distributed`` is already initialised (e.g. by the user under torchrun), its
     world is adopted as the DP group and must have the DP world size.
     """
-    global _DP_GROUP
-    if _DP_GROUP is not None:
-        raise RuntimeError("The DP group is already initialized; call destroy_dp_group() first")
+    init_distributed(parallel_config, world_size=world_size, rank=rank, master_addr=master_addr,
+                     master_port=master_port, backend=backend, timeout_s=timeout_s,
+                     local_rank=local_rank, tensor_parallel_size=1)
+    return get_dp_group()
+
+
+def init_distributed(
+    parallel_config: ParallelConfig | None = None,
+    *,
+    world_size: int | None = None,
+    rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    backend: str | None = None,
+    timeout_s: float | None = None,
+    local_rank: int | None = None,
+    tensor_parallel_size: int | None = None,
+) -> RankGroup:
+    """Join (or create) the world of ``data_parallel_size x tensor_parallel_size`` ranks and
+    build the DP, TP and EP groups (module docstring); returns the world group.
+
+    ``tensor_parallel_size`` defaults to the parallel config's (else 1). The arguments are those
+    of :func:`init_dp_group`; ``rank`` is the global rank. With TP > 1 outside torchrun the
+    rank must be given. Every rank must call this once, before building a model.
+    """
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("The distributed groups are already initialized; call "
+                           "destroy_dp_group() first")
+    tp = _pick(tensor_parallel_size,
+               parallel_config.tensor_parallel_size if parallel_config is not None else None, 1)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {tp!r}")
     timeout_s, backend = _checked_settings(timeout_s, backend)
     timeout = datetime.timedelta(seconds=timeout_s)
     owns = not dist.is_initialized()
     world, me = _join_world(owns, parallel_config, world_size, rank, master_addr, master_port,
-                            backend, timeout)
+                            backend, timeout, tp)
+    created: list[Any] = []
     try:
-        cpu_group, device_group, device, extra = _sub_groups(backend, timeout, me, local_rank)
+        state = _build_groups(world, me, tp, backend, timeout, timeout_s, local_rank, owns,
+                              created)
+        _STATE = state
+        peers = exchange_peer_identities(state.world)
+        for group in (state.world, state.dp, state.tp, state.ep):
+            group.peers = peers
     except BaseException:
+        _STATE = None
+        for group in created:
+            dist.destroy_process_group(group)
         if owns:
             dist.destroy_process_group()
         raise
-    _DP_GROUP = DPGroup(me, world, cpu_group, device_group, device, timeout_s, owns, extra)
-    try:
-        _DP_GROUP.peers = exchange_peer_identities(_DP_GROUP)
-    except BaseException:
-        destroy_dp_group()
-        raise
-    logger.debug("DP group ready: rank %d of %d, backend %s", me, world, backend)
-    return _DP_GROUP
+    logger.debug("Distributed groups ready: global rank %d of %d (DP %d x TP %d), backend %s",
+                 me, world, world // tp, tp, backend)
+    return state.world
 
 
 def _checked_settings(timeout_s: float | None, backend: str | None) -> tuple[float, str]:
@@ -270,13 +513,14 @@ def _checked_settings(timeout_s: float | None, backend: str | None) -> tuple[flo
 
 def _join_world(owns: bool, parallel_config: ParallelConfig | None, world_size: int | None,
                 rank: int | None, master_addr: str | None, master_port: int | None, backend: str,
-                timeout: datetime.timedelta) -> tuple[int, int]:
+                timeout: datetime.timedelta, tp: int) -> tuple[int, int]:
     """``(world, rank)``: a new default process group when ``owns``, else the existing one,
-    which must span the DP world."""
+    which must span DP x TP."""
     if owns:
         world, me, addr, port = _resolve_rendezvous(
-            parallel_config, world_size, rank, master_addr, master_port
+            parallel_config, world_size, rank, master_addr, master_port, tp
         )
+        _check_world(world, tp, parallel_config)
         try:
             dist.init_process_group(
                 backend=backend, init_method=f"tcp://{addr}:{port}",
@@ -290,50 +534,113 @@ def _join_world(owns: bool, parallel_config: ParallelConfig | None, world_size: 
             ) from exc
         return world, me
     world, me = dist.get_world_size(), dist.get_rank()
-    want = _pick(world_size,
-                 parallel_config.data_parallel_size if parallel_config is not None else None, world)
-    if want != world:
+    want_dp = _pick(None if world_size is None else world_size // tp,
+                    parallel_config.data_parallel_size if parallel_config is not None else None,
+                    world // tp)
+    if want_dp * tp != world:
+        if tp == 1:
+            raise ValueError(
+                f"torch.distributed is already initialized with world size {world}, but the "
+                f"DP size is {want_dp}; forwardkit needs the DP group to span the whole world"
+            )
         raise ValueError(
-            f"torch.distributed is already initialized with world size {world}, but the "
-            f"DP size is {want}; forwardkit needs the DP group to span the whole world"
-        )
+            f"torch.distributed is already initialized with world size {world}, but "
+            f"data_parallel_size x tensor_parallel_size is {want_dp} x {tp} = {want_dp * tp}")
     return world, me
 
 
-def _sub_groups(backend: str, timeout: datetime.timedelta, me: int,
-                local_rank: int | None) -> tuple[Any, Any, torch.device, list[Any]]:
-    """``(cpu_group, device_group, device, groups created here)``: the world itself where its
-    backend fits, else new groups (gloo for the CPU group, NCCL for the device group)."""
-    extra: list[Any] = []
-    default_backend = dist.get_backend()
-    if default_backend == "gloo":
-        cpu_group = dist.group.WORLD
-    else:
-        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-        extra.append(cpu_group)
+def _check_world(world: int, tp: int, parallel_config: ParallelConfig | None) -> None:
+    if world % tp:
+        raise ValueError(f"world size {world} is not a multiple of tensor_parallel_size={tp}")
+    if parallel_config is not None and parallel_config.data_parallel_size > 1:
+        dp = parallel_config.data_parallel_size
+        if dp * tp != world:
+            raise ValueError(
+                f"data_parallel_size x tensor_parallel_size = {dp} x {tp} = {dp * tp}, but the "
+                f"world has {world} ranks")
+
+
+def _device_of(backend: str, me: int, local_rank: int | None) -> torch.device:
     if backend != "nccl":
-        return cpu_group, cpu_group, torch.device("cpu"), extra
-    if default_backend == "nccl":
-        device_group = dist.group.WORLD
-    else:
-        device_group = dist.new_group(backend="nccl", timeout=timeout)
-        extra.append(device_group)
+        return torch.device("cpu")
     index = _pick(local_rank, _env_int("LOCAL_RANK"), me % torch.cuda.device_count())
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
-    return cpu_group, device_group, device, extra
+    return device
 
 
-def destroy_dp_group() -> None:
-    """Tear down the DP group (and the default process group if this module created it).
+def _build_groups(world: int, me: int, tp: int, backend: str, timeout: datetime.timedelta,
+                  timeout_s: float, local_rank: int | None, owns: bool,
+                  created: list[Any]) -> _State:
+    """The world, DP, TP and EP groups. Every rank creates every sub-group in the same order
+    (``torch.distributed.new_group`` is a collective over the whole world); a group of one
+    rank gets no process group, and a group equal to the world reuses the world's."""
+    device = _device_of(backend, me, local_rank)
+    default_backend = dist.get_backend()
+
+    def new(ranks: list[int] | None, kind: str) -> Any:
+        if ranks is None and default_backend == kind:
+            return dist.group.WORLD
+        group = dist.new_group(ranks=ranks, backend=kind, timeout=timeout)
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            created.append(group)
+        return group
+
+    def make(name: str, ranks: list[int], handles: tuple[Any, Any] | None = None) -> RankGroup:
+        if me not in ranks:
+            raise AssertionError(f"rank {me} is not in its own {name} group {ranks}")
+        if len(ranks) == 1:
+            cpu = dev = None
+        elif handles is not None:
+            cpu, dev = handles
+        else:
+            cpu, dev = None, None
+        return RankGroup(ranks.index(me), len(ranks), cpu, dev, device, timeout_s,
+                         name=name, ranks=ranks)
+
+    world_cpu = new(None, "gloo")
+    world_dev = world_cpu if backend != "nccl" else new(None, "nccl")
+    world_group = RankGroup(me, world, world_cpu, world_dev, device, timeout_s, owns,
+                            name="world", ranks=list(range(world)))
+    dp = world // tp
+    tp_ranks = [list(range(d * tp, (d + 1) * tp)) for d in range(dp)]
+    dp_ranks = [list(range(t, world, tp)) for t in range(tp)]
+
+    def sub(name: str, all_ranks: list[list[int]]) -> RankGroup:
+        mine = next(r for r in all_ranks if me in r)
+        if len(mine) == world:
+            return make(name, mine, (world_cpu, world_dev))
+        handles: tuple[Any, Any] | None = None
+        for ranks in all_ranks:  # every rank creates every group, in the same order
+            if len(ranks) == 1:
+                continue
+            cpu = new(ranks, "gloo")
+            dev = cpu if backend != "nccl" else new(ranks, "nccl")
+            if me in ranks:
+                handles = (cpu, dev)
+        return make(name, mine, handles)
+
+    tp_group = sub("tp", tp_ranks)
+    dp_group = sub("dp", dp_ranks)
+    ep_group = make("ep", list(range(world)), (world_cpu, world_dev))
+    if world == 1:
+        world_group.cpu_group = world_group.device_group = None
+    return _State(world_group, dp_group, tp_group, ep_group, created, owns)
+
+
+def destroy_distributed() -> None:
+    """Tear down the groups (and the default process group if this module created it).
 
     Safe to call when no group exists.
     """
-    global _DP_GROUP
-    group, _DP_GROUP = _DP_GROUP, None
-    if group is None or not dist.is_initialized():
+    global _STATE
+    state, _STATE = _STATE, None
+    if state is None or not dist.is_initialized():
         return
-    for extra in group._extra_groups:
-        dist.destroy_process_group(extra)
-    if group.owns_default_group:
+    for group in state.created:
+        dist.destroy_process_group(group)
+    if state.owns_default_group:
         dist.destroy_process_group()
+
+
+destroy_dp_group = destroy_distributed

@@ -7,11 +7,17 @@
 Each step the scheduler picks requests (chunked prefill under the token budget), the runner
 executes them and the sampler draws one token per request whose prompt is complete. With
 ``data_parallel_size > 1`` every rank runs its own ``LLM`` on its own prompts; the ranks keep
-stepping together (a rank without work runs dummy steps) until all are done.
+stepping together (a rank without work runs dummy steps) until all are done. With
+``tensor_parallel_size > 1`` the weights are split over TP ranks (``forwardkit.engine.tp``):
+``LLM`` starts its own worker processes, or, under torchrun, every rank builds an ``LLM`` and
+TP rank 0 of each replica drives the others.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,9 +36,20 @@ from forwardkit.engine.sampler import Sampler
 from forwardkit.engine.sampling_params import SamplingParams, as_params_list
 from forwardkit.engine.scheduler import Scheduler
 from forwardkit.engine.tokenizer import load_tokenizer
-from forwardkit.engine.weight_update import KVCacheSleeper, update_model_weights
+from forwardkit.engine.tp import (
+    TPFollowerLink,
+    TPWorkerPool,
+    build_runner,
+    prompts_digest,
+    run_model_step,
+    weight_bytes,
+)
+from forwardkit.engine.weight_update import (
+    KVCacheSleeper,
+    prepare_weight_update,
+    update_model_weights,
+)
 from forwardkit.logger import init_logger
-from forwardkit.runner.model_runner import ModelRunner
 
 __all__ = ["LLM"]
 
@@ -50,6 +67,9 @@ class LLM:
         compilation_config: a ``CompilationConfig``, a dict of its fields, or None.
         data_parallel_size: DP ranks; > 1 needs one ``LLM`` per rank (the DP group is created
             from the parallel config when not already initialised).
+        tensor_parallel_size: TP ranks (``**kwargs``); > 1 splits the weights: this process
+            starts ``N - 1`` worker processes, or under torchrun (``dp x tp`` processes) joins
+            its replica's TP group. :meth:`shutdown` (or the process's exit) ends the workers.
         block_size: tokens per KV block.
         seed: seeds the sampling of every request without its own ``SamplingParams.seed``
             (the built-in model's random weights are always the same).
@@ -88,16 +108,18 @@ class LLM:
             )
         elif kwargs:
             raise TypeError(f"LLM(engine_config=...) takes no extra config arguments, got {sorted(kwargs)}")
-        self._dp_group, cfg = self._init_dp(engine_config)
+        self._tp_pool: TPWorkerPool | None = None
+        self._tp_link: TPFollowerLink | None = None
+        self._dp_group, cfg = self._init_parallel(engine_config)
         self.engine_config = cfg
         self.seed = seed
-        from forwardkit.platforms import use_platform
-
-        with use_platform(cfg.platform):
-            self.runner = ModelRunner(cfg)
-            self.runner.warm_up_compile_ranges()
-            self.runner.warm_up_compile_sizes()
-            self.runner.capture_model()
+        try:
+            self.runner = build_runner(cfg)
+            if self._tp_pool is not None:
+                self._tp_pool.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
         self.model_config = self.runner.model_config
         self.tokenizer = load_tokenizer(self.model_config.model)
         self.eos_token_id = self._eos_token_id()
@@ -118,20 +140,42 @@ class LLM:
         """An ``LLM`` over an already resolved config (used by ``forwardkit generate``)."""
         return cls(engine_config=engine_config, seed=seed)
 
-    @staticmethod
-    def _init_dp(cfg: EngineConfig) -> tuple[Any, EngineConfig]:
-        """(the DP group or None, the engine config with this process's DP rank)."""
+    def _init_parallel(self, cfg: EngineConfig) -> tuple[Any, EngineConfig]:
+        """Join (or start) the DP and TP ranks; returns (the DP group or None, the engine
+        config with this process's DP rank)."""
         parallel = cfg.parallel_config
-        if parallel.data_parallel_size <= 1:
+        tp, dp = parallel.tensor_parallel_size, parallel.data_parallel_size
+        if tp == 1 and dp == 1:
             return None, cfg
-        from forwardkit.distributed import get_dp_group, init_dp_group, is_dp_group_initialized
+        from forwardkit.distributed import (
+            get_dp_group,
+            get_tp_group,
+            init_distributed,
+            is_dp_group_initialized,
+        )
 
-        group = get_dp_group() if is_dp_group_initialized() else init_dp_group(parallel)
-        if group.world_size != parallel.data_parallel_size:
+        launched = all(v in os.environ for v in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"))
+        if tp > 1 and not is_dp_group_initialized() and not launched:
+            if dp > 1:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} with data_parallel_size={dp} needs one process "
+                    f"per rank: launch {dp * tp} processes with torchrun (LLM starts its own "
+                    "TP workers only for data_parallel_size=1)")
+            self._tp_pool = TPWorkerPool(cfg)
+            weakref.finalize(self, self._tp_pool.close)
+            return None, cfg
+        if not is_dp_group_initialized():
+            init_distributed(parallel)
+        group = get_dp_group()
+        if group.world_size != dp:
             raise ValueError(
-                f"data_parallel_size={parallel.data_parallel_size} but the DP group has "
-                f"{group.world_size} ranks"
+                f"data_parallel_size={dp} but the DP group has {group.world_size} ranks"
             )
+        if get_tp_group().world_size != tp:
+            raise ValueError(f"tensor_parallel_size={tp} but the TP group has "
+                             f"{get_tp_group().world_size} ranks")
+        if tp > 1:
+            self._tp_link = TPFollowerLink(get_tp_group())
         if group.rank != parallel.data_parallel_rank:
             # The config is read-only: a copy with the group's rank. The rank is no input of
             # resolution, so the copy is not resolved again (everything else stays identical).
@@ -139,7 +183,27 @@ class LLM:
             ranked.parallel_config.data_parallel_rank = group.rank
             freeze(ranked)
             cfg = ranked
-        return group, cfg
+        return (group if dp > 1 else None), cfg
+
+    def weight_bytes_per_rank(self) -> list[int]:
+        """Bytes of model weights each rank of this replica holds, TP rank order (one entry
+        without TP; under torchrun, each rank's own entry is its own, the others' are
+        gathered)."""
+        mine = weight_bytes(self.runner.model)
+        if self._tp_pool is not None:
+            return [mine, *self._tp_pool.call("weight_bytes", None)]
+        if self._tp_link is not None:
+            counts = self._tp_link.group.all_gather(torch.tensor([mine], dtype=torch.int64),
+                                                    use_cpu=True)
+            return [int(c) for c in counts.flatten().tolist()]
+        return [mine]
+
+    def shutdown(self) -> None:
+        """End the TP worker processes this ``LLM`` started (if any) and leave their groups.
+        The engine cannot generate afterwards. Also runs when the ``LLM`` is collected."""
+        pool, self._tp_pool = getattr(self, "_tp_pool", None), None
+        if pool is not None:
+            pool.close()
 
     def _eos_token_id(self) -> Any:
         hf = self.model_config.hf_config
@@ -198,6 +262,8 @@ class LLM:
                 if p.stop:
                     raise ValueError(f"prompt {i}: SamplingParams.stop={p.stop!r} needs the model's "
                                      "tokenizer, and this model ships none; use stop_token_ids")
+        if self._tp_link is not None and self._tp_link_agrees(pairs, params):
+            return self._follow()
         groups = build_requests(pairs, params, self._next_id, self.eos_token_id,
                                 self.runner.max_model_len, self._decoder)
         requests = [r for _, children in groups for r in children]
@@ -209,7 +275,43 @@ class LLM:
             req.generator = self._generator(req.sampling_params)
         self.scheduler.queue_all(requests)  # each was checked once, above
         self._run(len(requests), use_tqdm)
-        return [build_output(rid, children, self.tokenizer) for rid, children in groups]
+        outputs = [build_output(rid, children, self.tokenizer) for rid, children in groups]
+        if self._tp_link is not None:
+            self._tp_link.send(("done", outputs))
+        return outputs
+
+    def _tp_link_agrees(self, pairs: list[tuple[str | None, list[int]]],
+                        params: list[SamplingParams]) -> bool:
+        """torchrun TP: check that every TP rank of the replica was given the same inputs;
+        True on a follower (which then follows the driver's steps)."""
+        link = self._tp_link
+        assert link is not None
+        digest = prompts_digest(pairs, params)
+        if link.is_driver:
+            link.send(("generate", digest))
+            mismatch = False
+        else:
+            mismatch = link.recv() != ("generate", digest)
+        if link.agree(mismatch):
+            raise ValueError("generate() was called with different prompts or sampling params "
+                             "on the TP ranks of one data-parallel replica; under torchrun every "
+                             "TP rank must pass the same ones")
+        return not link.is_driver
+
+    def _follow(self) -> list[RequestOutput]:
+        """A TP follower's ``generate``: run the driver's steps, return the driver's outputs."""
+        link = self._tp_link
+        assert link is not None
+        while True:
+            msg = link.recv()
+            if msg[0] == "step":
+                run_model_step(self.runner, msg[1], msg[2])
+            elif msg[0] == "done":
+                outputs: list[RequestOutput] = msg[1]
+                return outputs
+            else:
+                raise RuntimeError(f"the TP driver (rank 0 of this replica) stopped generate: "
+                                   f"{msg[1]}")
 
     def _run(self, total: int, use_tqdm: bool) -> None:
         bar = None
@@ -222,8 +324,11 @@ class LLM:
                 finished = self.step()
                 if bar is not None and finished:
                     bar.update(len(finished))
-        except BaseException:
+        except BaseException as exc:
             self.scheduler.abort_all()
+            if self._tp_link is not None and not isinstance(exc, RuntimeError):
+                with contextlib.suppress(Exception):  # followers end their generate too
+                    self._tp_link.send(("abort", f"{type(exc).__name__}: {exc}"))
             raise
         finally:
             if bar is not None:
@@ -245,8 +350,13 @@ class LLM:
                                "waiting requests (KV cache too small?)")
         batch = out.to_batch()
         plan = plan_prompt_logprobs(out.requests, out.num_scheduled_tokens)
+        rows = plan.rows if plan is not None else None
+        if self._tp_pool is not None:
+            self._tp_pool.send_step(batch, rows)
+        elif self._tp_link is not None:
+            self._tp_link.send(("step", batch, rows))
         self.runner.keep_hidden = plan is not None
-        logits = self.runner.execute(batch)
+        logits = self._execute(batch)
         if plan is not None and self.runner.last_hidden is not None:
             record_prompt_logprobs(self.runner.model, self.runner.last_hidden, plan)
             self.runner.last_hidden = None
@@ -256,6 +366,16 @@ class LLM:
         if logprobs is not None:
             by_id = {r.request_id: lp for r, lp in zip(chosen, logprobs) if lp is not None}
         return self.scheduler.update(out, {r.request_id: t for r, t in zip(chosen, tokens)}, by_id)
+
+    def _execute(self, batch: Any) -> Any:
+        """The runner's step; a collective failure names what the TP workers reported."""
+        try:
+            return self.runner.execute(batch)
+        except Exception as exc:
+            note = self._tp_pool.failure_note() if self._tp_pool is not None else ""
+            if note:
+                raise RuntimeError(f"{type(exc).__name__}: {exc} [{note}]") from exc
+            raise
 
     # ------------------------------------------------------------------ RL: weights, sleep
     def update_weights(self, named_tensors: Any) -> dict[str, Any]:
@@ -267,6 +387,10 @@ class LLM:
         when Inductor freezing would keep the old weights in compiled code. Returns
         ``{"num_tensors", "num_parameters", "seconds"}``.
         """
+        if self._tp_pool is not None:  # every check first, then the workers, then here
+            named_tensors = prepare_weight_update(self.engine_config, self.runner.model,
+                                                  named_tensors)
+            self._tp_pool.update_weights(named_tensors)
         return update_model_weights(self.engine_config, self.runner.model, named_tensors)
 
     def sleep(self, level: int = 1) -> int:
@@ -275,11 +399,17 @@ class LLM:
         ``generate`` is refused until ``wake_up``. Level 2 (also discarding weights) is not
         supported by the reference engine.
         """
-        return self._kv_sleeper().sleep(level)
+        freed = self._kv_sleeper().sleep(level)
+        if self._tp_pool is not None:
+            freed += sum(self._tp_pool.call("sleep", level))
+        return freed
 
     def wake_up(self, tags: list[str] | None = None) -> int:
         """Re-allocate the KV cache released by ``sleep``; returns the bytes allocated."""
-        return self._kv_sleeper().wake_up(tags)
+        allocated = self._kv_sleeper().wake_up(tags)
+        if self._tp_pool is not None:
+            allocated += sum(self._tp_pool.call("wake_up", tags))
+        return allocated
 
     def is_sleeping(self) -> bool:
         """Whether ``sleep`` released the KV cache."""

@@ -30,7 +30,8 @@ from forwardkit.models.weights import WeightLoadError, check_named_weights, load
 if TYPE_CHECKING:
     from forwardkit.config.engine import EngineConfig
 
-__all__ = ["KVCacheSleeper", "WeightUpdateError", "freezing_reason", "update_model_weights"]
+__all__ = ["KVCacheSleeper", "WeightUpdateError", "freezing_reason", "prepare_weight_update",
+           "update_model_weights"]
 
 logger = init_logger(__name__)
 
@@ -94,14 +95,11 @@ def _as_pairs(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
     return pairs
 
 
-@torch.no_grad()
-def update_model_weights(engine_config: EngineConfig, model: nn.Module, named_tensors: Any) -> dict[str, Any]:
-    """Copy ``named_tensors`` into ``model`` in place, all or nothing.
-
-    Returns ``{"num_tensors", "num_parameters", "seconds"}``. Raises :class:`WeightUpdateError`
-    (refused configuration, bad items) or :class:`WeightLoadError` (unknown names, wrong
-    shapes) before any parameter changes.
-    """
+def prepare_weight_update(engine_config: EngineConfig, model: nn.Module,
+                          named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every check of :func:`update_model_weights`, changing nothing: the configuration allows
+    updates, the items are ``(name, tensor)`` pairs, and every name, shard and shape fits the
+    model (a dry run of the loaders). Returns the pairs."""
     reason = freezing_reason(engine_config)
     if reason is not None:
         raise WeightUpdateError(
@@ -109,7 +107,6 @@ def update_model_weights(engine_config: EngineConfig, model: nn.Module, named_te
             "constants and would silently keep them. Build the LLM without Inductor freezing "
             "(or with enforce_eager=True) to update weights live"
         )
-    start = time.perf_counter()
     pairs = _as_pairs(named_tensors)
     target = _unwrap(model)
     map_name: Any = target.map_weight_name
@@ -120,6 +117,22 @@ def update_model_weights(engine_config: EngineConfig, model: nn.Module, named_te
             exc.missing, exc.unexpected, exc.mismatched,
             source="update_weights (nothing was changed): the given weights",
         ) from None
+    return pairs
+
+
+@torch.no_grad()
+def update_model_weights(engine_config: EngineConfig, model: nn.Module, named_tensors: Any) -> dict[str, Any]:
+    """Copy ``named_tensors`` into ``model`` in place, all or nothing.
+
+    Returns ``{"num_tensors", "num_parameters", "seconds"}``. Raises :class:`WeightUpdateError`
+    (refused configuration, bad items) or :class:`WeightLoadError` (unknown names, wrong
+    shapes) before any parameter changes. Under tensor parallelism each rank is given the
+    full tensors and copies its shard of each.
+    """
+    start = time.perf_counter()
+    pairs = prepare_weight_update(engine_config, model, named_tensors)
+    target = _unwrap(model)
+    map_name: Any = target.map_weight_name
     with cpu_gemm.batched_refresh():  # a packed weight is re-derived once, after all its shards
         updated = load_named_weights(target, pairs, map_name)
     if target.parameters().__next__().device.type == "cuda":

@@ -6,12 +6,29 @@ router_logits, layer_name)`` which finds the layer (registered in ``static_forwa
 under its prefix) through the forward context, so data-dependent routing and the DP
 collectives stay out of compiled graphs.
 
-Expert parallelism across DP ranks (``data_parallel_size > 1`` and ``enable_expert_parallel``):
-rank ``r`` holds a contiguous slice of experts (only that slice is loaded). Each step, in chunks
+Tensor parallelism without expert parallelism: every rank holds every expert with its slice
+of the intermediate dimension (gate/up rows, down columns); the partial outputs are summed over
+the TP group by the caller (the model's MoE block).
+
+Expert parallelism (``enable_expert_parallel`` with ``data_parallel_size x
+tensor_parallel_size > 1``): the experts are split over the EP group of all ``dp x tp`` ranks
+(EP rank ``dp_rank * tp + tp_rank`` holds a contiguous slice; only that slice is loaded). With
+DP 1 every TP rank sees the same tokens, computes its experts' share and the caller sums the
+shares over TP. With DP > 1, each step, in chunks
 of at most ``FORWARDKIT_MOE_DP_CHUNK_SIZE`` rows per rank (``DPMetadata.chunked_sizes``), every
 rank all-gathers all ranks' rows, computes its experts' share for every gathered row,
 and an all-reduce sums the shares; each rank keeps its own rows. Ranks that ran out of rows (or
 run a dummy step) still take part with one dummy row per chunk, so collectives stay in lockstep.
+
+Sequence-parallel MoE (``ParallelConfig.use_sequence_parallel_moe``: expert parallel with
+TP > 1 and DP > 1 on the ``allgather_reducescatter`` or ``naive`` backend): the model's MoE
+block pads the step's tokens to a multiple of TP and hands each TP rank its contiguous slice
+(``forwardkit::sequence_parallel_chunk``); the layer then exchanges slices over the EP group of all
+``dp x tp`` ranks with the sizes ``DPMetadata.sp_local_sizes(tp)`` gives (or
+``chunked_sizes`` per chunk): all-gather-v of every rank's rows, this rank's experts on all of
+them, reduce-scatter-v of the partial sums back to their owners (``naive``: an all-reduce into
+one buffer at the offsets ``cu_tokens_across_sp``, then this rank's rows). The block gathers
+the slices over TP afterwards. gloo has no uneven all-gather; it is built from a padded one.
 """
 
 from __future__ import annotations
@@ -24,10 +41,11 @@ import torch.nn.functional as F
 
 from forwardkit import envs
 from forwardkit.config.engine import get_current_engine_config
-from forwardkit.distributed import get_dp_group
+from forwardkit.distributed import get_dp_group, get_ep_group
 from forwardkit.forward_context import get_forward_context
 from forwardkit.layers.kernels import silu_and_mul_native
 from forwardkit.layers.linear import copy_weight
+from forwardkit.layers.parallel import ShardSpec, divide, narrow, set_shard_spec, tp_rank_and_size
 
 __all__ = ["FusedMoE", "expert_slice", "moe_forward", "route_topk"]
 
@@ -78,21 +96,43 @@ class FusedMoE(nn.Module):
             raise ValueError("FusedMoE needs a non-empty, unique prefix (its layer name)")
         config = get_current_engine_config()
         pc = config.parallel_config
-        self.use_ep = pc.data_parallel_size > 1 and pc.enable_expert_parallel
-        self.ep_size = pc.data_parallel_size if self.use_ep else 1
-        self.ep_rank = pc.data_parallel_rank if self.use_ep else 0
+        self.tp_rank, self.tp_size = tp_rank_and_size(pc.tensor_parallel_size)
+        dp_size = pc.data_parallel_size
+        self.use_ep = pc.enable_expert_parallel and dp_size * self.tp_size > 1
+        self.ep_size = dp_size * self.tp_size if self.use_ep else 1
+        self.ep_rank = pc.data_parallel_rank * self.tp_size + self.tp_rank if self.use_ep else 0
+        # DP exchange of tokens (DP > 1 with EP); TP ranks of one replica hold the same tokens,
+        # or with sequence-parallel MoE each its slice of them (exchanged over the EP group)
+        self.is_sequence_parallel = pc.use_sequence_parallel_moe
+        self.sp_size = self.tp_size if self.is_sequence_parallel else 1
+        self.all2all_backend = pc.all2all_backend
+        self.use_dp_exchange = self.use_ep and dp_size > 1
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.expert_start, self.num_local_experts = expert_slice(num_experts, self.ep_size, self.ep_rank)
+        # without EP, TP splits each expert's intermediate dim
+        self.inter_tp = 1 if self.use_ep else self.tp_size
+        self.local_intermediate = divide(intermediate_size, self.inter_tp, "intermediate_size")
+        self.inter_start = (0 if self.use_ep else self.tp_rank) * self.local_intermediate
         self.layer_name = prefix
+        local_inter = self.local_intermediate
         self.w13_weight = nn.Parameter(
-            torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+            torch.empty(self.num_local_experts, 2 * local_inter, hidden_size, dtype=dtype),
             requires_grad=False,
         )
         self.w2_weight = nn.Parameter(
-            torch.empty(self.num_local_experts, hidden_size, intermediate_size, dtype=dtype),
+            torch.empty(self.num_local_experts, hidden_size, local_inter, dtype=dtype),
             requires_grad=False,
         )
+        if self.ep_size > 1:
+            experts = ((self.expert_start, 0, self.num_local_experts),)
+            set_shard_spec(self.w13_weight, ShardSpec(0, num_experts, experts))
+            set_shard_spec(self.w2_weight, ShardSpec(0, num_experts, experts))
+        elif self.inter_tp > 1:
+            start, inter = self.inter_start, intermediate_size
+            set_shard_spec(self.w13_weight, ShardSpec(
+                1, 2 * inter, ((start, 0, local_inter), (inter + start, local_inter, local_inter))))
+            set_shard_spec(self.w2_weight, ShardSpec(2, inter, ((start, 0, local_inter),)))
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         context = config.compilation_config.static_forward_context
@@ -105,14 +145,26 @@ class FusedMoE(nn.Module):
         """Whether global expert ``expert_id`` lives on this rank."""
         return self.expert_start <= expert_id < self.expert_start + self.num_local_experts
 
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
         """Load expert weights. ``shard_id``: ``(expert_id, "w1"|"w3"|"w2")`` for one expert's
         HF tensor, or ``"w13"``/``"w2"`` for a stacked ``[E, ...]`` tensor of all experts.
-        Experts of other ranks are skipped."""
+        Experts of other EP ranks are skipped (not read), and under TP without EP only this
+        rank's intermediate slice is read."""
+        start, local_inter, inter = self.inter_start, self.local_intermediate, self.intermediate_size
         if shard_id in ("w13", "w2"):
             if loaded.shape[0] != self.num_experts:
                 raise ValueError(f"stacked expert tensor has {loaded.shape[0]} experts, expected {self.num_experts}")
-            copy_weight(param.data, loaded[self.expert_start : self.expert_start + self.num_local_experts])
+            mine = narrow(loaded, 0, self.expert_start, self.num_local_experts)
+            if self.inter_tp == 1:
+                copy_weight(param.data, mine)
+            elif shard_id == "w2":
+                copy_weight(param.data, mine.narrow(2, start, local_inter))
+            else:
+                if mine.shape[1] != 2 * inter:
+                    raise ValueError(f"stacked gate/up tensor has {mine.shape[1]} rows per "
+                                     f"expert, expected {2 * inter}")
+                copy_weight(param.data, torch.cat([mine.narrow(1, start, local_inter),
+                                                   mine.narrow(1, inter + start, local_inter)], 1))
             return
         expert_id, which = shard_id
         if not 0 <= expert_id < self.num_experts:
@@ -120,13 +172,15 @@ class FusedMoE(nn.Module):
         if not self.is_local_expert(expert_id):
             return
         local = param.data[expert_id - self.expert_start]
-        inter = self.intermediate_size
-        if which == "w1":
-            copy_weight(local[:inter], loaded)
-        elif which == "w3":
-            copy_weight(local[inter:], loaded)
+        if which in ("w1", "w3"):
+            if tuple(loaded.shape) != (inter, self.hidden_size):
+                copy_weight(local[:local_inter], loaded)  # raises the shape error
+            rows = narrow(loaded, 0, start, local_inter) if self.inter_tp > 1 else loaded
+            copy_weight(local[:local_inter] if which == "w1" else local[local_inter:], rows)
         elif which == "w2":
-            copy_weight(local, loaded)
+            if tuple(loaded.shape) != (self.hidden_size, inter):
+                copy_weight(local, loaded)
+            copy_weight(local, narrow(loaded, 1, start, local_inter) if self.inter_tp > 1 else loaded)
         else:
             raise ValueError(f"unknown expert shard {which!r}; expected 'w1', 'w2' or 'w3'")
 
@@ -170,8 +224,9 @@ class FusedMoE(nn.Module):
         return torch.einsum("eth,te->th", y.float(), combine)
 
     def forward_impl(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """The op body: local experts only, or the DP expert-parallel exchange."""
-        if not self.use_ep:
+        """The op body: local experts only, or the DP expert-parallel exchange. Under TP the
+        result is this rank's share; the caller sums it over the TP group."""
+        if not self.use_dp_exchange:
             return self.compute_local(hidden_states, router_logits).to(hidden_states.dtype)
         dp_metadata = get_forward_context().dp_metadata
         if dp_metadata is None:
@@ -180,6 +235,8 @@ class FusedMoE(nn.Module):
                 "but the forward context has no dp_metadata; pass num_tokens (and "
                 "num_tokens_across_dp) to set_forward_context on every DP rank"
             )
+        if self.is_sequence_parallel:
+            return _sp_exchange(self, hidden_states, router_logits, dp_metadata)
         return _dp_exchange(self, hidden_states, router_logits, dp_metadata)
 
 
@@ -188,8 +245,9 @@ def _dp_exchange(
 ) -> torch.Tensor:
     group = get_dp_group()
     rank, world = group.rank, group.world_size
-    if world != layer.ep_size:
-        raise RuntimeError(f"DP group has {world} ranks but MoE layer {layer.layer_name!r} expects {layer.ep_size}")
+    if world * layer.tp_size != layer.ep_size:
+        raise RuntimeError(f"DP group has {world} ranks but MoE layer {layer.layer_name!r} expects "
+                           f"{layer.ep_size // layer.tp_size}")
     num_local, hidden_size = hidden.shape
     payload = torch.cat([hidden.float(), logits.float()], dim=1)
     use_cpu = hidden.device.type != group.device.type
@@ -221,6 +279,61 @@ def _dp_exchange(
             with dp_metadata.chunked_sizes(1, chunk, chunk_idx) as sizes:
                 offsets = [sum(sizes[:r]) for r in range(world)]
                 run_chunk(start, list(sizes), offsets)
+    return out.to(hidden.dtype)
+
+
+def _sp_exchange(
+    layer: FusedMoE, hidden: torch.Tensor, logits: torch.Tensor, dp_metadata: Any
+) -> torch.Tensor:
+    """Sequence-parallel expert exchange over the EP group (module docstring): this rank's
+    ``hidden`` rows are its slice of its replica's tokens."""
+    group = get_ep_group()
+    rank, sp = group.rank, layer.sp_size
+    if group.world_size != layer.ep_size or rank != layer.ep_rank:
+        raise RuntimeError(f"EP group rank {rank} of {group.world_size}, but MoE layer "
+                           f"{layer.layer_name!r} is EP rank {layer.ep_rank} of {layer.ep_size}")
+    num_local, hidden_size = hidden.shape
+    payload = torch.cat([hidden.float(), logits.float()], dim=1)
+    use_cpu = hidden.device.type != group.device.type
+    comm_device = torch.device("cpu") if use_cpu else hidden.device
+    out = torch.zeros((num_local, hidden_size), dtype=torch.float32, device=hidden.device)
+    chunk = envs.FORWARDKIT_MOE_DP_CHUNK_SIZE
+    if chunk <= 0:
+        raise ValueError(f"FORWARDKIT_MOE_DP_CHUNK_SIZE must be positive, got {chunk}")
+    max_tokens = -(-int(dp_metadata.max_tokens_across_dp_cpu) // sp)  # rows of the largest slice
+    naive = layer.all2all_backend == "naive"
+
+    def run_chunk(start: int, sizes: list[int], offsets: list[int]) -> None:
+        mine = min(sizes[rank], max(0, num_local - start))  # real rows this rank sends
+        send = torch.zeros((sizes[rank], payload.shape[1]), dtype=torch.float32, device=comm_device)
+        send[:mine] = payload[start : start + mine].to(comm_device)
+        if naive:  # every rank's rows at their offset in one buffer, summed
+            rows = torch.zeros((sum(sizes), payload.shape[1]), dtype=torch.float32,
+                               device=comm_device)
+            rows[offsets[rank] : offsets[rank] + sizes[rank]] = send
+            group.all_reduce(rows, use_cpu=use_cpu)
+        else:
+            rows = group.all_gather_v(send, sizes, use_cpu=use_cpu)
+        rows = rows.to(hidden.device)
+        x, lg = rows[:, :hidden_size].to(hidden.dtype), rows[:, hidden_size:]
+        partial = layer.compute_local(x, lg).to(comm_device)
+        if naive:
+            group.all_reduce(partial, use_cpu=use_cpu)
+            back = partial[offsets[rank] : offsets[rank] + sizes[rank]]
+        else:
+            back = group.reduce_scatter_v(partial, sizes, use_cpu=use_cpu)
+        out[start : start + mine] = back[:mine].to(hidden.device)
+
+    if max_tokens <= chunk:
+        with dp_metadata.sp_local_sizes(sp):
+            sizes = list(dp_metadata.get_chunk_sizes_across_dp_rank())
+            offsets = [0, *dp_metadata.cu_tokens_across_sp(sp).tolist()][:-1]
+            run_chunk(0, sizes, offsets)
+    else:
+        for chunk_idx, start in enumerate(range(0, max_tokens, chunk)):
+            with dp_metadata.chunked_sizes(sp, chunk, chunk_idx):
+                sizes = list(dp_metadata.get_chunk_sizes_across_dp_rank())
+                run_chunk(start, sizes, [sum(sizes[:r]) for r in range(len(sizes))])
     return out.to(hidden.dtype)
 
 

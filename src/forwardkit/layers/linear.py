@@ -28,9 +28,12 @@ class WeightShapeError(ValueError):
 
 
 def copy_weight(target: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy ``loaded`` into ``target`` (casting dtype); shapes must match exactly."""
+    """Copy ``loaded`` into ``target`` (casting dtype); shapes must match exactly. ``loaded``
+    may also be a lazily read source (``layers.parallel.TensorSource``), read here."""
     if tuple(target.shape) != tuple(loaded.shape):
         raise WeightShapeError(f"expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
+    if not isinstance(loaded, torch.Tensor):
+        loaded = loaded.materialize()
     with torch.no_grad():
         target.copy_(loaded)
     cpu_gemm.refresh_packed(target)  # a packed copy of the weight is re-derived

@@ -6,12 +6,14 @@ visible: hidden 256, 4 layers, 8 heads (head_dim 32), 4 KV heads, intermediate 6
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from forwardkit.config.model_shapes import model_shape_config
+from forwardkit.layers.parallel import copy_full, full_shape
 
 __all__ = ["DEFAULT_SEED", "default_hf_config", "default_moe_hf_config", "init_random_weights"]
 
@@ -41,29 +43,36 @@ def init_random_weights(model: nn.Module, seed: int = DEFAULT_SEED, std: float =
     Values are drawn on the CPU in float32 so the same seed gives the same weights on every
     device and dtype. A tensor of more than 4M elements is filled in 1M-value chunks, each
     copied from a random offset of one seeded pool of 4M normal values: still N(0, std)
-    element-wise and deterministic, fast enough for billion-parameter shapes.
+    element-wise and deterministic, fast enough for billion-parameter shapes. A parameter
+    that is one rank's shard of a tensor-parallel (or expert-parallel) weight gets its part of
+    the values the whole tensor would get, so every TP size builds the same model.
     """
     generator = torch.Generator().manual_seed(seed)
     pool: torch.Tensor | None = None
     with torch.no_grad():
         for name, param in model.named_parameters():
+            shape = full_shape(param)
+            numel = math.prod(shape)
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
-            elif param.numel() <= _POOL_THRESHOLD:
-                values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
-                param.copy_(values)
+            elif numel <= _POOL_THRESHOLD:
+                values = torch.randn(shape, generator=generator, dtype=torch.float32) * std
+                copy_full(param, values)
             else:
                 if pool is None or pool.dtype != param.dtype or pool.device != param.device:
                     if pool is None:
                         pool32 = torch.randn(_POOL_THRESHOLD + _POOL_CHUNK, generator=generator) * std
                     # chunk copies are then plain memcpy on the parameter's device
                     pool = pool32.to(device=param.device, dtype=param.dtype)
-                flat = param.view(-1)
-                offsets = torch.randint(0, _POOL_THRESHOLD, (-(-flat.numel() // _POOL_CHUNK),),
+                whole = param if tuple(shape) == tuple(param.shape) else param.new_empty(shape)
+                flat = whole.view(-1)
+                offsets = torch.randint(0, _POOL_THRESHOLD, (-(-numel // _POOL_CHUNK),),
                                         generator=generator)
                 _fill_from_pool(flat, pool, offsets)
+                if whole is not param:
+                    copy_full(param, whole)
 
 
 def _fill_from_pool(flat: torch.Tensor, pool: torch.Tensor, offsets: torch.Tensor) -> None:

@@ -1,5 +1,5 @@
 """Llama family (``LlamaForCausalLM``; ``Qwen2ForCausalLM`` is Llama with q/k/v biases): GQA,
-tied embeddings, explicit ``head_dim``, rope scaling.
+tied embeddings, explicit ``head_dim``, rope scaling, tensor parallelism.
 
 ``LlamaForCausalLM(engine_config)`` holds the decoder stack ``self.model = LlamaModel(...)``
 (the unit ``support_torch_compile`` decorates) and the LM head. Layer names follow HF, so the
@@ -18,7 +18,14 @@ from forwardkit.compilation.decorators import support_torch_compile
 from forwardkit.layers.activation import get_act_and_mul_fn
 from forwardkit.layers.attention import Attention
 from forwardkit.layers.layernorm import RMSNorm
-from forwardkit.layers.linear import Linear, LMHead, MergedLinear, VocabEmbedding
+from forwardkit.layers.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    current_tp,
+)
 from forwardkit.layers.rotary_embedding import get_rope, rope_parameters
 from forwardkit.models.weights import load_named_weights
 
@@ -58,22 +65,28 @@ def attention_biases(cfg: dict[str, Any]) -> tuple[bool, bool]:
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention block: merged QKV projection, rotary, paged attention, output projection."""
+    """Self-attention block: merged QKV projection, rotary, paged attention, output projection.
+
+    Under TP the block holds this rank's heads (``num_heads`` / ``num_kv_heads`` are local).
+    """
 
     def __init__(self, cfg: dict[str, Any], dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        total_heads = cfg["num_attention_heads"]
+        total_kv_heads = cfg.get("num_key_value_heads") or total_heads
         self.head_dim = _head_dim(cfg)
+        tp_rank, tp_size = current_tp()
+        qkv_bias, o_bias = attention_biases(cfg)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads,
+                                          bias=qkv_bias, dtype=dtype, tp_rank=tp_rank,
+                                          tp_size=tp_size)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        qkv_bias, o_bias = attention_biases(cfg)
-        self.qkv_proj = MergedLinear(
-            hidden, [("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)], bias=qkv_bias,
-            dtype=dtype,
-        )
-        self.o_proj = Linear(self.q_size, hidden, bias=o_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias,
+                                        dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
+                                        what="num_attention_heads x head_dim")
         theta, scaling = rope_parameters(cfg)
         self.rotary_emb = get_rope(self.head_dim, cfg.get("max_position_embeddings", 2048), theta, scaling, dtype)
         self.attn = Attention(
@@ -95,8 +108,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
         bias = bool(cfg.get("mlp_bias", False))
-        self.gate_up_proj = MergedLinear(hidden, [(0, inter), (1, inter)], bias=bias, dtype=dtype)
-        self.down_proj = Linear(inter, hidden, bias=bias, dtype=dtype)
+        tp_rank, tp_size = current_tp()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [(0, inter), (1, inter)], bias=bias, dtype=dtype, tp_rank=tp_rank,
+            tp_size=tp_size, what="intermediate_size")
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, dtype=dtype, tp_rank=tp_rank,
+                                           tp_size=tp_size, what="intermediate_size")
         self.act_fn = get_act_and_mul_fn(cfg.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +157,9 @@ class LlamaModel(nn.Module):
         cfg = hf_config_of(engine_config)
         dtype = model_dtype_of(engine_config)
         self.config = cfg
-        self.embed_tokens = VocabEmbedding(cfg["vocab_size"], cfg["hidden_size"], dtype)
+        tp_rank, tp_size = current_tp()
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], dtype,
+                                                   tp_rank=tp_rank, tp_size=tp_size)
         self.layers = nn.ModuleList(
             self.make_layer(cfg, dtype, f"{prefix}.layers.{i}" if prefix else f"layers.{i}")
             for i in range(cfg["num_hidden_layers"])
@@ -183,9 +202,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = self.model_cls(engine_config=engine_config, prefix=f"{prefix}.model" if prefix else "model")
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.lm_head = LMHead(
+        tp_rank, tp_size = current_tp()
+        self.lm_head = ParallelLMHead(
             cfg["vocab_size"], cfg["hidden_size"], model_dtype_of(engine_config),
             tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+            tp_rank=tp_rank, tp_size=tp_size,
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -193,7 +214,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, V] for the given hidden states."""
+        """float32 logits [N, V] for the given hidden states (gathered over TP: every rank
+        gets all of them)."""
         return self.lm_head(hidden_states)
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:

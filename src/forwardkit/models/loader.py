@@ -13,7 +13,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -67,8 +67,46 @@ def safetensors_files(model_dir: str) -> list[str]:
     raise ValueError(f"no *.safetensors weight files found in model directory {model_dir}")
 
 
-def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of every file, on the CPU."""
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class SafetensorsSlice:
+    """One checkpoint tensor, not read yet: its shape and dtype, and the part a rank needs
+    (``narrow``) or all of it (``materialize``), read on demand from the open file (a
+    ``layers.parallel.TensorSource``). Valid only while its file is being iterated."""
+
+    def __init__(self, handle: Any, name: str, path: str) -> None:
+        self._handle, self._name, self._path = handle, name, path
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+        dtype = _ST_DTYPES.get(self._slice.get_dtype())
+        self.dtype = dtype if dtype is not None else self.materialize().dtype
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Read ``[start, start + length)`` along ``dim`` (only those bytes are copied)."""
+        dim = dim % len(self.shape)
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        try:
+            return self._slice[index]
+        except Exception as exc:
+            raise _corrupt(self._path, exc, self._name) from exc
+
+    def materialize(self) -> torch.Tensor:
+        """Read the whole tensor."""
+        try:
+            return self._handle.get_tensor(self._name)
+        except Exception as exc:
+            raise _corrupt(self._path, exc, self._name) from exc
+
+
+def iterate_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, tensor)`` for every tensor of every file, on the CPU. With ``lazy`` the
+    values are :class:`SafetensorsSlice` objects, so a tensor-parallel rank reads only its
+    shard of each (they must be used before the iteration moves on)."""
     for path in files:
         try:
             handle = safe_open(path, framework="pt", device="cpu")
@@ -76,6 +114,13 @@ def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             raise _corrupt(path, exc) from exc
         with handle as f:
             for name in list(f.keys()):  # noqa: SIM118 - safe_open is not a mapping
+                if lazy:
+                    try:
+                        lazy_tensor = SafetensorsSlice(f, name, path)
+                    except Exception as exc:  # SafetensorError: a bad header entry
+                        raise _corrupt(path, exc, name) from exc
+                    yield name, lazy_tensor
+                    continue
                 try:
                     tensor = f.get_tensor(name)
                 except Exception as exc:  # truncated data
@@ -113,7 +158,11 @@ def load_model(engine_config: EngineConfig, prepack: bool | None = None) -> nn.M
         logger.info_once("Built %s with seeded random weights (no checkpoint)", model_cls.__name__)
     else:
         try:
-            loaded = model.load_weights(iterate_safetensors(files))
+            # a rank holding a shard of the weights reads only that shard of each tensor
+            pc = engine_config.parallel_config
+            lazy = pc.tensor_parallel_size > 1 or (pc.enable_expert_parallel
+                                                   and pc.data_parallel_size > 1)
+            loaded = model.load_weights(iterate_safetensors(files, lazy=lazy))
         except WeightLoadError as exc:
             raise WeightLoadError(
                 exc.missing, exc.unexpected, exc.mismatched, source=f"checkpoint {model_dir}"

@@ -15,6 +15,10 @@ import torch
 import torch.nn as nn
 
 from forwardkit.compilation.decorators import support_torch_compile
+from forwardkit.distributed.communication_op import (
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
 from forwardkit.layers.fused_moe import FusedMoE
 from forwardkit.layers.linear import Linear
 from forwardkit.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -25,7 +29,14 @@ _EXPERT_RE = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$"
 
 
 class MixtralMoE(nn.Module):
-    """Router + experts: ``forward(x[T, H]) -> [T, H]``."""
+    """Router + experts: ``forward(x[T, H]) -> [T, H]``.
+
+    Under TP each rank's experts give a share of the result (their intermediate slice, or with
+    expert parallelism their experts); the block sums the shares over the TP group. With
+    sequence-parallel MoE (EP, TP > 1, DP > 1) each TP rank routes only its slice of the rows
+    (``sequence_parallel_chunk``) and the block gathers the slices over TP instead (vLLM has
+    this path for other MoE families, not Mixtral).
+    """
 
     def __init__(self, cfg: dict[str, Any], dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
@@ -39,7 +50,17 @@ class MixtralMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Routed expert mixture of every row."""
-        return self.experts(hidden_states, self.gate(hidden_states))
+        experts = self.experts
+        if experts.is_sequence_parallel:
+            # each TP rank routes its slice of the rows; the slices are gathered back
+            num_tokens = hidden_states.shape[0]
+            local = torch.ops.forwardkit.sequence_parallel_chunk(
+                hidden_states, experts.tp_size, experts.tp_rank)
+            out = experts(local, self.gate(local))
+            gathered = tensor_model_parallel_all_gather(out, experts.tp_size, dim=0)
+            return gathered[:num_tokens]
+        out = experts(hidden_states, self.gate(hidden_states))
+        return tensor_model_parallel_all_reduce(out, experts.tp_size)
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from forwardkit.layers.fused_moe import FusedMoE
 from forwardkit.layers.linear import MergedLinear, WeightShapeError
+from forwardkit.layers.parallel import TensorSource, materialize, set_shard_spec, shard_spec_of
 
 __all__ = [
     "WeightLoadError", "check_named_weights", "expected_shards", "load_named_weights", "missing_parameters",
@@ -65,9 +66,18 @@ def _is_complete(module: nn.Module, leaf: str, got: set[Hashable]) -> bool:
     return need <= got
 
 
-def _meta_twin(tensor: torch.Tensor) -> torch.Tensor:
+def _meta_twin(tensor: torch.Tensor | TensorSource) -> torch.Tensor:
     """A storage-less tensor of the same shape and dtype (loaders run on it without copying)."""
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+def _param_twin(param: torch.Tensor) -> torch.Tensor:
+    """A meta twin of a parameter that keeps its tensor-parallel shard layout."""
+    twin = _meta_twin(param)
+    spec = shard_spec_of(param)
+    if spec is not None:
+        set_shard_spec(twin, spec)
+    return twin
 
 
 def check_named_weights(
@@ -100,7 +110,7 @@ def load_named_weights(
     params = real
     caught: tuple[type[Exception], ...] = (WeightShapeError,)
     if dry_run:
-        twins = {id(p): _meta_twin(p) for p in real.values()}
+        twins = {id(p): _param_twin(p) for p in real.values()}
         params = {name: twins[id(p)] for name, p in real.items()}
         caught = (WeightShapeError, ValueError)  # a real load would stop at any loader error
     owners = {name: model.get_submodule(name.rpartition(".")[0]) for name in params}
@@ -126,7 +136,7 @@ def load_named_weights(
                 if tuple(param.shape) != tuple(tensor.shape):
                     raise WeightShapeError(f"expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
                 with torch.no_grad():
-                    param.data.copy_(tensor)
+                    param.data.copy_(materialize(tensor))
             else:
                 loader(param, tensor, shard) if shard is not None else loader(param, tensor)
         except caught as exc:

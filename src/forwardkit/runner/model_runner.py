@@ -326,13 +326,22 @@ class ModelRunner:
             # one is run instead (2 tokens: not the 0/1 sizes Dynamo specialises, and few
             # enough rows that no bf16 weight gets packed before a batch needs it). On a GPU
             # the top of the range also sizes peak activations.
-            sizes = sorted({min(int(r.end), self.max_num_tokens, max(int(r.start), _CPU_WARMUP_TOKENS))
+            # With sequence parallelism the graph holds tokens / TP rows: the trace and each
+            # range's compile must see >= 2 of them, or the size-1 case is specialised.
+            floor = _CPU_WARMUP_TOKENS * self._sp_multiple()
+            sizes = sorted({min(int(r.end), self.max_num_tokens, max(int(r.start), floor))
                             for r in ranges} or {1}, reverse=True)
         else:
             sizes = sorted({min(int(r.end), self.max_num_tokens) for r in ranges} or {1}, reverse=True)
         for size in sizes:
             self.dummy_run(size, CUDAGraphMode.NONE)
         return sizes
+
+    def _sp_multiple(self) -> int:
+        """TP size when the sequence-parallelism pass is on (token counts are padded to a
+        multiple of it), else 1."""
+        tp = self.parallel_config.tensor_parallel_size
+        return tp if tp > 1 and self.compilation_config.pass_config.enable_sp else 1
 
     def warm_up_compile_sizes(self) -> list[int]:
         """Run one eager dummy step per ``compile_sizes`` entry that is not a capture size,

@@ -1,0 +1,183 @@
+"""Four ranks as torchrun starts them (data_parallel_size 2 x tensor_parallel_size 2, every
+process builds its own LLM): sequence-parallel MoE over the EP group of all four ranks, with
+uneven token counts per replica so the per-rank sizes really vary; a killed rank gives the
+others a clear error within the collective timeout."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import time
+
+import pytest
+
+from forwardkit.distributed.launch import find_free_port, spawn
+from forwardkit.engine import LLM, SamplingParams
+
+sys.path.insert(0, os.path.dirname(__file__))
+import tp_models  # noqa: E402
+
+pytestmark = [pytest.mark.distributed]
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, dtype="float32",
+              enforce_eager=True)
+# per DP replica (both TP ranks of a replica get the same prompts): uneven work, so the
+# replicas' token counts differ step by step; replica 1 runs dummy steps at the end
+PROMPTS = [
+    [[3, 17, 42, 5, 9, 200, 11], [7, 8], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]],
+    [[90, 91, 92]],
+]
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return tp_models.build("mixtral", str(tmp_path_factory.mktemp("tp-dp-mixtral")))
+
+
+def _summary(outs):
+    return ([o.outputs[0].token_ids for o in outs],
+            [[{t: round(lp.logprob, 4) for t, lp in d.items()} for d in o.outputs[0].logprobs]
+             for o in outs])
+
+
+def _sp_rank(rank: int, nprocs: int, port: int, path: str, backend: str, chunk: int) -> dict:
+    os.environ["FORWARDKIT_MOE_DP_CHUNK_SIZE"] = str(chunk)
+    from forwardkit.distributed import destroy_distributed, init_distributed
+    from forwardkit.distributed.dp_utils import DPMetadata
+    from forwardkit.layers.fused_moe import FusedMoE
+
+    seen: list[tuple[str, list[int]]] = []
+    real_get = DPMetadata.get_chunk_sizes_across_dp_rank
+    real_sp, real_chunked = DPMetadata.sp_local_sizes, DPMetadata.chunked_sizes
+
+    def record_get(self):
+        sizes = real_get(self)
+        seen.append(("sizes", list(sizes)))
+        return sizes
+
+    def record_sp(self, sp):
+        seen.append(("sp_local_sizes", [sp]))
+        return real_sp(self, sp)
+
+    def record_chunked(self, sp, max_chunk, idx):
+        seen.append(("chunked_sizes", [sp, max_chunk, idx]))
+        return real_chunked(self, sp, max_chunk, idx)
+
+    DPMetadata.get_chunk_sizes_across_dp_rank = record_get
+    DPMetadata.sp_local_sizes = record_sp
+    DPMetadata.chunked_sizes = record_chunked
+    init_distributed(world_size=nprocs, rank=rank, master_port=port, tensor_parallel_size=2,
+                     backend="gloo", timeout_s=120)
+    try:
+        llm = LLM(path, data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True,
+                  all2all_backend=backend, **ENGINE)
+        moe = [m for m in llm.runner.model.modules() if isinstance(m, FusedMoE)]
+        layout = [(m.is_sequence_parallel, m.ep_rank, m.ep_size, m.num_local_experts) for m in moe]
+        outs = llm.generate(prompt_token_ids=PROMPTS[rank // 2], sampling_params=GREEDY,
+                            use_tqdm=False)
+        return {"out": _summary(outs), "seen": seen, "layout": layout,
+                "bytes": llm.weight_bytes_per_rank()}
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend, chunk", [("allgather_reducescatter", 256), ("naive", 3)],
+                         ids=["allgather-reducescatter", "naive-chunked"])
+def test_dp2_tp2_sequence_parallel_moe_matches_one_process(mixtral, backend, chunk):
+    single = LLM(mixtral, **ENGINE)
+    expected = [_summary(single.generate(prompt_token_ids=p, sampling_params=GREEDY,
+                                         use_tqdm=False)) for p in PROMPTS]
+    results = spawn(_sp_rank, 4, args=(mixtral, backend, chunk), timeout_s=500)
+    for rank, res in enumerate(results):
+        tokens, lps = res["out"]
+        assert tokens == expected[rank // 2][0], rank
+        for got, want in zip(lps, expected[rank // 2][1]):
+            for dg, dw in zip(got, want):
+                assert dg.keys() == dw.keys()
+                assert all(abs(dg[t] - dw[t]) < 5e-4 for t in dg)
+        # 4 experts over the EP group of 4 ranks: EP rank = dp_rank * 2 + tp_rank, 1 expert each
+        assert all(layout == (True, rank, 4, 1) for layout in res["layout"])
+        # the MoE layers really asked DPMetadata for the per-EP-rank sizes of every exchange
+        sizes = [s for kind, s in res["seen"] if kind == "sizes"]
+        entered = {kind for kind, _ in res["seen"]}
+        assert sizes and all(len(s) == 4 for s in sizes)
+        assert all(s[0] == s[1] and s[2] == s[3] for s in sizes)  # one count per replica
+        assert any(s[0] != s[2] for s in sizes)  # uneven replicas: the sizes vary
+        assert ("chunked_sizes" in entered) == (chunk == 3)
+        assert "sp_local_sizes" in entered or chunk == 3
+        # each rank holds a quarter of the experts and half of the rest
+        assert len(res["bytes"]) == 2
+    assert results[0]["bytes"] == results[1]["bytes"]
+
+
+# ---------------------------------------------------------------------------- a killed rank
+TIMEOUT_S = 8.0
+
+
+def _dying_rank(rank: int, port: int, path: str, victim: int, results) -> None:
+    os.environ["FORWARDKIT_DP_TIMEOUT_S"] = str(TIMEOUT_S)
+    from forwardkit.distributed import init_distributed
+
+    init_distributed(world_size=4, rank=rank, master_port=port, tensor_parallel_size=2,
+                     backend="gloo")
+    llm = LLM(path, data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True,
+              **ENGINE)
+    steps = 0
+    execute = llm.runner.execute
+
+    def step(batch, pad_to=None):
+        nonlocal steps
+        steps += 1
+        if rank == victim and steps == 3:
+            results.put((rank, "killed", time.time()))
+            results.close()
+            results.join_thread()  # the message is out before the process dies
+            os.kill(os.getpid(), signal.SIGKILL)
+        return execute(batch, pad_to)
+
+    llm.runner.execute = step
+    try:
+        llm.generate(prompt_token_ids=PROMPTS[rank // 2] * 3, sampling_params=GREEDY,
+                     use_tqdm=False)
+        results.put((rank, "finished", time.time()))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((rank, f"{type(exc).__name__}: {exc}", time.time()))
+
+
+@pytest.mark.timeout(300)
+def test_killing_one_of_four_ranks_gives_the_others_a_clear_error_in_time(mixtral):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = find_free_port()
+    victim = 3
+    procs = [ctx.Process(target=_dying_rank, args=(r, port, mixtral, victim, results), daemon=True)
+             for r in range(4)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, float]] = {}
+    try:
+        while len(got) < 4:
+            rank, what, when = results.get(timeout=240)
+            got[rank] = (what, when)
+    except queue.Empty:
+        pytest.fail(f"ranks {sorted(set(range(4)) - set(got))} never reported: {got}")
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert got[victim][0] == "killed"
+    killed_at = got[victim][1]
+    for rank in (0, 1, 2):
+        what, when = got[rank]
+        assert what != "finished", rank
+        # within the collective timeout (plus 2 s), not a launcher's or pytest's timeout
+        assert when - killed_at < TIMEOUT_S + 2, (rank, when - killed_at, what)
+        # the error names the collective and the dead rank
+        assert "DPCollectiveError" in what and "rank 3 (pid" in what and "has exited" in what, \
+            (rank, what)
