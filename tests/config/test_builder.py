@@ -16,6 +16,7 @@ from forwardkit.config import (
     build_engine_config,
 )
 from forwardkit.config.args import add_engine_args, engine_config_from_args
+from forwardkit.config import builder
 from forwardkit.config.builder import default_batch_limits, engine_kwarg_names
 from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
 from forwardkit.platforms import CpuPlatform, CudaPlatform
@@ -46,7 +47,10 @@ def test_default_batch_limits(seqs, tokens, chunked, model_len, expected):
                                 enable_chunked_prefill=chunked) == expected
 
 
-def test_defaults_with_and_without_a_model():
+def test_defaults_with_and_without_a_model(monkeypatch):
+    # the checkpoint's bf16 is kept on a CPU with native bf16 (the fallback to float32 on
+    # other CPUs is tested in test_model_shapes.py)
+    monkeypatch.setattr(builder, "cpu_has_native_bf16", lambda: True)
     cfg = build_engine_config(default_hf_config=HF, platform="cpu")
     assert limits(cfg) == (128, 2048) and cfg.scheduler_config.enable_chunked_prefill
     assert cfg.model_config.model is None and cfg.model_config.dtype is torch.bfloat16

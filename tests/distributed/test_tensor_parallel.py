@@ -147,16 +147,68 @@ def test_uneven_all_gather_and_reduce_scatter_on_gloo():
 
 # ---------------------------------------------------------------------------- whole engines
 @pytest.mark.timeout(600)
-def test_llama_tp2_matches_tp1_and_splits_the_weights(checkpoint):
+def test_llama_tp2_matches_tp1_and_splits_the_weights(checkpoint, monkeypatch):
+    from forwardkit.models.loader import SafetensorsSlice
+
     path = checkpoint("llama")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5,
                             prompt_logprobs=3)
     single = LLM(path, enforce_eager=True, **ENGINE)
+    read: dict[str, int] = {}  # bytes this process (TP rank 0) reads from the checkpoint
+    real_narrow, real_whole = SafetensorsSlice.narrow, SafetensorsSlice.materialize
+
+    def narrow(self, dim, start, length):
+        out = real_narrow(self, dim, start, length)
+        read[self._name] = read.get(self._name, 0) + out.numel() * out.element_size()
+        return out
+
+    def whole(self):
+        out = real_whole(self)
+        read[self._name] = read.get(self._name, 0) + out.numel() * out.element_size()
+        return out
+
+    monkeypatch.setattr(SafetensorsSlice, "narrow", narrow)
+    monkeypatch.setattr(SafetensorsSlice, "materialize", whole)
     tp2 = LLM(path, enforce_eager=True, tensor_parallel_size=2, **ENGINE)
+    monkeypatch.undo()
     try:
+        # rank 0 read half of every split tensor and all of the small replicated ones
+        tensors = _hf_tensors(path)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert set(read) == set(tensors)
+        for name, n in read.items():
+            full = tensors[name].numel() * tensors[name].element_size()
+            split = name.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight")) or \
+                name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias", "gate_proj.bias",
+                               "up_proj.bias"))
+            # the single KV head is replicated: both ranks read all of k_proj / v_proj
+            if split and ".k_proj." not in name and ".v_proj." not in name:
+                assert n <= full // 2 + full // 251, (name, n, full)
+            else:
+                assert n == full, (name, n, full)
+        assert sum(read.values()) < 0.6 * total
         expected = _run(single, params=params)
         got = _run(tp2, params=params)
         _assert_same(got, expected)
+        # two all-reduces per dense decoder layer (o_proj, down_proj) and one for the
+        # embedding; one all-gather for the logits: per step, as vLLM
+        from forwardkit.distributed.parallel_state import RankGroup
+
+        calls = {"all_reduce": 0, "all_gather": 0}
+        real = {name: getattr(RankGroup, name) for name in calls}
+
+        def counting(name):
+            def call(self, *args, **kwargs):
+                calls[name] += 1
+                return real[name](self, *args, **kwargs)
+            return call
+
+        for name in calls:
+            monkeypatch.setattr(RankGroup, name, counting(name))
+        _run(tp2, prompts=[[5, 6, 7]], params=SamplingParams(temperature=0.0, max_tokens=3,
+                                                             ignore_eos=True))
+        monkeypatch.undo()
+        assert calls == {"all_reduce": 3 * (1 + 2 * 2), "all_gather": 3}, calls
         # prompt logprobs go through the gathered LM head too
         p1 = single.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params, use_tqdm=False)
         p2 = tp2.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params, use_tqdm=False)

@@ -198,11 +198,22 @@ def test_a_weight_is_routed_per_row_bucket(tuning):
     assert prepack_weights(torch.nn.Sequential(layer)) == 1 and layer.packed
     (route,) = cpu_gemm.routes().values()
     assert route[0] is True and not any(route[1:])
+    fast_rows: list[int] = []
+    fast_path = cpu_gemm._fast_path
+
+    def spy(x, *args):
+        fast_rows.append(x.shape[0])
+        return fast_path(x, *args)
+
+    tuning.setattr(cpu_gemm, "_fast_path", spy)
+    x = torch.randn(1, 64)  # the fast path: the native kernel, or (without one) a packed copy
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
     before = cpu_gemm.packed_weight_count()
-    for rows in (1, 3, 20, 300):
+    for rows in (3, 20, 300, 1):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
-    assert cpu_gemm.packed_weight_count() == before  # 3-32 rows took F.linear: nothing packed
+    assert fast_rows == [1, 1]  # 3+ rows took F.linear
+    assert cpu_gemm.packed_weight_count() == before  # ... and packed nothing
 
 
 def test_real_timing_gives_f_linear_results_either_way(tuning):
