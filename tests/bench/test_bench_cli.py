@@ -118,7 +118,7 @@ def test_bench_under_torchrun(tmp_path):
     assert proc.stdout.count("forwardkit bench:") == 1  # only rank 0 reports
 
 
-GEN_KEYS = {"startup_s", "ttft_ms", "prefill_tok_s", "decode_tok_s", "bandwidth_use",
+GEN_KEYS = {"startup_s", "ttft_ms", "prefill_tok_s", "decode_tok_s", "bandwidth_use", "weight_bytes_per_rank",
             "decode_speedup_vs_transformers"}
 
 

@@ -42,6 +42,7 @@ class GenerationResult:
     prefill_tok_s: float = 0.0
     decode_tok_s: dict[int, float] = field(default_factory=dict)
     bandwidth_use: dict[int, float] = field(default_factory=dict)
+    weight_bytes_per_rank: list[int] = field(default_factory=list)
     samples: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
 

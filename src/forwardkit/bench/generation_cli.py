@@ -86,6 +86,8 @@ def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any
     from forwardkit.config.args import engine_config_from_args
 
     ns = copy.copy(args)
+    ns.tensor_parallel_size = _tp_of(name)  # -tp N: only the "forwardkit tp=N" contender
+    name = "forwardkit" if name.startswith("forwardkit") else name
     longest = s["prompt_len"] + s["new_tokens"] + 1
     ns.max_model_len = ns.max_model_len or longest
     ns.max_num_seqs = max(s["batch_sizes"])
@@ -101,9 +103,43 @@ def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any
                                                                      num_gpu_blocks=blocks))
 
 
+def _tp_of(name: str) -> int:
+    """The tensor-parallel size of contender ``name`` ("forwardkit tp=N" -> N, else 1)."""
+    return int(name.rpartition("tp=")[2]) if name.startswith("forwardkit tp=") else 1
+
+
+def _with_threads(fn: Any, threads: int) -> Any:
+    """``fn`` run with ``threads`` intra-op threads: a TP driver gives its share of the cores to
+    its workers, and the contenders in this process take turns."""
+    import torch
+
+    def run(*a: Any) -> Any:
+        torch.set_num_threads(threads)
+        return fn(*a)
+
+    return run
+
+
+def _weight_bytes_per_rank(obj: Any) -> list[int]:
+    """Bytes of weights each rank of a contender holds (one entry without TP)."""
+    if hasattr(obj, "weight_bytes_per_rank"):
+        return [int(b) for b in obj.weight_bytes_per_rank()]
+    return [sum(p.numel() * p.element_size() for p in obj.parameters())]
+
+
 def _build(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
            s: dict[str, Any], fk_llm: Any) -> tuple[Any, Any]:
     """(generate function, keep-alive object) of contender ``name``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    fn, keep = _build_contender(name, args, hf_config, s, fk_llm)
+    # a TP driver keeps cores / tp threads for itself; the others keep the process's count
+    return _with_threads(fn, torch.get_num_threads() if _tp_of(name) > 1 else threads), keep
+
+
+def _build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
+                     s: dict[str, Any], fk_llm: Any) -> tuple[Any, Any]:
     from forwardkit.bench import generation as gen
     from forwardkit.engine.llm import LLM
 
@@ -116,7 +152,7 @@ def _build(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None
                                              runner.model)
         return gen.transformers_generate(model), model
     cfg = _engine_config(name, args, hf_config, s)
-    if name == "forwardkit":
+    if name.startswith("forwardkit"):
         llm = LLM(engine_config=cfg, seed=args.seed)
     else:
         with _env("FORWARDKIT_CPU_PREPACK_WEIGHTS", "0"):  # plain F.linear weights
@@ -144,6 +180,12 @@ def run_generation(args: argparse.Namespace) -> int:
     hf_config = None if args.model is not None else model_shape_config(args.model_shape or BUILTIN_MODEL_SHAPE)
     if "transformers" in names and "forwardkit" in names:  # it borrows forwardkit's weights
         names = [n for n in names if n != "transformers"] + ["transformers"]
+    tp = int(getattr(args, "tensor_parallel_size", None) or 1)
+    if tp > 1:  # every contender at tp=1, and forwardkit at tp=N beside them
+        names.append(f"forwardkit tp={tp}")
+        print(f"forwardkit bench --generation: forwardkit also runs with {tp} tensor-parallel "
+              "ranks (worker processes sharing this machine's cores), beside the others at 1",
+              file=sys.stderr)
     progress = not args.no_progress
     results = {n: gen.GenerationResult(n) for n in names}
     fns: dict[str, Any] = {}
@@ -155,6 +197,7 @@ def run_generation(args: argparse.Namespace) -> int:
         vocab = _vocab(keep)
         fns[name]([[rng.randrange(vocab) for _ in range(s["prompt_len"])]], 1)
         results[name].startup_s = time.perf_counter() - start
+        results[name].weight_bytes_per_rank = _weight_bytes_per_rank(keep[name])
         for b in s["batch_sizes"]:  # untimed: every compile and first-shape cost paid here
             fns[name]([[rng.randrange(vocab) for _ in range(s["prompt_len"])]] * b, 2)
     runner_cfg = _fk_model_info(keep)
@@ -175,6 +218,9 @@ def run_generation(args: argparse.Namespace) -> int:
         r.ttft_ms = statistics.median(r.samples[f"first_{b0}"]) * 1e3
         r.prefill_tok_s = b1 * s["prompt_len"] / statistics.median(r.samples[f"first_{b1}"])
     del probe
+    for obj in keep.values():  # TP workers end before the report (their cores come back)
+        if hasattr(obj, "shutdown"):
+            obj.shutdown()
     report = _report(results, s, stream, bytes_per_step, model_name, itemsize, roofs)
     print(_format(report), file=sys.stdout)
     if args.json_path:
@@ -244,6 +290,7 @@ def _report(results: dict[str, Any], s: dict[str, Any], stream: float,
             "prefill_tok_s": r.prefill_tok_s,
             "decode_tok_s": {str(b): v for b, v in r.decode_tok_s.items()},
             "bandwidth_use": {str(b): v for b, v in r.bandwidth_use.items()},
+            "weight_bytes_per_rank": list(r.weight_bytes_per_rank),
         }
         if ref is not None:
             entry["decode_speedup_vs_transformers"] = {
@@ -268,7 +315,8 @@ def _report(results: dict[str, Any], s: dict[str, Any], stream: float,
 
 def _format(report: dict[str, Any]) -> str:
     sizes = [str(b) for b in report["batch_sizes"]]
-    head = f"{'contender':<14}{'startup s':>10}{'TTFT ms':>9}{'prefill tok/s':>14}"
+    head = (f"{'contender':<16}{'weights/rank GB':>16}{'startup s':>10}{'TTFT ms':>9}"
+            f"{'prefill tok/s':>14}")
     for b in sizes:
         head += f"{f'B={b} tok/s':>13}{'BW use':>8}"
     has_ref = any("decode_speedup_vs_transformers" in c for c in report["contenders"].values())
@@ -285,14 +333,34 @@ def _format(report: dict[str, Any]) -> str:
         + ", ".join(f"B={b}: {int(v) / 1e9:.2f} GB" for b, v in report["weight_bytes_per_step"].items()),
         "", head, "-" * len(head)]
     for name, c in report["contenders"].items():
-        row = f"{name:<14}{c['startup_s']:>10.1f}{c['ttft_ms']:>9.0f}{c['prefill_tok_s']:>14.0f}"
+        per_rank = c["weight_bytes_per_rank"]
+        row = (f"{name:<16}{max(per_rank) / 1e9:>16.3f}{c['startup_s']:>10.1f}"
+               f"{c['ttft_ms']:>9.0f}{c['prefill_tok_s']:>14.0f}")
         for b in sizes:
             row += f"{c['decode_tok_s'][b]:>13.1f}{c['bandwidth_use'][b]:>8.0%}"
         if has_ref:
             ratio = c.get("decode_speedup_vs_transformers", {})
             row += f"{' / '.join(f'{ratio[b]:.2f}x' for b in sizes):>17}"
         lines.append(row)
+    lines.extend(_tp_lines(report))
     lines.append("\nBW use = weight bytes one decode step reads / step time / the streaming bandwidth "
                  "measured just before that run (median over runs); "
                  "vs transformers = decode tokens/s ratio per batch size")
     return "\n".join(lines)
+
+
+def _tp_lines(report: dict[str, Any]) -> list[str]:
+    """Tensor-parallel contenders against forwardkit at tp=1: weights per rank, decode tok/s."""
+    contenders = report["contenders"]
+    one = contenders.get("forwardkit")
+    lines = []
+    for name, c in contenders.items():
+        if not name.startswith("forwardkit tp=") or one is None:
+            continue
+        ratio = max(c["weight_bytes_per_rank"]) / max(one["weight_bytes_per_rank"])
+        speed = ", ".join(f"B={b}: {c['decode_tok_s'][b] / one['decode_tok_s'][b]:.2f}x"
+                          for b in c["decode_tok_s"])
+        lines.append(f"\n{name} vs forwardkit (tp=1): weights per rank {ratio:.2f}x "
+                     f"({', '.join(f'{b / 1e9:.3f}' for b in c['weight_bytes_per_rank'])} GB by "
+                     f"rank), decode tok/s {speed} (the ranks share this machine's cores)")
+    return lines

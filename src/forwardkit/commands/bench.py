@@ -4,6 +4,7 @@
     forwardkit bench --quick --json out.json --plot out.png
     forwardkit bench --model ./ckpt --trace mixed -O3
     forwardkit bench --model-shape llama-3.2-1b --generation    # end-to-end generate vs transformers
+    forwardkit bench -tp 2                    # the same trace on 2 tensor-parallel ranks
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ DEFAULT_WARMUP, QUICK_WARMUP = 16, 8
 DP_TIMEOUT_S = 3600.0
 
 
-def _under_torchrun(dp: int) -> bool:
-    """Whether this process is one rank of a torchrun launch of ``dp`` ranks."""
+def _under_torchrun(world_size: int) -> bool:
+    """Whether this process is one rank of a torchrun launch of ``world_size`` (DP x TP) ranks."""
     world = os.environ.get("WORLD_SIZE")
     if world is None or "RANK" not in os.environ:
         return False
-    if int(world) != dp:
-        raise ValueError(f"--data-parallel-size {dp} but torchrun started WORLD_SIZE={world} ranks")
+    if int(world) != world_size:
+        raise ValueError(f"--data-parallel-size x --tensor-parallel-size = {world_size} but torchrun "
+                         f"started WORLD_SIZE={world} ranks")
     return True
 
 
@@ -62,24 +64,31 @@ def _prepare_dp(args: argparse.Namespace, hf_config: dict[str, Any] | None) -> d
 
 def _bench_rank(rank: int, nprocs: int, port: int | None, args: argparse.Namespace,
                 names: list[str], steps_n: int, warmup: int, hf_config: dict[str, Any] | None) -> Any:
-    """One DP rank of the benchmark: its own share of traffic (seed + rank), lockstep steps."""
+    """One rank of the benchmark (global rank ``rank`` of DP x TP): every DP replica its own
+    share of traffic (seed + DP rank), the TP ranks of a replica the same steps, in lockstep."""
     from forwardkit.bench.harness import run_bench
     from forwardkit.bench.trace import load_trace
-    from forwardkit.distributed import destroy_dp_group, init_dp_group
+    from forwardkit.distributed import destroy_distributed, init_distributed
 
-    args.data_parallel_rank = rank
+    from forwardkit.engine.tp import share_cpu_threads
+
+    tp = int(args.tensor_parallel_size or 1)
+    dp_rank = rank // tp
+    args.data_parallel_rank = dp_rank
+    share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", nprocs)))  # ranks share the cores
     if port is not None:
-        init_dp_group(world_size=nprocs, rank=rank, master_addr="127.0.0.1", master_port=port)
+        init_distributed(world_size=nprocs, rank=rank, master_addr="127.0.0.1", master_port=port,
+                         tensor_parallel_size=tp)
     else:  # under torchrun: ranks and rendezvous come from its environment
-        init_dp_group()
+        init_distributed(tensor_parallel_size=tp)
     try:
-        steps = load_trace(args.trace, steps_n, seed=args.seed + rank,
+        steps = load_trace(args.trace, steps_n, seed=args.seed + dp_rank,
                            max_tokens=args.max_num_batched_tokens)
         report = run_bench(args, names, steps, trace_name=f"{args.trace} (rank {rank} of {nprocs})",
-                           hf_config=hf_config, warmup_steps=warmup, seed=args.seed + rank,
+                           hf_config=hf_config, warmup_steps=warmup, seed=args.seed + dp_rank,
                            progress=rank == 0 and not args.no_progress)
     finally:
-        destroy_dp_group()
+        destroy_distributed()
     return report if rank == 0 else None
 
 
@@ -157,6 +166,11 @@ def _check(args: argparse.Namespace) -> None:
                 raise ValueError(f"cannot write {path!r}: directory {parent!r} does not exist")
 
 
+def _ranks_note(dp: int, tp: int) -> str:
+    parts = [f"{n} {kind} ranks" for n, kind in ((dp, "DP"), (tp, "TP")) if n > 1]
+    return f", {' x '.join(parts)} (figures of rank 0)" if parts else ""
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print the report."""
     from forwardkit.bench.contenders import CONTENDER_NAMES
@@ -182,19 +196,22 @@ def run(args: argparse.Namespace) -> int:
                          f"forwardkit's model runner); step-trace contenders: {','.join(CONTENDER_NAMES)}")
     steps = load_trace(args.trace, steps_n, seed=args.seed, max_tokens=args.max_num_batched_tokens)
     dp = int(args.data_parallel_size or 1)
-    if dp > 1:
-        hf_config = _prepare_dp(args, hf_config)
+    tp = int(args.tensor_parallel_size or 1)
+    if dp > 1 or tp > 1:
+        if dp > 1:
+            hf_config = _prepare_dp(args, hf_config)
         engine_config_from_args(args, default_hf_config=hf_config)  # bad flags fail before spawning
         job = (args, names, steps_n, warmup, hf_config)
-        if _under_torchrun(dp):
-            report = _bench_rank(int(os.environ["RANK"]), dp, None, *job)
+        if _under_torchrun(dp * tp):
+            report = _bench_rank(int(os.environ["RANK"]), dp * tp, None, *job)
             if report is None:
                 return 0  # only rank 0 reports
         else:
             from forwardkit.distributed.launch import spawn
 
-            print(f"forwardkit bench: spawning {dp} local data-parallel ranks (gloo)", file=sys.stderr)
-            report = spawn(_bench_rank, dp, args=job, timeout_s=DP_TIMEOUT_S)[0]
+            print(f"forwardkit bench: spawning {dp * tp} local ranks ({dp} data-parallel x {tp} "
+                  "tensor-parallel, gloo)", file=sys.stderr)
+            report = spawn(_bench_rank, dp * tp, args=job, timeout_s=DP_TIMEOUT_S)[0]
     else:
         engine_config_from_args(args, default_hf_config=hf_config)  # bad flags fail before any build
         report = run_bench(args, names, steps, trace_name=args.trace, hf_config=hf_config,
@@ -203,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nforwardkit bench: {len(steps)} steps of the {args.trace} trace "
           f"({sum(s.num_tokens for s in steps)} tokens), model "
           f"{args.model or args.model_shape or ('built-in MoE' if dp > 1 else 'built-in default')}"
-          f"{f', {dp} DP ranks (figures of rank 0)' if dp > 1 else ''}, platform {report.platform}, "
+          f"{_ranks_note(dp, tp)}, platform {report.platform}, "
           f"config hash {report.config_hash}", file=out)
     print(f"machine: {report.machine}\n", file=out)
     print(report.format_table(), file=out)

@@ -2,6 +2,7 @@
 
     forwardkit generate --prompt-token-ids 1,2,3 --max-tokens 8          # built-in model
     forwardkit generate --model ./ckpt --prompt "Hello" --temperature 0.8 --seed 1
+    forwardkit generate -tp 2 --prompt-token-ids 1,2,3      # 2 tensor-parallel worker ranks
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
             "ships none; use --prompt-token-ids"
         )
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    if not llm.is_tp_driver:
+        return 0  # under torchrun with TP: the replica's TP rank 0 prints its outputs
     mode = args.output
     if mode == "auto":
         mode = "text" if llm.get_tokenizer() is not None else "ids"

@@ -198,6 +198,13 @@ class LLM:
             return [int(c) for c in counts.flatten().tolist()]
         return [mine]
 
+    @property
+    def is_tp_driver(self) -> bool:
+        """Whether this process is TP rank 0 of its replica (always True without TP): under
+        torchrun every TP rank's ``generate`` returns the same outputs, and only the driver
+        needs to report them."""
+        return self._tp_link is None or self._tp_link.is_driver
+
     def shutdown(self) -> None:
         """End the TP worker processes this ``LLM`` started (if any) and leave their groups.
         The engine cannot generate afterwards. Also runs when the ``LLM`` is collected."""

@@ -206,6 +206,7 @@ class TPWorkerPool:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.conns: list[Connection] = []
         self.closed = False
+        self.threads_before: int | None = None
         try:
             for rank in range(1, tp):
                 ours, theirs = socket.socketpair()
@@ -220,6 +221,7 @@ class TPWorkerPool:
             init_distributed(engine_config.parallel_config, world_size=tp, rank=0,
                              master_port=port, tensor_parallel_size=tp, timeout_s=timeout_s)
             if engine_config.platform is None or engine_config.platform.is_cpu():
+                self.threads_before = torch.get_num_threads()  # given back by close()
                 share_cpu_threads(tp)
         except BaseException as exc:
             note = self.failure_note()
@@ -326,6 +328,8 @@ class TPWorkerPool:
         for conn in self.conns:
             conn.close()
         destroy_distributed()
+        if self.threads_before is not None:  # this process has the cores to itself again
+            torch.set_num_threads(self.threads_before)
 
 
 class TPFollowerLink:
