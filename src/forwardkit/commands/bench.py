@@ -69,7 +69,6 @@ def _bench_rank(rank: int, nprocs: int, port: int | None, args: argparse.Namespa
     from forwardkit.bench.harness import run_bench
     from forwardkit.bench.trace import load_trace
     from forwardkit.distributed import destroy_distributed, init_distributed
-
     from forwardkit.engine.tp import share_cpu_threads
 
     tp = int(args.tensor_parallel_size or 1)
