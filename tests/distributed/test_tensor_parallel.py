@@ -38,7 +38,8 @@ def checkpoint(tmp_path_factory):
 def _run(llm: LLM, prompts=PROMPTS, params=GREEDY):
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in outs]
+    logprobs = [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs or []]
+                for o in outs]
     return tokens, logprobs
 
 
