@@ -134,7 +134,10 @@ def test_bench_generation_quick_json(tmp_path, capsys):
     assert data["batch_sizes"] == [1, 4] and data["new_tokens"] == 3 and data["stream_gb_s"] > 0
     per_run = data["stream_gb_s_per_run"]  # re-measured before every timed run
     assert set(per_run) == {"min", "median", "max"} and 0 < per_run["min"] <= per_run["median"] <= per_run["max"]
-    assert list(data["contenders"]) == ["eager", "torch.compile", "forwardkit", "transformers"]
+    from forwardkit.bench.llamacpp import llamacpp_available
+
+    expected = ["eager", "torch.compile", "forwardkit", "transformers"]
+    assert list(data["contenders"]) == expected + (["llama.cpp"] if llamacpp_available() else [])
     for name, c in data["contenders"].items():
         assert set(c) == GEN_KEYS, name
         assert set(c["decode_tok_s"]) == {"1", "4"} and min(c["decode_tok_s"].values()) > 0

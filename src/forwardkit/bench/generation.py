@@ -7,7 +7,9 @@ Contenders, all on the same weights and dtype, in one process, taking turns:
   ``F.linear`` weights);
 - ``torch.compile``: that eager model under stock ``torch.compile(dynamic=True)``;
 - ``transformers``: Hugging Face ``generate`` on a ``transformers`` model holding the same
-  weights (Llama-family shapes; greedy, KV cache on, its default attention).
+  weights (Llama-family shapes; greedy, KV cache on, its default attention);
+- ``llama.cpp``: llama.cpp on a GGUF of the same weights, same dtype and thread count, when
+  its Python binding is installed (:mod:`forwardkit.bench.llamacpp`).
 
 For each batch size ``B``: the time of a greedy generate of 1 token (prefill and first
 token) and of ``1 + N`` tokens; decode tokens/s = ``B * N / (t(1+N) - t(1))``. Time to first
@@ -28,7 +30,7 @@ import torch
 __all__ = ["GENERATION_CONTENDERS", "GenerationResult", "StreamProbe", "hf_state_dict",
            "measure_stream_bandwidth", "time_generation"]
 
-GENERATION_CONTENDERS = ("eager", "torch.compile", "forwardkit", "transformers")
+GENERATION_CONTENDERS = ("eager", "torch.compile", "forwardkit", "transformers", "llama.cpp")
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
 
 

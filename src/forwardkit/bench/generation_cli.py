@@ -103,6 +103,19 @@ def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any
                                                                      num_gpu_blocks=blocks))
 
 
+def _with_llamacpp(names: list[str], explicit: bool) -> list[str]:
+    """``names`` without llama.cpp when its binding is missing (a note says so; an error when
+    it was asked for by name)."""
+    from forwardkit.bench.llamacpp import llamacpp_available, llamacpp_missing_note
+
+    if "llama.cpp" not in names or llamacpp_available():
+        return names
+    if explicit:
+        raise ValueError(f"--contenders llama.cpp: {llamacpp_missing_note()}")
+    print(f"forwardkit bench --generation: {llamacpp_missing_note()}", file=sys.stderr)
+    return [n for n in names if n != "llama.cpp"]
+
+
 def _tp_of(name: str) -> int:
     """The tensor-parallel size of contender ``name`` ("forwardkit tp=N" -> N, else 1)."""
     return int(name.rpartition("tp=")[2]) if name.startswith("forwardkit tp=") else 1
@@ -143,6 +156,20 @@ def _build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, A
     from forwardkit.bench import generation as gen
     from forwardkit.engine.llm import LLM
 
+    if name == "llama.cpp":
+        if fk_llm is None:
+            raise ValueError("the llama.cpp contender needs the forwardkit contender (it takes "
+                             "forwardkit's weights)")
+        import torch
+
+        from forwardkit.bench.llamacpp import LlamaCppGenerator
+
+        runner = fk_llm.runner
+        cpp = LlamaCppGenerator(runner.model_config.hf_config, gen.hf_state_dict(runner.model),
+                                max_seqs=max(s["batch_sizes"]),
+                                max_len=s["prompt_len"] + s["new_tokens"] + 2,
+                                threads=torch.get_num_threads())
+        return cpp.generate, cpp
     if name == "transformers":
         if fk_llm is None:
             raise ValueError("the transformers contender needs the forwardkit contender (it "
@@ -178,8 +205,10 @@ def run_generation(args: argparse.Namespace) -> int:
     s = _settings(args)
     names = args.contenders or list(gen.GENERATION_CONTENDERS)
     hf_config = None if args.model is not None else model_shape_config(args.model_shape or BUILTIN_MODEL_SHAPE)
-    if "transformers" in names and "forwardkit" in names:  # it borrows forwardkit's weights
-        names = [n for n in names if n != "transformers"] + ["transformers"]
+    names = _with_llamacpp(names, explicit=args.contenders is not None)
+    for borrower in ("transformers", "llama.cpp"):  # they take forwardkit's weights: after it
+        if borrower in names and "forwardkit" in names:
+            names = [n for n in names if n != borrower] + [borrower]
     tp = int(getattr(args, "tensor_parallel_size", None) or 1)
     if tp > 1:  # every contender at tp=1, and forwardkit at tp=N beside them
         names.append(f"forwardkit tp={tp}")

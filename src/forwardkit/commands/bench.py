@@ -99,7 +99,7 @@ def _contender_list(text: str) -> list[str]:
     if bad or not names:
         raise argparse.ArgumentTypeError(
             f"unknown contender(s) {bad or text!r}; choose from {','.join(GENERATION_CONTENDERS)} "
-            "(transformers with --generation only)"
+            "(transformers and llama.cpp with --generation only)"
         )
     return names
 
@@ -136,7 +136,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"untimed steps before timing (default {DEFAULT_WARMUP}; {QUICK_WARMUP} with --quick)")
     g.add_argument("--contenders", type=_contender_list, default=None, metavar="LIST",
                    help="comma-separated subset of eager,torch.compile,forwardkit (default: all); "
-                        "with --generation also transformers")
+                        "with --generation also transformers and llama.cpp (the latter when "
+                        "llama-cpp-python is installed)")
     g.add_argument("--quick", action="store_true",
                    help="a short run for smoke tests (fewer steps)")
     g.add_argument("--seed", type=int, default=0, help="seed of the trace and token ids (default 0)")
@@ -190,9 +191,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         hf_config = model_shape_config(args.model_shape or BUILTIN_MODEL_SHAPE)
     names = args.contenders or list(CONTENDER_NAMES)
-    if "transformers" in names:
-        raise ValueError("--contenders transformers needs --generation (the step trace runs "
-                         f"forwardkit's model runner); step-trace contenders: {','.join(CONTENDER_NAMES)}")
+    for only_generation in ("transformers", "llama.cpp"):
+        if only_generation in names:
+            raise ValueError(f"--contenders {only_generation} needs --generation (the step trace "
+                             "runs forwardkit's model runner); step-trace contenders: "
+                             f"{','.join(CONTENDER_NAMES)}")
     steps = load_trace(args.trace, steps_n, seed=args.seed, max_tokens=args.max_num_batched_tokens)
     dp = int(args.data_parallel_size or 1)
     tp = int(args.tensor_parallel_size or 1)

@@ -1,0 +1,123 @@
+"""Write a Llama-family model's weights as a GGUF file, for llama.cpp to run the same tensors.
+
+The benchmark's llama.cpp contender needs the very weights forwardkit runs. This writes them
+with the ``gguf`` package under llama.cpp's ``llama`` architecture names:
+
+- ``token_embd``, ``output_norm``, ``output`` (left out when the embedding is tied), and per
+  layer ``attn_norm``, ``attn_q/k/v``, ``attn_output``, ``ffn_norm``, ``ffn_gate/up/down``;
+- Q and K rows are permuted from Hugging Face's rotary layout (the two halves of each head)
+  to the interleaved pairs llama.cpp's ``llama`` rotary expects, per head:
+  ``w.view(heads, 2, head_dim // 2, in).transpose(1, 2)``;
+- no vocabulary (tokenizer model ``no_vocab``): the benchmark feeds token ids.
+
+bf16 tensors are stored as BF16, float32 as F32, float16 as F16, so both engines read the
+same number of bytes per step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["gguf_available", "write_llama_gguf"]
+
+
+def gguf_available() -> bool:
+    """Whether the ``gguf`` package is importable."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _rotary_interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a Q or K projection from the half-split rotary layout to interleaved pairs."""
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _gguf_names(layers: int) -> dict[str, str]:
+    names = {"model.embed_tokens.weight": "token_embd.weight",
+             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm.weight": "attn_norm.weight",
+                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+                 "self_attn.v_proj.weight": "attn_v.weight",
+                 "self_attn.o_proj.weight": "attn_output.weight",
+                 "post_attention_layernorm.weight": "ffn_norm.weight",
+                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+                 "mlp.down_proj.weight": "ffn_down.weight"}
+    for i in range(layers):
+        for hf, ours in per_layer.items():
+            names[f"model.layers.{i}.{hf}"] = f"blk.{i}.{ours}"
+    return names
+
+
+def write_llama_gguf(path: str | os.PathLike[str], hf_config: Mapping[str, Any],
+                     state: Mapping[str, torch.Tensor]) -> str:
+    """Write ``state`` (Hugging Face names, a Llama-family model of ``hf_config``) to ``path``
+    as a GGUF file llama.cpp loads; returns the path. Raises ``ValueError`` for a model this
+    cannot express (biases, mixture of experts, rope scaling, names it does not know)."""
+    import gguf
+    import numpy as np
+
+    if hf_config.get("num_local_experts"):
+        raise ValueError("the GGUF export covers Llama-family dense models; this one has experts")
+    if hf_config.get("rope_scaling"):
+        raise ValueError(f"the GGUF export does not write rope_scaling "
+                         f"{hf_config.get('rope_scaling')!r}")
+    layers = int(hf_config["num_hidden_layers"])
+    heads = int(hf_config["num_attention_heads"])
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    hidden = int(hf_config["hidden_size"])
+    head_dim = int(hf_config.get("head_dim") or hidden // heads)
+    names = _gguf_names(layers)
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    unknown = sorted(n for n in state if n not in names)
+    if unknown:
+        raise ValueError(f"no GGUF name for {unknown[:5]} (biases and other extras are not "
+                         "written)")
+    kinds = {torch.bfloat16: gguf.GGMLQuantizationType.BF16,
+             torch.float16: gguf.GGMLQuantizationType.F16,
+             torch.float32: gguf.GGMLQuantizationType.F32}
+    writer = gguf.GGUFWriter(os.fspath(path), "llama")
+    writer.add_context_length(int(hf_config.get("max_position_embeddings", 4096)))
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(int(hf_config["intermediate_size"]))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(hf_config.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(hf_config.get("rms_norm_eps", 1e-6)))
+    writer.add_vocab_size(int(hf_config["vocab_size"]))
+    writer.add_tokenizer_model("no_vocab")
+    for hf_name, tensor in state.items():
+        if tied and hf_name == "lm_head.weight":
+            continue
+        t = tensor.detach().to("cpu").contiguous()
+        if hf_name.endswith("q_proj.weight"):
+            t = _rotary_interleaved(t, heads)
+        elif hf_name.endswith("k_proj.weight"):
+            t = _rotary_interleaved(t, kv_heads)
+        if t.dtype not in kinds:
+            raise ValueError(f"{hf_name}: dtype {t.dtype} has no GGUF type here "
+                             f"(accepted: {sorted(str(d) for d in kinds)})")
+        kind = kinds[t.dtype]
+        if t.dim() == 1:  # llama.cpp computes norms in float32
+            t, kind = t.float(), gguf.GGMLQuantizationType.F32
+        if t.dtype == torch.bfloat16:
+            array = t.view(torch.int16).numpy().view(np.uint16)
+        else:
+            array = t.numpy()
+        writer.add_tensor(names[hf_name], array, raw_shape=list(t.shape), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return os.fspath(path)

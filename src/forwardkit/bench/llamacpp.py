@@ -1,0 +1,152 @@
+"""llama.cpp as a contender of ``forwardkit bench --generation`` (when ``llama_cpp`` is installed).
+
+The contender runs forwardkit's own weights: they are written to a GGUF file
+(:mod:`forwardkit.bench.gguf_export`) and llama.cpp loads it through its C API
+(``llama_cpp``'s ctypes bindings). Generation is greedy over equal-length token-id prompts,
+one llama.cpp sequence per prompt in one batch (prefill of every prompt in one decode call,
+then one decode call per step with one token per sequence), with the same thread count as
+forwardkit. The next token is the argmax of each sequence's logits, as forwardkit's greedy
+sampler takes it.
+
+llama.cpp is not a dependency: ``pip install llama-cpp-python`` builds it from source (about
+6 minutes on 2 cores; ``CMAKE_ARGS="-DGGML_NATIVE=ON"`` for this CPU's instructions).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["LlamaCppGenerator", "llamacpp_available", "llamacpp_missing_note"]
+
+
+def llamacpp_available() -> bool:
+    """Whether llama.cpp's Python binding and the ``gguf`` writer are importable."""
+    from forwardkit.bench.gguf_export import gguf_available
+
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError):  # OSError: the shared library failed to load
+        return False
+    return gguf_available()
+
+
+def llamacpp_missing_note() -> str:
+    """Why the llama.cpp contender is left out, and how to add it."""
+    return ("llama.cpp contender skipped: its Python binding is not installed "
+            "(CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install llama-cpp-python gguf; a source build, "
+            "about 6 minutes on 2 cores)")
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _quiet(level: int, text: bytes, user_data: Any) -> None:
+    """llama.cpp's log callback: errors only (level 4 = GGML_LOG_LEVEL_ERROR)."""
+    if level == 4 and text:
+        os.write(2, text)
+
+
+class LlamaCppGenerator:
+    """Greedy batched generation with llama.cpp over a GGUF of ``state`` (Hugging Face names).
+
+    ``max_seqs`` sequences of at most ``max_len`` tokens each; ``threads`` for decode and
+    prefill. The GGUF lives in a temporary directory removed by :meth:`close`."""
+
+    def __init__(self, hf_config: Mapping[str, Any], state: Mapping[str, torch.Tensor], *,
+                 max_seqs: int, max_len: int, threads: int) -> None:
+        import llama_cpp as lc
+
+        from forwardkit.bench.gguf_export import write_llama_gguf
+
+        self._lc = lc
+        tied = bool(hf_config.get("tie_word_embeddings", False))
+        self.weight_bytes = sum(t.numel() * t.element_size() for name, t in state.items()
+                                if not (tied and name == "lm_head.weight"))
+        self._dir = tempfile.TemporaryDirectory(prefix="forwardkit-gguf-")
+        path = write_llama_gguf(os.path.join(self._dir.name, "model.gguf"), hf_config, state)
+        lc.llama_log_set(_quiet, ctypes.c_void_p())
+        lc.llama_backend_init()
+        mparams = lc.llama_model_default_params()
+        mparams.use_mmap = False  # resident like forwardkit's weights, no page faults mid-run
+        self._model = lc.llama_model_load_from_file(path.encode(), mparams)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load the GGUF written at {path}")
+        self.vocab_size = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model)))
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = max_seqs * max_len
+        cparams.n_batch = cparams.n_ubatch = max(512, max_seqs * max_len)
+        cparams.n_seq_max = max_seqs
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        self._ctx = lc.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise RuntimeError("llama.cpp could not create a context "
+                               f"(n_ctx={max_seqs * max_len}, n_seq_max={max_seqs})")
+        self._batch = lc.llama_batch_init(cparams.n_batch, 0, max_seqs)
+        self._capacity = int(cparams.n_batch)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """One llama_decode of (token, position, sequence, wants logits); returns the argmax
+        token of every entry that wanted logits, in order."""
+        lc, batch = self._lc, self._batch
+        if len(entries) > self._capacity:
+            raise ValueError(f"{len(entries)} tokens in one step; the context holds "
+                             f"{self._capacity}")
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = 1 if logits else 0
+        batch.n_tokens = len(entries)
+        status = lc.llama_decode(self._ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+        out = []
+        for i, (_, _, _, logits) in enumerate(entries):
+            if logits:
+                row = lc.llama_get_logits_ith(self._ctx, i)
+                values = torch.frombuffer(
+                    (ctypes.c_float * self.vocab_size).from_address(ctypes.addressof(row.contents)),
+                    dtype=torch.float32)
+                out.append(int(values.argmax()))
+        return out
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        """Greedy ``new_tokens`` tokens after each prompt (a fresh KV cache per call)."""
+        lc = self._lc
+        lc.llama_memory_clear(lc.llama_get_memory(self._ctx), True)
+        entries = [(tok, pos, seq, pos == len(p) - 1)
+                   for seq, p in enumerate(prompts) for pos, tok in enumerate(p)]
+        nxt = self._decode(entries)
+        outs = [[t] for t in nxt]
+        for _ in range(new_tokens - 1):
+            nxt = self._decode([(t, len(p) + len(o) - 1, seq, True)
+                                for seq, (p, o, t) in enumerate(zip(prompts, outs, nxt))])
+            for o, t in zip(outs, nxt):
+                o.append(t)
+        return outs
+
+    def weight_bytes_per_rank(self) -> list[int]:
+        """Bytes of the weights written for llama.cpp (one process)."""
+        return [self.weight_bytes]
+
+    def shutdown(self) -> None:
+        """Same as :meth:`close` (the benchmark ends every contender this way)."""
+        self.close()
+
+    def close(self) -> None:
+        """Free llama.cpp's context and model and remove the GGUF."""
+        lc = self._lc
+        if getattr(self, "_ctx", None):
+            lc.llama_batch_free(self._batch)
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            lc.llama_model_free(self._model)
+            self._model = None
+        self._dir.cleanup()

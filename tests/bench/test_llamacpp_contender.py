@@ -1,0 +1,84 @@
+"""The llama.cpp contender: the GGUF written from forwardkit's weights holds the same tensors
+under llama.cpp's names (Q/K rows in its rotary order); with llama.cpp installed it generates
+forwardkit's greedy tokens, without it the benchmark leaves it out with a note."""
+
+from __future__ import annotations
+
+import gguf  # a dev dependency (the GGUF writer); llama.cpp itself is optional
+import pytest
+import torch
+
+from forwardkit.bench.generation import hf_state_dict
+from forwardkit.bench.gguf_export import _rotary_interleaved, write_llama_gguf
+from forwardkit.bench.llamacpp import llamacpp_available, llamacpp_missing_note
+from forwardkit.engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4,
+               max_num_batched_tokens=128, seed=3)
+
+
+def test_rotary_reorder_interleaves_each_heads_halves():
+    w = torch.arange(2 * 8, dtype=torch.float32).repeat_interleave(3).view(16, 3)  # 2 heads x 8
+    out = _rotary_interleaved(w, heads=2)
+    # per head: rows (0, 4, 1, 5, 2, 6, 3, 7): the pairs rotated together sit side by side
+    order = [0, 4, 1, 5, 2, 6, 3, 7]
+    assert out[:, 0].tolist() == [float(r) for r in order + [8 + r for r in order]]
+
+
+def test_gguf_holds_the_same_tensors(llm, tmp_path):
+    hf = llm.runner.model_config.hf_config
+    state = hf_state_dict(llm.runner.model)
+    path = write_llama_gguf(tmp_path / "m.gguf", hf, state)
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    layers = hf["num_hidden_layers"]
+    assert len(tensors) == 3 + 9 * layers  # embedding, final norm, LM head (untied) + per layer
+    fields = {f.name: f for f in reader.fields.values()}
+    assert bytes(fields["general.architecture"].parts[-1]).decode() == "llama"
+    assert int(fields["llama.block_count"].parts[-1][0]) == layers
+    assert int(fields["llama.attention.head_count_kv"].parts[-1][0]) == hf["num_key_value_heads"]
+
+    def back(name: str) -> torch.Tensor:
+        t = tensors[name]
+        return torch.from_numpy(t.data.copy()).view(*reversed([int(d) for d in t.shape]))
+
+    torch.testing.assert_close(back("token_embd.weight"), state["model.embed_tokens.weight"])
+    torch.testing.assert_close(back("blk.1.ffn_down.weight"), state["model.layers.1.mlp.down_proj.weight"])
+    torch.testing.assert_close(back("blk.0.attn_k.weight"), _rotary_interleaved(
+        state["model.layers.0.self_attn.k_proj.weight"], hf["num_key_value_heads"]))
+    assert not torch.equal(back("blk.0.attn_q.weight"), state["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_experts_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="dense models; this one has experts"):
+        write_llama_gguf(tmp_path / "m.gguf", {"num_local_experts": 8}, {})
+
+
+def test_llamacpp_generates_forwardkits_tokens_or_is_left_out_with_a_note(llm, capsys):
+    from forwardkit.bench.generation_cli import _with_llamacpp
+
+    names = ["forwardkit", "llama.cpp"]
+    if not llamacpp_available():
+        assert _with_llamacpp(names, explicit=False) == ["forwardkit"]
+        assert "pip install llama-cpp-python" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="--contenders llama.cpp: llama.cpp contender skipped"):
+            _with_llamacpp(names, explicit=True)
+        assert "about 6 minutes" in llamacpp_missing_note()
+        return
+    from forwardkit.bench.llamacpp import LlamaCppGenerator
+
+    assert _with_llamacpp(names, explicit=True) == names
+    prompts = [[5, 17, 300, 42, 8], [9, 10, 11, 12, 13]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = [list(o.outputs[0].token_ids)
+            for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+    cpp = LlamaCppGenerator(llm.runner.model_config.hf_config, hf_state_dict(llm.runner.model),
+                            max_seqs=2, max_len=16, threads=1)
+    try:
+        assert cpp.generate(prompts, 6) == want
+        assert cpp.generate(prompts[:1], 6) == want[:1]  # a fresh cache per call
+    finally:
+        cpp.close()
