@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from skip_policy import pytest_addoption, pytest_configure  # noqa: E402, F401  (--strict-skips)
 
 
 @pytest.fixture(scope="session", autouse=True)

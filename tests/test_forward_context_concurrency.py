@@ -24,8 +24,9 @@ def test_threads_see_only_their_own_context():
     barrier = threading.Barrier(n_threads)
     errors: list[str] = []
     seen_outside: list[bool] = []
+    finished: list[int] = []
 
-    def worker(i: int) -> None:
+    def body(i: int) -> None:
         seen_outside.append(is_forward_context_available())
         for step in range(steps):
             with set_forward_context({"worker": i, "step": step}, CFG, num_tokens=i + 1):
@@ -37,14 +38,26 @@ def test_threads_see_only_their_own_context():
         if is_forward_context_available():
             errors.append(f"thread {i} still has a context after its blocks")
 
+    def worker(i: int) -> None:
+        # An exception in a thread only reaches pytest as a warning: record it as an error.
+        try:
+            body(i)
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the assertions
+            errors.append(f"thread {i} raised {type(e).__name__}: {e}")
+            barrier.abort()  # the others fail fast instead of waiting out the timeout
+        else:
+            finished.append(i)
+
     with set_forward_context({"worker": "main"}, CFG):
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_threads)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=30)
+        assert [t.name for t in threads if t.is_alive()] == []  # none hung
         assert get_forward_context().attn_metadata == {"worker": "main"}
     assert errors == []
+    assert sorted(finished) == list(range(n_threads))  # every thread ran to the end
     assert seen_outside == [False] * n_threads  # a new thread starts without a context
     assert not is_forward_context_available()
 

@@ -32,6 +32,26 @@ def test_violated_shape_guard_raises(make_config, mode):
         model(torch.ones(2))
 
 
+@pytest.mark.parametrize("mode", [2, 3])
+def test_violation_keeps_torchs_guard_failure_text(make_config, mode):
+    """vLLM lets torch's error through, and its tests (and code written against it) match
+    torch's text; forwardkit's explanation comes first and torch's text follows unchanged."""
+    cfg = make_config(mode=mode, backend="eager", splitting_ops=[],
+                      dynamic_shapes_config={"evaluate_guards": True})
+    model = Branchy(engine_config=cfg)
+    model(torch.ones(8))
+    with pytest.raises(RuntimeError) as info:
+        model(torch.ones(3))
+    text = str(info.value)
+    assert isinstance(info.value, GuardViolationError)
+    assert text.startswith("Branchy: this call breaks a shape guard")
+    # vLLM's ported check: one of torch's two guard-failure wordings is in the message
+    assert ("Detected recompile when torch.compile stance is 'fail_on_recompile'" in text
+            or "GuardManager check failed" in text)
+    assert text.endswith(str(info.value.__cause__))  # torch's whole text, unchanged
+    assert "triggered by the following guard failure(s)" in text
+
+
 def test_guards_dropped_by_default(make_config):
     model = Branchy(engine_config=make_config(mode=2, backend="eager", splitting_ops=[]))
     model(torch.ones(8))

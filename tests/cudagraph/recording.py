@@ -9,8 +9,12 @@ with (static input buffers, the previous piece's output, persistent attention me
 knows nothing of the current step. So replayed results equal eager only if the runner keeps
 every graph input in the same storage, which is the property being tested.
 
-Outputs are kept as strong references (the "graph pool" keeps them alive); on a GPU they are
-weak references into the pool.
+Memory is modelled as a real capture and pool treat it: a capture computes nothing, so every
+captured output is filled with NaN when its capture ends (a caller that used a capture's result
+as a real one sees NaN); an output the wrapper hands back to the pool inside the capture (the
+last piece's, by a weak reference) is moved into one buffer shared by all such outputs, so each
+replay overwrites the output of the graph replayed before it, as in a real pool. Outputs of
+other pieces stay in their own memory (a real pool keeps them while later pieces read them).
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ class RecordingGraph:
         self.pool: Any = None
         self.replays = 0
         self.gc_kept = False  # the capture ran with gc.collect live (the first piece syncs)
+        self.released: list[torch.Tensor] = []  # outputs handed back to the pool in capture
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _copy_into(dst: Any, src: Any) -> None:
@@ -55,6 +68,8 @@ class RecordingGraphs(GraphBackend):
     def __init__(self) -> None:
         self.pool = object()
         self.graphs: list[RecordingGraph] = []
+        self._capturing: RecordingGraph | None = None
+        self._shared = torch.empty(0, dtype=torch.uint8)  # the pool's reused output memory
 
     def graph_pool(self) -> Any:
         return self.pool
@@ -69,10 +84,30 @@ class RecordingGraphs(GraphBackend):
         graph.pool = pool
         graph.context = get_forward_context()
         graph.gc_kept = gc.collect is _REAL_GC_COLLECT
-        yield
+        self._capturing = graph
+        try:
+            yield
+        finally:
+            self._capturing = None
+
+    def _share(self, tensors: list[torch.Tensor]) -> None:
+        """Back ``tensors`` (one graph's released outputs, side by side) by the shared buffer."""
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        if self._shared.numel() < sum(sizes):
+            self._shared = torch.empty(sum(sizes), dtype=torch.uint8)
+        offset = 0
+        for t, size in zip(tensors, sizes):
+            storage = self._shared.untyped_storage()
+            t.set_(storage, offset // t.element_size(), t.shape, t.stride())
+            offset += size
 
     def on_captured(self, graph: RecordingGraph, rerun: Any, output: Any) -> None:
         graph.rerun, graph.output = rerun, output
+        if graph.released:
+            self._share(graph.released)
+        for t in _tensors(output):
+            if t.is_floating_point():
+                t.fill_(float("nan"))
 
     def replay(self, graph: RecordingGraph) -> None:
         graph.replays += 1
@@ -81,6 +116,9 @@ class RecordingGraphs(GraphBackend):
         _copy_into(graph.output, fresh)
 
     def weak_ref(self, output: Any) -> Any:
+        if self._capturing is not None:  # handed back to the pool inside the capture
+            self._capturing.released.extend(
+                t for t in _tensors(output) if t.is_contiguous() and t.storage_offset() == 0)
         return output
 
 

@@ -148,7 +148,13 @@ def test_multi_process_scenarios(scenarios):
 
 
 def _stalled_peer(rank: int, nprocs: int, port: int, mode: str) -> str:
-    init_dp_group(world_size=nprocs, rank=rank, master_port=port, timeout_s=2)
+    # The 2 s limit must bound the step's collective only, not the ranks' start-up (importing
+    # torch in a fresh process can take longer than that on a loaded machine): rendezvous
+    # with a generous limit, meet at a barrier, then bound the collectives by 2 s.
+    init_dp_group(world_size=nprocs, rank=rank, master_port=port, timeout_s=120)
+    group = get_dp_group()
+    group.barrier()
+    group.timeout_s = 2
     try:
         if rank == nprocs - 1:
             if mode == "stall":

@@ -11,8 +11,16 @@ import torch.nn.functional as F
 from forwardkit.layers import cpu_gemm, hugepages, native_linear
 
 BF16 = torch.bfloat16
-needs_kernel = pytest.mark.skipif(not native_linear.cpu_has_avx512_bf16(),
-                                  reason="the CPU has no AVX-512-BF16 (the native kernel's instructions)")
+# Each case is gated on the kernel it runs (native_linear.cpu_supports): the float32 kernel
+# needs AVX-512F/BW/VL, the bf16 one AVX-512-BF16 too.
+needs_bf16_kernel = pytest.mark.skipif(
+    not native_linear.cpu_supports(BF16),
+    reason="the CPU has no AVX-512-BF16 (the native bf16 kernel's instructions)")
+needs_f32_kernel = pytest.mark.skipif(
+    not native_linear.cpu_supports(torch.float32),
+    reason="the CPU has no AVX-512F/BW/VL (the native float32 kernel's instructions)")
+KERNEL_DTYPES = [pytest.param(BF16, marks=needs_bf16_kernel, id="bf16"),
+                 pytest.param(torch.float32, marks=needs_f32_kernel, id="fp32")]
 
 
 @pytest.fixture(autouse=True)
@@ -34,11 +42,10 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
     return F.linear(x.float(), w.float(), None if b is None else b.float())
 
 
-@needs_kernel
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize(("n", "k"), [(8, 32), (13, 70), (3072, 2048), (257, 1000)])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_matches_a_float64_linear(rows, n, k, with_bias, dtype):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).to(dtype)
@@ -54,28 +61,30 @@ def test_matches_a_float64_linear(rows, n, k, with_bias, dtype):
     assert torch.equal(out, native_linear.linear_rows(x, w, b))  # deterministic
 
 
-@needs_kernel
-def test_leading_dims_and_non_contiguous_input():
-    x = torch.randn(1, 64, 2).to(BF16)[..., 0]  # [1, 64], not contiguous
-    w = torch.randn(24, 64).to(BF16)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_leading_dims_and_non_contiguous_input(dtype):
+    x = torch.randn(1, 64, 2).to(dtype)[..., 0]  # [1, 64], not contiguous
+    w = torch.randn(24, 64).to(dtype)
     out = native_linear.linear_rows(x, w, None)
     assert out is not None and out.shape == (1, 24)
     torch.testing.assert_close(out.float(), _reference(x, w, None), rtol=8e-3, atol=1e-2)
 
 
-@needs_kernel
-def test_declines_what_it_does_not_cover():
-    w = torch.randn(16, 64).to(BF16)
-    x1 = torch.randn(1, 64).to(BF16)
-    assert native_linear.linear_rows(torch.randn(native_linear.MAX_ROWS + 1, 64).to(BF16), w, None) is None
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_declines_what_it_does_not_cover(dtype):
+    other = torch.float32 if dtype == BF16 else BF16
+    w = torch.randn(16, 64).to(dtype)
+    x1 = torch.randn(1, 64).to(dtype)
+    assert native_linear.linear_rows(x1, w, None) is not None  # the kernel is there and applies
+    assert native_linear.linear_rows(torch.randn(native_linear.MAX_ROWS + 1, 64).to(dtype), w, None) is None
     assert native_linear.linear_rows(x1.half(), w.half(), None) is None
-    assert native_linear.linear_rows(x1.float(), w, None) is None  # mixed dtypes
+    assert native_linear.linear_rows(x1.to(other), w, None) is None  # mixed dtypes
     assert native_linear.linear_rows(x1, w.t().contiguous().t(), None) is None  # strided weight
-    assert native_linear.linear_rows(x1, w, torch.zeros(16)) is None  # fp32 bias
-    assert native_linear.linear_rows(torch.randn(0, 64).to(BF16), w, None) is None
+    assert native_linear.linear_rows(x1, w, torch.zeros(16, dtype=other)) is None  # bias dtype
+    assert native_linear.linear_rows(torch.randn(0, 64).to(dtype), w, None) is None
 
 
-@needs_kernel
+@needs_bf16_kernel
 def test_packed_layers_use_it_for_few_rows_only(monkeypatch):
     w = torch.randn(40, 96).to(BF16)
     cpu_gemm.pack_weight(w)
@@ -108,24 +117,41 @@ def test_switched_off_by_environment(fresh_kernel):
     assert native_linear.linear_rows(x, w, None) is None
 
 
-@needs_kernel
 def test_missing_compiler_disables_with_a_reason(fresh_kernel, tmp_path):
+    """Runs on any CPU: without a compiler (or without AVX-512) the kernel is off and a
+    registered weight's 1-2-row products still equal F.linear (the packed oneDNN path serves
+    them), so a machine without a compiler works."""
     fresh_kernel.setenv("FORWARDKIT_CACHE_ROOT", str(tmp_path))  # nothing built there yet
     fresh_kernel.setenv("CC", "no-such-compiler-xyz")
     with pytest.raises(RuntimeError, match="no C compiler 'no-such-compiler-xyz'"):
         native_linear._build(tmp_path / "native")
-    assert not native_linear.available()  # the engine falls back instead of failing
+    for dtype in (BF16, torch.float32):
+        assert not native_linear.available(dtype)  # the engine falls back instead of failing
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 70, generator=gen)
+    b = torch.randn(24, generator=gen)
+    cpu_gemm.pack_weight(w)
+    try:
+        for rows in (1, 2):
+            x = torch.randn(rows, 70, generator=gen)
+            assert native_linear.linear_rows(x, w, b) is None
+            # fp32 oneDNN vs MKL: the same products summed in another order
+            torch.testing.assert_close(cpu_gemm.linear(x, w, b), F.linear(x, w, b),
+                                       rtol=1e-5, atol=1e-5)
+    finally:
+        cpu_gemm.unpack_weight(w)
+    assert not list((tmp_path / "native").glob("*.so"))  # nothing was built
 
 
-@needs_kernel
+@needs_f32_kernel
 def test_build_is_cached_by_source(fresh_kernel, tmp_path):
     fresh_kernel.setenv("FORWARDKIT_CACHE_ROOT", str(tmp_path))
-    assert native_linear.available()
+    assert native_linear.available(torch.float32)
     built = sorted((tmp_path / "native").glob("linear_few_rows-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     native_linear.cache_clear()
-    assert native_linear.available()
+    assert native_linear.available(torch.float32)
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     assert sorted((tmp_path / "native").iterdir()) == built  # no temporary files left
 

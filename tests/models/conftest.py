@@ -46,8 +46,7 @@ def llama_dir(tmp_path_factory) -> str:
     return _save(model, tmp_path_factory.mktemp("llama"))
 
 
-@pytest.fixture(scope="session")
-def llama_variant_dir(tmp_path_factory) -> str:
+def _llama_variant(init_scale: float = 0.02):
     """Tied embeddings, explicit head_dim (!= hidden/heads), biases, llama3 rope scaling."""
     torch.manual_seed(1)
     cfg = transformers.LlamaConfig(
@@ -65,10 +64,41 @@ def llama_variant_dir(tmp_path_factory) -> str:
             "rope_theta": 50000.0,
         },
         rope_theta=50000.0,
+        initializer_range=init_scale,
     )
     model = transformers.LlamaForCausalLM(cfg)
     _init_nonzero_biases(model)
-    return _save(model, tmp_path_factory.mktemp("llama_variant"))
+    return model
+
+
+def _qwen2(init_scale: float = 0.02):
+    """Qwen2: biases on q/k/v only, tied embeddings."""
+    torch.manual_seed(3)
+    cfg = transformers.Qwen2Config(**TINY, tie_word_embeddings=True, rope_theta=1000000.0,
+                                   initializer_range=init_scale)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    _init_nonzero_biases(model)
+    return model
+
+
+# Weight scale of the bf16 parity checkpoints. With transformers' default 0.02 the attention
+# scores are so small that attention is nearly uniform over the context and positions barely
+# matter: a model with rotary switched off still met the bf16 tolerance. At 0.2 the logits
+# reach ~6 and position matters (rotary off moves them by 3-8; tests/models/test_parity.py
+# checks that this control exceeds the tolerance).
+BF16_INIT_SCALE = 0.2
+
+
+@pytest.fixture(scope="session")
+def llama_variant_dir(tmp_path_factory) -> str:
+    """Tied embeddings, explicit head_dim (!= hidden/heads), biases, llama3 rope scaling."""
+    return _save(_llama_variant(), tmp_path_factory.mktemp("llama_variant"))
+
+
+@pytest.fixture(scope="session")
+def llama_variant_bf16_dir(tmp_path_factory) -> str:
+    """``llama_variant_dir`` with weights at ``BF16_INIT_SCALE`` (for the bf16 parity tests)."""
+    return _save(_llama_variant(BF16_INIT_SCALE), tmp_path_factory.mktemp("llama_variant_bf16"))
 
 
 @pytest.fixture(scope="session")
@@ -84,11 +114,13 @@ def mixtral_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory) -> str:
     """Qwen2: biases on q/k/v only, tied embeddings."""
-    torch.manual_seed(3)
-    cfg = transformers.Qwen2Config(**TINY, tie_word_embeddings=True, rope_theta=1000000.0)
-    model = transformers.Qwen2ForCausalLM(cfg)
-    _init_nonzero_biases(model)
-    return _save(model, tmp_path_factory.mktemp("qwen2"))
+    return _save(_qwen2(), tmp_path_factory.mktemp("qwen2"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_bf16_dir(tmp_path_factory) -> str:
+    """``qwen2_dir`` with weights at ``BF16_INIT_SCALE`` (for the bf16 parity tests)."""
+    return _save(_qwen2(BF16_INIT_SCALE), tmp_path_factory.mktemp("qwen2_bf16"))
 
 
 @dataclass

@@ -91,31 +91,82 @@ def test_padding_rows_do_not_change_results(llama_dir, load_fk):
 
 
 # bf16: both sides round every op's result to bf16 but run different kernels (oneDNN packed
-# matmuls, paged attention vs transformers' dense attention), so logits differ by a few bf16
-# ulps of their magnitude. Stated tolerance: max |ours - ref| <= 0.01 * max |ref| + 0.01 (seen: 0.004).
-BF16_REL, BF16_ABS = 0.01, 0.01
+# matmuls, the native few-row kernel, paged attention vs transformers' dense attention), so
+# their logits differ by a few bf16 rounding steps that the layers compound. On the
+# BF16_INIT_SCALE checkpoints (logits up to ~6, where one bf16 step is 0.03) the largest
+# difference seen is 0.13, 2.4% of max |ref| (llama/qwen2/mixtral variants, 2 requests each).
+# Stated tolerance: max |ours - ref| <= 0.05 * max |ref| + 0.01, about 2x the largest seen.
+# What it can see: rotary switched off moves the logits by 3-8 (50-150% of max |ref|, over 10x
+# the tolerance; test_bf16_parity_check_fails_with_rotary_off keeps that true). Finer defects
+# are the fp32 tests' job (ATOL/RTOL above).
+BF16_REL, BF16_ABS = 0.05, 0.01
+BF16_FIXTURES = ["llama_variant_bf16_dir", "qwen2_bf16_dir"]
 
 
-@pytest.mark.parametrize("fixture", ["llama_variant_dir", "qwen2_dir"])
-def test_bf16_logits_within_tolerance_of_transformers_bf16(fixture, request, load_fk, monkeypatch):
-    from forwardkit.layers import cpu_gemm
+@pytest.fixture(autouse=True)
+def _untimed_linear_paths(monkeypatch):
+    """Every test here takes the fixed linear paths: with timing on, which kernel a small
+    weight uses (and so the rounding) would depend on this machine's speed."""
+    monkeypatch.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "0")
 
-    monkeypatch.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "0")  # the fast paths, not timed away
-    model_dir = request.getfixturevalue(fixture)
+
+def _bf16_errors(model_dir, load_fk) -> list[tuple[float, float, torch.Tensor, torch.Tensor]]:
+    """Per request: (max abs error, tolerance bound, our logits, transformers' bf16 logits)."""
     driver = load_fk(model_dir, block_size=4, dtype="bfloat16")
     assert next(driver.model.parameters()).dtype == torch.bfloat16
-    if cpu_gemm.prepack_supported(torch.bfloat16):
-        assert driver.model.model.layers[0].self_attn.qkv_proj.packed  # the fast path is tested
     vocab = driver.model.config["vocab_size"]
     sequences = _sequences(vocab, [9, 14], seed=4)
     ref = _hf_logits(model_dir, sequences, dtype=torch.bfloat16)
     ours = _prefill_then_decode(driver, sequences, [5, 10])
+    out = []
     for rid in range(len(sequences)):
         err = (ours[rid] - ref[rid].float()).abs().max().item()
         bound = BF16_REL * ref[rid].abs().max().item() + BF16_ABS
+        out.append((err, bound, ours[rid], ref[rid].float()))
+    return out
+
+
+@pytest.mark.parametrize("fixture", BF16_FIXTURES)
+def test_bf16_logits_within_tolerance_of_transformers_bf16(fixture, request, load_fk):
+    from forwardkit.layers import cpu_gemm
+
+    model_dir = request.getfixturevalue(fixture)
+    if cpu_gemm.prepack_supported(torch.bfloat16):  # the fast path is the one tested
+        driver = load_fk(model_dir, block_size=4, dtype="bfloat16")
+        assert driver.model.model.layers[0].self_attn.qkv_proj.packed
+    for rid, (err, bound, ours, ref) in enumerate(_bf16_errors(model_dir, load_fk)):
         print(f"{fixture} bf16 request {rid}: max abs error {err:.3g} (bound {bound:.3g})")
         assert err <= bound, f"{fixture} request {rid}: {err:.3g} > {bound:.3g}"
         # the greedy choice agrees wherever transformers' top-2 logits are not a near tie
-        top2 = ref[rid].float().topk(2).values
+        top2 = ref.topk(2).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * bound
-        assert torch.equal(ours[rid].argmax(-1)[clear], ref[rid].argmax(-1)[clear])
+        assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+def _rotary_off(monkeypatch):
+    """Build models whose rotary embedding returns query and key unrotated."""
+    from forwardkit.layers.rotary_embedding import RotaryEmbedding
+
+    monkeypatch.setattr(RotaryEmbedding, "dispatch_forward",
+                        lambda self: (lambda positions, query, key: (query, key)))
+
+
+@pytest.mark.parametrize("fixture", BF16_FIXTURES)
+def test_bf16_parity_check_fails_with_rotary_off(fixture, request, load_fk, monkeypatch):
+    """Control: the bf16 tolerance is tight enough to see a model without rotary (on the
+    default 0.02-scale checkpoints that model passed it)."""
+    model_dir = request.getfixturevalue(fixture)
+    _rotary_off(monkeypatch)
+    for rid, (err, bound, _, _) in enumerate(_bf16_errors(model_dir, load_fk)):
+        assert err > 5 * bound, f"{fixture} request {rid}: rotary off gives {err:.3g}, bound {bound:.3g}"
+
+
+def test_fp32_parity_check_fails_with_rotary_off(llama_dir, load_fk, monkeypatch):
+    """Control for the fp32 tolerance on the default-scale checkpoints."""
+    _rotary_off(monkeypatch)
+    driver = load_fk(llama_dir, block_size=4)
+    sequences = _sequences(160, [9, 14], seed=4)
+    ref = _hf_logits(llama_dir, sequences)
+    ours = _prefill_then_decode(driver, sequences, [5, 10])
+    for rid in range(len(sequences)):
+        assert not torch.allclose(ours[rid], ref[rid], atol=ATOL, rtol=RTOL)

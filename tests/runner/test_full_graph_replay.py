@@ -41,6 +41,14 @@ class _Graph:
     def __init__(self) -> None:
         self.call = None  # (fn, args, forward context) recorded during capture
         self.output = None
+        self.replays = 0
+
+
+# One output buffer for every graph, as a real graph pool gives it: a FULL graph's output goes
+# back to the pool when its capture ends (the wrapper keeps a weak reference), so the next
+# capture reuses that memory and each replay overwrites the output of the one before. A runner
+# that read a graph's output after another graph replayed would show it here.
+_POOL = torch.empty(0)
 
 
 class _Recorder:
@@ -74,13 +82,21 @@ class ReplayingBackend(GraphBackend):
 
     @contextlib.contextmanager
     def capture(self, graph, pool):
+        global _POOL
         _Recorder.graph = graph
         try:
             yield
         finally:
             _Recorder.graph = None
+        # A real capture computes nothing: its output holds garbage until the first replay.
+        out = graph.output
+        if _POOL.numel() < out.numel():
+            _POOL = torch.empty(out.numel(), dtype=out.dtype)
+        out.set_(_POOL.untyped_storage(), 0, out.shape, out.stride())
+        out.fill_(float("nan"))
 
     def replay(self, graph):
+        graph.replays += 1
         fn, args, ctx = graph.call
         with override_forward_context(ctx):
             graph.output.copy_(fn(*args))
@@ -138,6 +154,7 @@ def replaying_backend(monkeypatch):
     for name in ("graph_pool", "new_graph", "capture", "replay", "weak_ref"):
         monkeypatch.setattr(GraphBackend, name, getattr(ReplayingBackend, name))
     monkeypatch.setattr(RunnerClass, "_graphs_supported", lambda self: True)
+    monkeypatch.setitem(globals(), "_POOL", torch.empty(0))  # a fresh pool per test
 
 
 def test_full_graph_replay_matches_eager(replaying_backend):
@@ -153,8 +170,11 @@ def test_full_graph_replay_matches_eager(replaying_backend):
         got = graphed.execute(batch)
         assert (graphed.last_step.mode, graphed.last_step.num_padded_tokens) == (mode, padded)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    # No capture happened after capture_model: every FULL step replayed.
+    # No capture happened after capture_model: every FULL step replayed its graph (padded
+    # sizes 4, 4, 2, 1), none ran eagerly in its place.
     assert sorted(d.num_tokens for d in entries) == [1, 2, 4]
+    replays = {d.num_tokens: e.cudagraph.replays for d, e in entries.items()}
+    assert replays == {4: 2, 2: 1, 1: 1}
 
 
 def test_replay_needs_persistent_metadata(replaying_backend, monkeypatch):

@@ -44,7 +44,7 @@ import torch.fx
 from torch._dynamo.aot_compile_types import SerializableCallable
 
 from forwardkit import envs
-from forwardkit.compilation.cache import CompileCache, cache_enabled, code_hash
+from forwardkit.compilation.cache import CompileCache, cache_enabled, code_hash, compile_cache_root
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.distributed.parallel_state import rank_dir_name
 from forwardkit.logger import init_logger
@@ -264,8 +264,7 @@ class AotEntry:
         self.module, self.forward, self.engine_config = module, forward, engine_config
         self.prefix = prefix or "backbone"
         cc = engine_config.compilation_config
-        root = cc.cache_dir or envs.FORWARDKIT_CACHE_ROOT
-        root = os.path.abspath(os.path.expanduser(root))
+        root, source = compile_cache_root(cc.cache_dir)
         code = forward.__code__
         factors = {
             "config_hash": engine_config.compute_hash(),
@@ -281,7 +280,7 @@ class AotEntry:
         pc = engine_config.parallel_config
         local = os.path.join(root, "torch_aot_compile", digest,
                              rank_dir_name(pc), self.prefix)
-        self.cache = CompileCache(root, local, "binary")
+        self.cache = CompileCache(root, local, "binary", source)
         self.cache.write_metadata("cache_key_factors.json", json.dumps(factors, indent=2, sort_keys=True))
 
     def load(self, make_backend: Callable[[], Any]) -> tuple[Callable[..., Any], set[str]] | None:

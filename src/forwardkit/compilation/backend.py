@@ -25,7 +25,7 @@ import torch.fx
 from torch._dispatch.python import enable_python_dispatcher
 
 from forwardkit import envs
-from forwardkit.compilation.cache import CompileCache, cache_enabled, code_hash
+from forwardkit.compilation.cache import CompileCache, cache_enabled, code_hash, compile_cache_root
 from forwardkit.compilation.compiler import PieceCompiler
 from forwardkit.compilation.counters import compilation_counter, log_summary
 from forwardkit.compilation.passes import PostGradPassManager
@@ -197,13 +197,12 @@ class ForwardkitBackend:
         cc = self.compilation_config
         if self.backend_name == "eager" or not cache_enabled(self.inductor_config):
             return None
-        root = cc.cache_dir or envs.FORWARDKIT_CACHE_ROOT
-        root = os.path.abspath(os.path.expanduser(root))
+        root, source = compile_cache_root(cc.cache_dir)
         factors = self._cache_factors()
         key_dir = CompileCache.key_dir(root, factors)
         pc = self.engine_config.parallel_config
         local = os.path.join(key_dir, rank_dir_name(pc), self.prefix)
-        cache = CompileCache(root, local, cc.compile_cache_save_format)
+        cache = CompileCache(root, local, cc.compile_cache_save_format, source)
         cache.write_metadata("cache_key_factors.json", json.dumps(factors, indent=2, sort_keys=True))
         with contextlib.suppress(AttributeError, TypeError, ValueError):  # a frozen config keeps None
             cc.local_cache_dir = local

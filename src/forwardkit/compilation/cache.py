@@ -38,12 +38,15 @@ from forwardkit.compilation.kernel_cache import record_kernel_cache, verify_kern
 from forwardkit.logger import init_logger
 
 __all__ = [
+    "CacheDirError",
     "CompileCache",
     "UnsafeCacheDirError",
     "cache_enabled",
     "check_private_dir",
     "code_hash",
+    "compile_cache_root",
     "inductor_cache_dir",
+    "prepare_compile_cache",
 ]
 
 logger = init_logger(__name__)
@@ -54,6 +57,35 @@ SAVE_FORMATS: tuple[SaveFormat, ...] = ("binary", "unpacked")
 
 class UnsafeCacheDirError(PermissionError):
     """The cache directory could be written by another user; artifacts are code, so it is refused."""
+
+
+class CacheDirError(ValueError):
+    """The compile-cache directory cannot be created or written; the message names the setting
+    it came from (``compilation_config.cache_dir`` or ``FORWARDKIT_CACHE_ROOT``)."""
+
+
+def compile_cache_root(cache_dir: str | None) -> tuple[str, str]:
+    """``(absolute cache root, the setting that chose it)``: ``compilation_config.cache_dir``
+    when set, else ``FORWARDKIT_CACHE_ROOT`` (default ``~/.cache/forwardkit``)."""
+    if cache_dir:
+        return os.path.abspath(os.path.expanduser(cache_dir)), "compilation_config.cache_dir"
+    return os.path.abspath(os.path.expanduser(envs.FORWARDKIT_CACHE_ROOT)), "FORWARDKIT_CACHE_ROOT"
+
+
+def prepare_compile_cache(compilation_config: Any) -> str | None:
+    """Create and check the compile-cache root before anything is built, so a bad
+    ``cache_dir`` fails at start-up with the setting's name (:class:`CacheDirError`, or
+    :class:`UnsafeCacheDirError` for a directory others can write). Returns the root, or None
+    when this config compiles without the cache (not mode 3, the ``eager`` backend, or the
+    cache switched off)."""
+    cc = compilation_config
+    if int(cc.mode or 0) != 3 or cc.backend == "eager":
+        return None
+    if not cache_enabled(dict(cc.inductor_compile_config)):
+        return None
+    root, source = compile_cache_root(cc.cache_dir)
+    _make_private_dirs(root, root, source)
+    return root
 
 
 def cache_enabled(inductor_config: dict[str, Any] | None = None) -> bool:
@@ -78,16 +110,35 @@ def check_private_dir(path: str) -> None:
         )
 
 
-def _make_private_dirs(root: str, leaf: str) -> None:
-    """Create ``leaf`` below ``root`` level by level (mode 0o700), checking each level first."""
-    os.makedirs(root, mode=0o700, exist_ok=True)
+def _cache_dir_error(source: str, root: str, path: str, exc: OSError) -> CacheDirError:
+    reason = exc.strerror or type(exc).__name__
+    return CacheDirError(
+        f"{source}={root!r} cannot hold the compile cache: creating {path!r} failed ({reason}); "
+        f"accepted: a directory this user can create and write (it is made with mode 0700), "
+        f"or FORWARDKIT_DISABLE_COMPILE_CACHE=1 to compile without the cache"
+    )
+
+
+def _make_private_dirs(root: str, leaf: str, source: str = "cache root") -> None:
+    """Create ``leaf`` below ``root`` level by level (mode 0o700), checking each level first.
+    A level that cannot be created is a :class:`CacheDirError` naming ``source``."""
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise _cache_dir_error(source, root, root, e) from e
+    if not os.path.isdir(root):
+        raise _cache_dir_error(source, root, root, NotADirectoryError(20, "Not a directory"))
     check_private_dir(root)
     rel = os.path.relpath(leaf, root)
     path = root
     for part in [] if rel == "." else rel.split(os.sep):
         path = os.path.join(path, part)
-        with contextlib.suppress(FileExistsError):
+        try:
             os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise _cache_dir_error(source, root, path, e) from e
         check_private_dir(path)
 
 
@@ -151,16 +202,17 @@ class CompileCache:
 
     INDEX = "index.json"
 
-    def __init__(self, root: str, local_dir: str, save_format: str = "binary") -> None:
+    def __init__(self, root: str, local_dir: str, save_format: str = "binary",
+                 source: str = "cache root") -> None:
         if save_format not in SAVE_FORMATS:
             raise ValueError(
                 f"compile_cache_save_format={save_format!r} is not supported; use one of {SAVE_FORMATS}"
             )
         self.root, self.local_dir = root, local_dir
         self.save_format: SaveFormat = "unpacked" if save_format == "unpacked" else "binary"
-        _make_private_dirs(root, local_dir)
+        _make_private_dirs(root, local_dir, source)
         self.inductor_dir = os.path.join(root, "inductor_cache")
-        _make_private_dirs(root, self.inductor_dir)
+        _make_private_dirs(root, self.inductor_dir, source)
         verify_kernel_cache(self.inductor_dir)  # Inductor's kernels get the same checksum rule
         self._lock_path = os.path.join(local_dir, ".lock")
 

@@ -50,8 +50,15 @@ def _keep_shape_guards(guards: list[Any]) -> list[bool]:
     return [getattr(g, "guard_type", None) == "SHAPE_ENV" for g in guards]
 
 
+# How torch words a guard failure: the fail_on_recompile stance (a traced frame) and an AOT
+# compiled function's own guard check.
+_TORCH_GUARD_FAILURES = ("Detected recompile when torch.compile stance", "fail_on_recompile",
+                         "GuardManager check failed")
+
+
 class GuardViolationError(RuntimeError):
-    """A call broke a shape guard of the compiled graph (``evaluate_guards=True``)."""
+    """A call broke a shape guard of the compiled graph (``evaluate_guards=True``). The message
+    is forwardkit's explanation followed by torch's original error text."""
 
 
 class TraceOnceCompiler:
@@ -134,12 +141,17 @@ class TraceOnceCompiler:
             with torch.compiler.set_stance("fail_on_recompile"):
                 return self.compiled(*args, **kwargs)
         except RuntimeError as e:
-            if "fail_on_recompile" not in str(e):
+            text = str(e)
+            if not any(marker in text for marker in _TORCH_GUARD_FAILURES):
                 raise
-            failed = [line.strip()[2:].split("  #")[0] for line in str(e).splitlines()
+            failed = [line.strip()[2:].split("  #")[0] for line in text.splitlines()
                       if line.strip().startswith("- ")]
+            # torch's own text follows, unchanged: code written against vLLM (which lets it
+            # through) matches "Detected recompile when torch.compile stance ..." or
+            # "GuardManager check failed".
             raise GuardViolationError(
                 f"{type(self.module).__name__}: this call breaks a shape guard of the compiled "
                 "graph (compilation_config.dynamic_shapes_config.evaluate_guards=True keeps and "
-                f"checks them): {'; '.join(failed) or str(e).splitlines()[0]}"
+                f"checks them): {'; '.join(failed) or text.splitlines()[0]}\n"
+                f"torch's error: {text}"
             ) from e

@@ -35,7 +35,11 @@ from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CompilationConfig
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.model import ModelConfig
-from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
+from forwardkit.config.model_shapes import (
+    BUILTIN_MODEL_SHAPE,
+    model_shape_config,
+    model_shape_names,
+)
 from forwardkit.config.parallel import ParallelConfig
 from forwardkit.config.scheduler import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -95,7 +99,8 @@ def _resolve_platform(platform: str | Platform | None) -> Platform:
     if isinstance(platform, str):
         return platform_by_name(platform)
     if not isinstance(platform, Platform):
-        raise ValueError(f"platform must be a Platform, 'cuda', 'cpu' or None, got {platform!r}")
+        raise ValueError(f"platform must be a Platform, 'cuda', 'cpu' or None, got "
+                         f"{short_repr(platform)} ({type(platform).__name__})")
     return platform
 
 
@@ -163,6 +168,10 @@ def build_engine_config(
         TypeError: an unknown keyword argument (the message lists the accepted ones).
         ValueError: any invalid value, as one line naming the argument or field.
     """
+    if arg_names is not None and not (isinstance(arg_names, Mapping)
+                                      and all(isinstance(v, str) for v in arg_names.values())):
+        raise ValueError(f"arg_names must be a dict of argument name -> displayed name or None, "
+                         f"got {short_repr(arg_names)} ({type(arg_names).__name__})")
     names = dict(arg_names or {})
 
     def label(name: str) -> str:
@@ -212,9 +221,13 @@ def _shape_hf_config(model: Any, model_shape: str | None, default_hf_config: Map
         if default_hf_config is None:
             return model_shape_config(BUILTIN_MODEL_SHAPE)
         return default_hf_config
+    if not isinstance(model_shape, str):
+        raise ValueError(f"{label('model_shape')} must be the name of a model shape or None, got "
+                         f"{short_repr(model_shape)} ({type(model_shape).__name__}); accepted: "
+                         f"{model_shape_names()}")
     if model is not None:
         raise ValueError(f"give {label('model')} or {label('model_shape')}, not both "
-                         f"(got {os.fspath(model)!r} and {model_shape!r})")
+                         f"(got {short_repr(os.fspath(model))} and {model_shape!r:.100})")
     return model_shape_config(model_shape)
 
 

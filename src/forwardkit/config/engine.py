@@ -59,7 +59,7 @@ from forwardkit.config.levels import (
 from forwardkit.config.model import ModelConfig
 from forwardkit.config.parallel import ParallelConfig, check_parallel_fits_model
 from forwardkit.config.scheduler import SchedulerConfig, SpeculativeConfig
-from forwardkit.config.utils import ConfigAssertionError
+from forwardkit.config.utils import ConfigAssertionError, short_repr
 from forwardkit.logger import init_logger
 from forwardkit.platforms import Platform, current_platform, platform_by_name, use_platform
 
@@ -120,7 +120,8 @@ class EngineConfig(FreezableConfig):
         if isinstance(value, str):
             return platform_by_name(value)
         if not isinstance(value, Platform):
-            raise ValueError(f"platform must be a Platform, 'cuda' or 'cpu', got {value!r}")
+            raise ValueError(f"platform must be a Platform, 'cuda' or 'cpu', got {short_repr(value)} "
+                             f"({type(value).__name__})")
         return value
 
     def __post_init__(self) -> None:

@@ -19,7 +19,7 @@ from pydantic.dataclasses import dataclass
 from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.utils import hash_factors, normalize_value, short_repr
 
-__all__ = ["ModelConfig", "resolve_dtype"]
+__all__ = ["SUPPORTED_ROPE_TYPES", "ModelConfig", "resolve_dtype", "rope_parameters"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -68,9 +68,86 @@ _SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_ke
 _NUMBER_KEYS = ("rms_norm_eps", "rope_theta")
 
 
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Keys each scaled rope type reads from its scaling dict: (key, must be an integer).
+_ROPE_KEYS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "linear": (("factor", False),),
+    "llama3": (("factor", False), ("low_freq_factor", False), ("high_freq_factor", False),
+               ("original_max_position_embeddings", True)),
+}
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, scaling)`` from an HF config (old ``rope_theta``/``rope_scaling`` keys or
+    transformers-5 ``rope_parameters``); ``scaling`` is None for plain rope. Assumes a config
+    that passed ``ModelConfig``'s checks (:func:`_check_rope`)."""
+    params = dict(hf_config.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+    scaling = hf_config.get("rope_scaling") or None
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
+    if scaling is not None:
+        scaling = dict(scaling)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default":
+            return theta, None
+        scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def _is_positive_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 < value < float("inf"))
+
+
+def _check_rope(hf_config: dict[str, Any], where: str) -> None:
+    """ValueError naming ``rope_scaling`` / ``rope_parameters`` (and the bad key in it) when
+    the rotary settings cannot be used."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = hf_config.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{key!r}{where} must be an object (a dict of rope settings) or null, "
+                             f"got {short_repr(value)} ({type(value).__name__})")
+    theta = (hf_config.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None and not _is_positive_number(theta):
+        raise ValueError(f"'rope_parameters.rope_theta'{where} must be a finite number > 0, got "
+                         f"{short_repr(theta)} ({type(theta).__name__})")
+    key = "rope_scaling" if hf_config.get("rope_scaling") else "rope_parameters"
+    _, scaling = rope_parameters(hf_config)
+    if scaling is None:
+        return
+    rope_type = scaling["rope_type"]
+    if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"'{key}.rope_type'{where} must be one of {list(SUPPORTED_ROPE_TYPES)}, "
+                         f"got {short_repr(rope_type)}")
+    for name, integer in _ROPE_KEYS.get(rope_type, ()):
+        value = scaling.get(name)
+        ok = (isinstance(value, int) and not isinstance(value, bool) and value > 0) if integer \
+            else _is_positive_number(value)
+        if not ok:
+            kind = "a positive integer" if integer else "a finite number > 0"
+            got = "it is missing" if name not in scaling else \
+                f"got {short_repr(value)} ({type(value).__name__})"
+            raise ValueError(f"'{key}.{name}'{where} must be {kind} for rope_type "
+                             f"{rope_type!r}; {got}")
+
+
+def _check_eos(hf_config: dict[str, Any], where: str) -> None:
+    """ValueError naming ``eos_token_id`` unless it is null, a token id or a list of them."""
+    value = hf_config.get("eos_token_id")
+    if value is None:
+        return
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"'eos_token_id'{where} must be a token id (an integer >= 0), a list of "
+                         f"them or null, got {short_repr(value)} ({type(value).__name__})")
+
+
 def _check_hf_config(hf_config: dict[str, Any], model: str | None) -> None:
     """ValueError naming the key (and config.json) whose value has the wrong type."""
     where = f" in {os.path.join(model, 'config.json')}" if model is not None else ""
+    _check_rope(hf_config, where)
+    _check_eos(hf_config, where)
     for key in _SIZE_KEYS:
         value = hf_config.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

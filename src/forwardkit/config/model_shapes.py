@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from forwardkit.config.utils import short_repr
+
 __all__ = ["BUILTIN_MODEL_SHAPE", "MODEL_SHAPES", "model_shape_config", "model_shape_names", "weight_bytes_per_token"]
 
 _LLAMA3_ROPE_1B = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
@@ -92,7 +94,7 @@ def model_shape_names() -> list[str]:
 def model_shape_config(name: str) -> dict[str, Any]:
     """A fresh copy of the HF config dict of shape ``name``."""
     if not isinstance(name, str) or name.strip().lower() not in MODEL_SHAPES:
-        raise ValueError(f"unknown model shape {name!r}; accepted: {model_shape_names()}")
+        raise ValueError(f"unknown model shape {short_repr(name)}; accepted: {model_shape_names()}")
     return copy.deepcopy(MODEL_SHAPES[name.strip().lower()])
 
 

@@ -13,15 +13,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from forwardkit.config.utils import short_repr
+
 __all__ = ["SamplingParams", "SAMPLING_EPS"]
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
+# Largest top_k (torch.long) and the seed range of torch.Generator.manual_seed.
+_INT64_MAX = 2**63 - 1
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 def _short(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return short_repr(value, limit)  # depth-limited: a deeply nested value cannot recurse
 
 
 def _is_int(value: object) -> bool:
@@ -126,12 +130,16 @@ class SamplingParams:
             raise bad("temperature", self.temperature, "expected a finite number >= 0 (0 = greedy)")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "expected a number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", self.top_k, "expected 0 or -1 (disabled) or an integer >= 1")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= _INT64_MAX:
+            raise bad("top_k", self.top_k, "expected 0 or -1 (disabled) or an integer in "
+                      "[1, 2**63 - 1] (a value >= the vocabulary size keeps every token)")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "expected a number in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", self.seed, "expected an integer or None")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not _SEED_MIN <= self.seed <= _SEED_MAX - (self.n - 1)):
+            # completion i seeds a torch.Generator with seed + i, which takes [-2**63, 2**64)
+            raise bad("seed", self.seed, "expected None or an integer in [-2**63, 2**64 - n] "
+                      f"(completion i uses seed + i; n={self.n})")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "expected an integer >= 1 or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

@@ -34,7 +34,7 @@ from forwardkit import envs
 from forwardkit.logger import init_logger
 
 __all__ = ["MAX_ROWS", "available", "cpu_flags", "cpu_has_avx512_bf16", "cpu_model_name",
-           "linear_rows"]
+           "cpu_supports", "linear_rows"]
 
 logger = init_logger(__name__)
 
@@ -73,6 +73,14 @@ def cpu_model_name() -> str:
 def cpu_has_avx512_bf16() -> bool:
     """Whether the CPU reports AVX-512-BF16."""
     return "avx512_bf16" in cpu_flags()
+
+
+def cpu_supports(dtype: torch.dtype) -> bool:
+    """Whether the CPU has the instructions of the ``dtype`` kernel (the library itself needs
+    AVX-512F/BW/VL; the bf16 kernel also AVX-512-BF16). A compiler is needed besides."""
+    if dtype not in _NEEDS:
+        return False
+    return (_NEEDS[torch.float32] | _NEEDS[dtype]) <= cpu_flags()
 
 
 def _build(cache_dir: Path) -> Path:
@@ -118,7 +126,7 @@ def _self_check(fn: Callable[..., int], dtype: torch.dtype) -> None:
 def _library() -> ctypes.CDLL | None:
     if not envs.FORWARDKIT_CPU_NATIVE_LINEAR:
         return None
-    if not _NEEDS[torch.float32] <= cpu_flags():
+    if not cpu_supports(torch.float32):
         logger.info_once("Native linear off: the CPU has no AVX-512")
         return None
     try:
@@ -135,7 +143,7 @@ def _library() -> ctypes.CDLL | None:
 @functools.cache
 def _kernel(dtype: torch.dtype) -> Callable[..., int] | None:
     lib = _library()
-    if lib is None or dtype not in _NEEDS or not _NEEDS[dtype] <= cpu_flags():
+    if lib is None or not cpu_supports(dtype):
         return None
     fn = lib.fk_linear_bf16 if dtype == torch.bfloat16 else lib.fk_linear_f32
     fn.restype = ctypes.c_int

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from forwardkit.compilation.custom_op import CustomOp
+from forwardkit.config.model import SUPPORTED_ROPE_TYPES, rope_parameters
 from forwardkit.layers import kernels
 
 __all__ = ["RotaryEmbedding", "get_rope", "rope_parameters"]
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def _default_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
@@ -41,23 +41,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """``(rope_theta, scaling)`` from an HF config (old ``rope_theta``/``rope_scaling`` keys or
-    transformers-5 ``rope_parameters``); ``scaling`` is None for plain rope."""
-    params = dict(hf_config.get("rope_parameters") or {})
-    theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
-    scaling = hf_config.get("rope_scaling") or None
-    if scaling is None and params.get("rope_type", "default") != "default":
-        scaling = params
-    if scaling is not None:
-        scaling = dict(scaling)
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type == "default":
-            return theta, None
-        scaling["rope_type"] = rope_type
-    return theta, scaling
 
 
 @functools.lru_cache(maxsize=8)

@@ -90,8 +90,12 @@ class ModelRunner:
             from forwardkit.models.loader import load_model  # model layer, loaded lazily
 
             if int(self.compilation_config.mode or 0) != 0 and not self.model_config.enforce_eager:
+                from forwardkit.compilation.cache import prepare_compile_cache
                 from forwardkit.compilation.compiler import prefetch_compiler_imports
 
+                # a cache_dir that cannot be used fails now, naming the field, not at the
+                # first compile after the weights are loaded
+                prepare_compile_cache(self.compilation_config)
                 prefetch = prefetch_compiler_imports()  # overlaps the weight loading
             try:
                 with set_current_engine_config(cfg):
