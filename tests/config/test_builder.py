@@ -14,9 +14,9 @@ from forwardkit.config import (
     CUDAGraphMode,
     OptimizationLevel,
     build_engine_config,
+    builder,
 )
 from forwardkit.config.args import add_engine_args, engine_config_from_args
-from forwardkit.config import builder
 from forwardkit.config.builder import default_batch_limits, engine_kwarg_names
 from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
 from forwardkit.platforms import CpuPlatform, CudaPlatform
