@@ -11,8 +11,15 @@ import torch.nn.functional as F
 from forwardkit.layers import cpu_gemm, hugepages, native_linear
 
 BF16 = torch.bfloat16
-needs_kernel = pytest.mark.skipif(not native_linear.cpu_has_avx512_bf16(),
-                                  reason="the CPU has no AVX-512-BF16 (the native kernel's instructions)")
+ISAS = ["avx512", "avx2"]
+needs_kernel = pytest.mark.skipif(
+    not any(native_linear.isa_supported(isa, BF16) for isa in ISAS),
+    reason="the CPU has neither AVX-512-BF16 nor AVX2+FMA (the native kernel's instructions)")
+
+
+def _require(isa: str, dtype: torch.dtype) -> None:
+    if not native_linear.isa_supported(isa, dtype):
+        pytest.skip(f"the CPU lacks the instructions of the {isa} build for {dtype}")
 
 
 @pytest.fixture(autouse=True)
@@ -34,24 +41,42 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
     return F.linear(x.float(), w.float(), None if b is None else b.float())
 
 
-@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize(("n", "k"), [(8, 32), (13, 70), (3072, 2048), (257, 1000)])
+@pytest.mark.parametrize(("n", "k"), [(8, 32), (13, 70), (3072, 2048), (257, 1000), (5, 31), (9, 47)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
-def test_matches_a_float64_linear(rows, n, k, with_bias, dtype):
+def test_matches_a_float64_linear(isa, rows, n, k, with_bias, dtype):
+    _require(isa, dtype)
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    out = native_linear.linear_rows(x, w, b)
+    out = native_linear.linear_rows(x, w, b, isa=isa)
     assert out is not None and out.dtype == dtype and out.shape == (rows, n)
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     if dtype == BF16:  # fp32 accumulation, one rounding to bf16: bf16's half-ulp of the result
         torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=1e-3 * ref.abs().max().item())
     else:  # fp32 accumulation in another order than MKL: a few fp32 ulps of the sum's size
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    assert torch.equal(out, native_linear.linear_rows(x, w, b))  # deterministic
+    assert torch.equal(out, native_linear.linear_rows(x, w, b, isa=isa))  # deterministic
+
+
+def test_each_dtype_takes_the_widest_build_the_cpu_has():
+    for dtype in (BF16, torch.float32):
+        expected = next((isa for isa in ISAS if native_linear.isa_supported(isa, dtype)), None)
+        assert native_linear.kernel_isa(dtype) == expected  # this machine's compiler builds both
+    assert native_linear.kernel_isa(torch.float16) is None
+
+
+def test_a_build_the_cpu_cannot_run_is_never_used(monkeypatch, fresh_kernel):
+    monkeypatch.setattr(native_linear, "cpu_flags", lambda: frozenset({"sse2"}))
+    assert native_linear.kernel_isa(BF16) is None and native_linear.candidate_builds() == []
+    x, w = torch.randn(1, 32).to(BF16), torch.randn(8, 32).to(BF16)
+    assert native_linear.linear_rows(x, w, None) is None
+    assert native_linear.linear_rows(x, w, None, isa="avx2") is None
+    monkeypatch.setattr(native_linear, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    assert native_linear.candidate_builds() == ["avx2:bfloat16", "avx2:float32"]
 
 
 @needs_kernel
@@ -76,6 +101,7 @@ def test_declines_what_it_does_not_cover():
 
 
 @needs_kernel
+@pytest.mark.skipif(not cpu_gemm.prepack_supported(BF16), reason="oneDNN has no bf16 matmul here")
 def test_packed_layers_use_it_for_few_rows_only(monkeypatch):
     w = torch.randn(40, 96).to(BF16)
     cpu_gemm.pack_weight(w)
@@ -101,6 +127,37 @@ def test_packed_layers_use_it_for_few_rows_only(monkeypatch):
         cpu_gemm.unpack_weight(w)
 
 
+@needs_kernel
+def test_routed_bf16_layers_without_onednn_bf16_use_it_and_never_pack(monkeypatch):
+    """An AVX2 CPU (no oneDNN bf16): bf16 layers are routed for the kernel alone; 1-2 rows take
+    it, more rows plain F.linear, and nothing is packed."""
+    from forwardkit.layers.linear import Linear, prepack_weights
+
+    monkeypatch.setattr(cpu_gemm, "_packable", lambda dtype: False)  # as on such a CPU
+    assert cpu_gemm.route_supported(BF16)
+    layer = Linear(96, 40, dtype=BF16)
+    with torch.no_grad():
+        layer.weight.normal_()
+    assert prepack_weights(torch.nn.Sequential(layer)) == 1 and layer.packed
+    calls = []
+    real = native_linear.linear_rows
+
+    def spy(x, weight, bias, isa=None):
+        out = real(x, weight, bias, isa)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native_linear, "linear_rows", spy)
+    before = cpu_gemm.packed_weight_count()
+    for rows in (1, 2, 3, 40):
+        x = torch.randn(rows, 96).to(BF16)
+        torch.testing.assert_close(layer(x).float(), _reference(x, layer.weight, None),
+                                   rtol=2e-2, atol=2e-2)
+    assert calls == [True, True, False, False]
+    assert cpu_gemm.packed_weight_count() == before
+    cpu_gemm.unpack_weight(layer.weight)
+
+
 def test_switched_off_by_environment(fresh_kernel):
     fresh_kernel.setenv("FORWARDKIT_CPU_NATIVE_LINEAR", "0")
     assert not native_linear.available()
@@ -121,7 +178,7 @@ def test_missing_compiler_disables_with_a_reason(fresh_kernel, tmp_path):
 def test_build_is_cached_by_source(fresh_kernel, tmp_path):
     fresh_kernel.setenv("FORWARDKIT_CACHE_ROOT", str(tmp_path))
     assert native_linear.available()
-    built = sorted((tmp_path / "native").glob("linear_few_rows-*.so"))
+    built = sorted((tmp_path / "native").glob("linear_few_rows*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     native_linear.cache_clear()
