@@ -23,6 +23,44 @@ def test_greedy_is_argmax():
     assert Sampler()(logits, reqs) == [1, 0]
 
 
+def test_plain_greedy_batch_takes_the_argmax_path_with_the_same_tokens(monkeypatch):
+    """All-greedy rows without logprobs, penalties or pending min_tokens: argmax of the logits
+    as given (no copy, no _draw), token for token what the full path picks, ties included."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50_000, generator=gen)
+    logits[1, [7, 300, 49_999]] = 40.0  # a tie: the first index wins on both paths
+    logits[2, -1] = 50.0  # the last column
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = logits.to(dtype)
+        reqs = [_req(SamplingParams(temperature=0)) for _ in range(6)]
+        full = Sampler()._draw(rows.float().clone(), reqs, [r.sampling_params for r in reqs])
+        monkeypatch.setattr(Sampler, "_draw", staticmethod(lambda *a: pytest.fail("full path")))
+        fast = Sampler()(rows, reqs)
+        monkeypatch.undo()
+        assert fast == full and fast[1] == 7 and fast[2] == 49_999
+        assert fast == rows.float().argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, logprobs=0),
+    SamplingParams(temperature=0, repetition_penalty=1.5),
+    SamplingParams(temperature=0, min_tokens=2),
+    SamplingParams(temperature=0.7),
+])
+def test_any_row_needing_more_than_argmax_takes_the_full_path(params, monkeypatch):
+    drawn = []
+    real = Sampler._draw
+
+    def spy(*args):
+        drawn.append(True)
+        return real(*args)
+
+    monkeypatch.setattr(Sampler, "_draw", staticmethod(spy))
+    reqs = [_req(SamplingParams(temperature=0)), _req(params, seed=1)]
+    Sampler()(torch.randn(2, 100), reqs)
+    assert drawn == [True]
+
+
 def test_greedy_resets_other_knobs():
     p = SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2)
     assert (p.top_k, p.top_p, p.min_p) == (0, 1.0, 0.0) and p.greedy
