@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forwardkit.engine.request import Request
-from forwardkit.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from forwardkit.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p, greedy_tokens
 from forwardkit.engine.sampling_params import SamplingParams, as_params_list
 
 
@@ -59,6 +59,26 @@ def test_any_row_needing_more_than_argmax_takes_the_full_path(params, monkeypatc
     reqs = [_req(SamplingParams(temperature=0)), _req(params, seed=1)]
     Sampler()(torch.randn(2, 100), reqs)
     assert drawn == [True]
+
+
+@pytest.mark.parametrize("vocab", [128_256, 151_936, 3 * 4096, 5000, 4095, 2100, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_greedy_equals_argmax_on_ties_nan_and_infinities(vocab, dtype):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen)
+    x[1] = 1.0  # every entry maximal: index 0
+    last = vocab - 1
+    x[2, [min(2047, last), min(2048, last)]] = 9.0  # a tie across a chunk boundary
+    x[3, [last - 1, last]] = 9.0  # a tie in the tail past the last whole chunk
+    x[4] = float("-inf")
+    x[5, [10, last]] = float("nan")  # NaN counts as maximal: the first one
+    x[6, [vocab // 2, vocab // 3]] = float("inf")
+    x[7] = -x[7].abs()
+    x[7, [3, 5]] = torch.tensor([-0.0, 0.0])  # signed zeros compare equal: the first
+    x[8, last] = 50.0
+    x = x.to(dtype)
+    assert greedy_tokens(x) == x.argmax(dim=-1).tolist()
+    assert greedy_tokens(x[:, : vocab - 1]) == x[:, : vocab - 1].argmax(dim=-1).tolist()  # strided rows
 
 
 def test_greedy_resets_other_knobs():
