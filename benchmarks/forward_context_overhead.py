@@ -4,6 +4,8 @@ Measures, in microseconds per step (median over repeats):
 
 * ``set_forward_context`` enter + exit + one ``get_forward_context()`` with an engine config
   and a per-layer attention-metadata dict, telemetry off and on;
+* the same as a data-parallel runner step does it: ``data_parallel_size=2`` (MoE), the agreed
+  per-rank token counts passed in (``num_tokens_across_dp``), so entering builds ``DPMetadata``;
 * the same with ``override_forward_context`` around a prebuilt context (the floor);
 * the alternative a user would write by hand: a plain module global swapped by a
   ``@contextmanager`` generator (vLLM's pattern), for comparison;
@@ -21,6 +23,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
+
+import torch
 
 import forwardkit.forward_context as fc
 from forwardkit.config.compilation import CUDAGraphMode
@@ -52,12 +56,17 @@ def padding_table(sizes: list[int]) -> list[int]:
     return table
 
 
-def make_config(num_layers: int) -> Any:
-    """A real EngineConfig when available, else an attribute stand-in."""
+def make_config(num_layers: int, dp: int = 1) -> Any:
+    """A real EngineConfig (``dp`` > 1: data parallel, rank 0, MoE), else a stand-in."""
     try:
         from forwardkit.config.engine import EngineConfig
+        from forwardkit.config.parallel import ParallelConfig
 
-        cfg = EngineConfig()
+        if dp > 1:
+            cfg = EngineConfig(parallel_config=ParallelConfig(
+                data_parallel_size=dp, data_parallel_rank=0, is_moe_model=True))
+        else:
+            cfg = EngineConfig()
     except Exception:  # pragma: no cover - only while the config layer is incomplete
         cfg = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1),
                               compilation_config=SimpleNamespace(static_forward_context={}))
@@ -119,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
                                      batch_descriptor=desc):
                 get_forward_context()
 
+        dp_cfg = make_config(args.layers, dp=2)
+        across_dp = torch.tensor([n, n + 3], dtype=torch.int32)  # what the planner hands in
+
+        def fk_dp_step(_: int) -> None:
+            with set_forward_context(attn, dp_cfg, num_tokens=n, num_tokens_across_dp=across_dp,
+                                     cudagraph_runtime_mode=mode, batch_descriptor=desc):
+                get_forward_context()
+
         prebuilt = create_forward_context(attn, cfg, cudagraph_runtime_mode=mode,
                                           batch_descriptor=desc)
 
@@ -142,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             fc.track_batchsize = False
             rows.append(("set_forward_context + get", "off",
                          time_per_step(fk_step, args.iters, args.repeats)))
+            rows.append(("set_forward_context(DP=2) + get", "off",
+                         time_per_step(fk_dp_step, args.iters, args.repeats)))
             fc.track_batchsize, fc.batchsize_logging_interval = True, 1e12  # record, never log
             rows.append(("set_forward_context + get", "on",
                          time_per_step(fk_step, args.iters, args.repeats)))

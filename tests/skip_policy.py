@@ -17,6 +17,8 @@ import pytest
 ALLOWED_SKIP_REASONS: tuple[tuple[str, str], ...] = (
     (r"needs CUDA", "no GPU on this machine"),
     (r"AVX-512", "the CPU lacks the instructions of the native kernel under test"),
+    (r"the CPU lacks the instructions of the \w+ build", "a native kernel build (AVX-512 or "
+     "AVX2) this CPU cannot run"),
     (r"no native bf16 matmul", "the CPU has no AVX-512-BF16 / AMX"),
     (r"reports no vector ISA", "the CPU has no vector ISA Inductor probes"),
     (r"(?:are|is) Linux\b|only used on x86_64 Linux", "the feature exists on Linux only"),

@@ -335,3 +335,15 @@ def test_platform_subclass_hook_is_called():
         {}, make_cfg(), num_tokens=5, cudagraph_runtime_mode=CUDAGraphMode.FULL
     ):
         assert get_forward_context().additional_kwargs == {"batch": BatchDescriptor(5)}
+
+
+def test_dp_metadata_int_maximum_and_counts_follow_the_tensor():
+    m = make_dp_metadata()
+    assert m.max_tokens_across_dp == 7 and m.num_tokens_across_dp == [5, 7, 2]
+    m.num_tokens_across_dp_cpu = torch.tensor([9, 7, 1], dtype=torch.int32)
+    assert m.num_tokens_across_dp == [9, 7, 1] and m.max_tokens_across_dp == 9
+    assert int(m.max_tokens_across_dp_cpu) == 9
+    m.max_tokens_across_dp_cpu = torch.tensor(11)  # an explicit maximum wins, as in a dataclass
+    assert m.max_tokens_across_dp == 11
+    direct = DPMetadata(torch.tensor(4), torch.tensor([4, 3]))
+    assert direct.max_tokens_across_dp == 4 and direct.local_sizes is None

@@ -39,7 +39,7 @@ from forwardkit.distributed.dp_utils import (
 )
 from forwardkit.distributed.dp_utils import _compute_sp_num_tokens as _compute_sp_num_tokens
 from forwardkit.logger import init_logger
-from forwardkit.platforms import Platform, current_platform
+from forwardkit.platforms import Platform, active_platform, current_platform
 from forwardkit.ubatch import UBatchSlices
 
 if TYPE_CHECKING:
@@ -73,6 +73,8 @@ forward_start_time: float = 0
 last_logging_time: float = 0
 
 _DEFAULT_PLATFORM_HOOK = Platform.set_additional_forward_context
+_HOOK_NAME = "set_additional_forward_context"
+_new_object = object.__new__
 _NONE, _PIECEWISE, _FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 _NOT_SET_MSG = (
     "Forward context is not set. Please use `set_forward_context` to set the forward context."
@@ -239,8 +241,7 @@ class _ForwardStepScope:
             self._start = forward_start_time = time.perf_counter()
 
         dp_metadata = None
-        parallel_config = vllm_config.parallel_config
-        if parallel_config.data_parallel_size > 1 and (
+        if vllm_config.parallel_config.data_parallel_size > 1 and (
             attn_metadata is not None or num_tokens is not None
         ):
             if num_tokens_across_dp is None:
@@ -251,39 +252,57 @@ class _ForwardStepScope:
                     "with data_parallel_size > 1, set_forward_context needs num_tokens or "
                     "num_tokens_across_dp"
                 )
+                parallel_config = vllm_config.parallel_config
                 # A collective: every DP rank must enter its forward context together.
                 _, num_tokens_across_dp, _ = coordinate_batch_across_dp(
                     num_tokens_unpadded=num_tokens, parallel_config=parallel_config,
                     allow_microbatching=False, allow_dp_padding=False,
                 )
                 assert num_tokens_across_dp is not None
-            dp_metadata = DPMetadata.make(parallel_config, num_tokens or 0, num_tokens_across_dp)
+            dp_metadata = DPMetadata.make(vllm_config.parallel_config, num_tokens or 0,
+                                          num_tokens_across_dp)
 
         if (cudagraph_runtime_mode is not _NONE and num_tokens is not None
                 and batch_descriptor is None):
             batch_descriptor = BatchDescriptor(num_tokens)
 
-        hook = current_platform._get().set_additional_forward_context
-        if getattr(hook, "__func__", None) is _DEFAULT_PLATFORM_HOOK:
+        platform = active_platform()
+        if (type(platform).set_additional_forward_context is _DEFAULT_PLATFORM_HOOK
+                and _HOOK_NAME not in platform.__dict__):
             # NOTE: the base hook always returns {}; skipping the keyword call saves ~1 us/step.
-            additional_kwargs = None
+            additional_kwargs: dict[str, Any] = {}
         else:
-            additional_kwargs = hook(
+            additional_kwargs = platform.set_additional_forward_context(
                 attn_metadata=attn_metadata, vllm_config=vllm_config,
                 virtual_engine=virtual_engine, dp_metadata=dp_metadata, num_tokens=num_tokens,
                 num_tokens_across_dp=num_tokens_across_dp,
                 cudagraph_runtime_mode=cudagraph_runtime_mode,
                 batch_descriptor=batch_descriptor, ubatch_slices=ubatch_slices,
-            )
-        ctx = ForwardContext(
-            vllm_config.compilation_config.static_forward_context, attn_metadata,
-            virtual_engine, dp_metadata, cudagraph_runtime_mode, batch_descriptor,
-            ubatch_slices, additional_kwargs or {},
-        )
+            ) or {}
+        if not (cudagraph_runtime_mode is _NONE or cudagraph_runtime_mode is _PIECEWISE
+                or cudagraph_runtime_mode is _FULL):
+            raise AssertionError(f"Invalid cudagraph runtime mode: {cudagraph_runtime_mode}")
+        # NOTE: the dataclass's own __init__ (defaults, __post_init__) costs ~0.4 us a step;
+        # the instance is the same object it would build (the mode is checked just above).
+        ctx = _new_object(ForwardContext)
+        ctx.__dict__ = {
+            "no_compile_layers": vllm_config.compilation_config.static_forward_context,
+            "attn_metadata": attn_metadata, "virtual_engine": virtual_engine,
+            "dp_metadata": dp_metadata, "cudagraph_runtime_mode": cudagraph_runtime_mode,
+            "batch_descriptor": batch_descriptor, "ubatch_slices": ubatch_slices,
+            "additional_kwargs": additional_kwargs,
+        }
         self._token = _CURRENT.set(ctx)
 
     def __exit__(self, *exc: object) -> None:
-        _restore(self._token)
+        token = self._token
+        if token is None:
+            raise RuntimeError("forward-context scope exited without being entered")
+        try:
+            _CURRENT.reset(token)
+        except ValueError:  # exited in another asyncio task/context than entered: best effort
+            old = token.old_value
+            _CURRENT.set(None if old is Token.MISSING else old)
         if self._start is not None:
             _record_forward_time(self._num_tokens, self._start)
 
@@ -318,8 +337,8 @@ def set_forward_context(
 def _record_forward_time(num_tokens: int | None, start: float) -> None:
     """Telemetry exit step: sync, record, and log at most once per interval."""
     global last_logging_time
-    # NOTE: _get() skips the proxy's __getattr__ fallback (an AttributeError per lookup, ~1 us).
-    synchronize = current_platform._get().synchronize
+    # NOTE: active_platform() skips the proxy's lookups (its __getattr__ fallback costs ~1 us).
+    synchronize = active_platform().synchronize
     if synchronize is not None:
         synchronize()
     now = time.perf_counter()

@@ -20,6 +20,7 @@ __all__ = [
     "CpuPlatform",
     "CudaPlatform",
     "Platform",
+    "active_platform",
     "current_platform",
     "detect_platform",
     "platform_by_name",
@@ -171,6 +172,14 @@ class _PlatformProxy:
 
 
 current_platform: Any = _PlatformProxy()
+_proxy_state = current_platform.__dict__
+
+
+def active_platform() -> Platform:
+    """The platform ``current_platform`` forwards to, read without the proxy's method lookups
+    (per-step code calls this: ~0.05 us against ~0.3 us for ``current_platform._get()``)."""
+    active = _proxy_state["_active"]
+    return active if active is not None else current_platform._get()
 
 
 def set_current_platform(platform: Platform | str | None) -> Platform | None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forwardkit.engine.request import Request
-from forwardkit.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from forwardkit.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p, greedy_tokens
 from forwardkit.engine.sampling_params import SamplingParams, as_params_list
 
 
@@ -21,6 +21,64 @@ def test_greedy_is_argmax():
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 0.0]])
     reqs = [_req(SamplingParams(temperature=0)), _req(SamplingParams(temperature=0))]
     assert Sampler()(logits, reqs) == [1, 0]
+
+
+def test_plain_greedy_batch_takes_the_argmax_path_with_the_same_tokens(monkeypatch):
+    """All-greedy rows without logprobs, penalties or pending min_tokens: argmax of the logits
+    as given (no copy, no _draw), token for token what the full path picks, ties included."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50_000, generator=gen)
+    logits[1, [7, 300, 49_999]] = 40.0  # a tie: the first index wins on both paths
+    logits[2, -1] = 50.0  # the last column
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = logits.to(dtype)
+        reqs = [_req(SamplingParams(temperature=0)) for _ in range(6)]
+        full = Sampler()._draw(rows.float().clone(), reqs, [r.sampling_params for r in reqs])
+        monkeypatch.setattr(Sampler, "_draw", staticmethod(lambda *a: pytest.fail("full path")))
+        fast = Sampler()(rows, reqs)
+        monkeypatch.undo()
+        assert fast == full and fast[1] == 7 and fast[2] == 49_999
+        assert fast == rows.float().argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, logprobs=0),
+    SamplingParams(temperature=0, repetition_penalty=1.5),
+    SamplingParams(temperature=0, min_tokens=2),
+    SamplingParams(temperature=0.7),
+])
+def test_any_row_needing_more_than_argmax_takes_the_full_path(params, monkeypatch):
+    drawn = []
+    real = Sampler._draw
+
+    def spy(*args):
+        drawn.append(True)
+        return real(*args)
+
+    monkeypatch.setattr(Sampler, "_draw", staticmethod(spy))
+    reqs = [_req(SamplingParams(temperature=0)), _req(params, seed=1)]
+    Sampler()(torch.randn(2, 100), reqs)
+    assert drawn == [True]
+
+
+@pytest.mark.parametrize("vocab", [128_256, 151_936, 3 * 4096, 5000, 4095, 2100, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_greedy_equals_argmax_on_ties_nan_and_infinities(vocab, dtype):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen)
+    x[1] = 1.0  # every entry maximal: index 0
+    last = vocab - 1
+    x[2, [min(2047, last), min(2048, last)]] = 9.0  # a tie across a chunk boundary
+    x[3, [last - 1, last]] = 9.0  # a tie in the tail past the last whole chunk
+    x[4] = float("-inf")
+    x[5, [10, last]] = float("nan")  # NaN counts as maximal: the first one
+    x[6, [vocab // 2, vocab // 3]] = float("inf")
+    x[7] = -x[7].abs()
+    x[7, [3, 5]] = torch.tensor([-0.0, 0.0])  # signed zeros compare equal: the first
+    x[8, last] = 50.0
+    x = x.to(dtype)
+    assert greedy_tokens(x) == x.argmax(dim=-1).tolist()
+    assert greedy_tokens(x[:, : vocab - 1]) == x[:, : vocab - 1].argmax(dim=-1).tolist()  # strided rows
 
 
 def test_greedy_resets_other_knobs():

@@ -235,13 +235,15 @@ def test_update_under_dynamo_modes_no_retrace(make_checkpoint, tmp_path, mode):
 
 def test_update_reaches_prepacked_bf16_weights(make_checkpoint, tmp_path, monkeypatch):
     """bf16 on a CPU with native bf16: linear layers run through oneDNN-packed copies of their
-    weights; a full and a partial (one shard of qkv_proj) update re-derive them."""
+    weights; a full and a partial (one shard of qkv_proj) update re-derive them. On an AVX2 CPU
+    the layers are routed for the native kernel alone, which reads the updated weight itself."""
     from forwardkit.layers import cpu_gemm
 
     monkeypatch.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "0")  # the fast paths, not timed away
 
-    if not cpu_gemm.prepack_supported(torch.bfloat16):
-        pytest.skip("this CPU has no native bf16 matmul, so no weights are packed")
+    if not cpu_gemm.route_supported(torch.bfloat16):
+        pytest.skip("this CPU has neither native bf16 matmuls nor the native few-row kernel, so "
+                    "no bf16 weight is routed")
 
     def bf16_engine(path: str) -> LLM:
         return LLM(path, dtype="bfloat16", enforce_eager=True, max_num_seqs=4,

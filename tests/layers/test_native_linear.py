@@ -11,16 +11,15 @@ import torch.nn.functional as F
 from forwardkit.layers import cpu_gemm, hugepages, native_linear
 
 BF16 = torch.bfloat16
-# Each case is gated on the kernel it runs (native_linear.cpu_supports): the float32 kernel
-# needs AVX-512F/BW/VL, the bf16 one AVX-512-BF16 too.
-needs_bf16_kernel = pytest.mark.skipif(
-    not native_linear.cpu_supports(BF16),
-    reason="the CPU has no AVX-512-BF16 (the native bf16 kernel's instructions)")
-needs_f32_kernel = pytest.mark.skipif(
-    not native_linear.cpu_supports(torch.float32),
-    reason="the CPU has no AVX-512F/BW/VL (the native float32 kernel's instructions)")
-KERNEL_DTYPES = [pytest.param(BF16, marks=needs_bf16_kernel, id="bf16"),
-                 pytest.param(torch.float32, marks=needs_f32_kernel, id="fp32")]
+ISAS = ["avx512", "avx2"]
+needs_kernel = pytest.mark.skipif(
+    not any(native_linear.isa_supported(isa, BF16) for isa in ISAS),
+    reason="the CPU has neither AVX-512-BF16 nor AVX2+FMA (the native kernel's instructions)")
+
+
+def _require(isa: str, dtype: torch.dtype) -> None:
+    if not native_linear.isa_supported(isa, dtype):
+        pytest.skip(f"the CPU lacks the instructions of the {isa} build for {dtype}")
 
 
 @pytest.fixture(autouse=True)
@@ -42,49 +41,67 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
     return F.linear(x.float(), w.float(), None if b is None else b.float())
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize(("n", "k"), [(8, 32), (13, 70), (3072, 2048), (257, 1000)])
+@pytest.mark.parametrize(("n", "k"), [(8, 32), (13, 70), (3072, 2048), (257, 1000), (5, 31), (9, 47)])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_matches_a_float64_linear(rows, n, k, with_bias, dtype):
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_matches_a_float64_linear(isa, rows, n, k, with_bias, dtype):
+    _require(isa, dtype)
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    out = native_linear.linear_rows(x, w, b)
+    out = native_linear.linear_rows(x, w, b, isa=isa)
     assert out is not None and out.dtype == dtype and out.shape == (rows, n)
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     if dtype == BF16:  # fp32 accumulation, one rounding to bf16: bf16's half-ulp of the result
         torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=1e-3 * ref.abs().max().item())
     else:  # fp32 accumulation in another order than MKL: a few fp32 ulps of the sum's size
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    assert torch.equal(out, native_linear.linear_rows(x, w, b))  # deterministic
+    assert torch.equal(out, native_linear.linear_rows(x, w, b, isa=isa))  # deterministic
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_leading_dims_and_non_contiguous_input(dtype):
-    x = torch.randn(1, 64, 2).to(dtype)[..., 0]  # [1, 64], not contiguous
-    w = torch.randn(24, 64).to(dtype)
+def test_each_dtype_takes_the_widest_build_the_cpu_has():
+    for dtype in (BF16, torch.float32):
+        expected = next((isa for isa in ISAS if native_linear.isa_supported(isa, dtype)), None)
+        assert native_linear.kernel_isa(dtype) == expected  # this machine's compiler builds both
+    assert native_linear.kernel_isa(torch.float16) is None
+
+
+def test_a_build_the_cpu_cannot_run_is_never_used(monkeypatch, fresh_kernel):
+    monkeypatch.setattr(native_linear, "cpu_flags", lambda: frozenset({"sse2"}))
+    assert native_linear.kernel_isa(BF16) is None and native_linear.candidate_builds() == []
+    x, w = torch.randn(1, 32).to(BF16), torch.randn(8, 32).to(BF16)
+    assert native_linear.linear_rows(x, w, None) is None
+    assert native_linear.linear_rows(x, w, None, isa="avx2") is None
+    monkeypatch.setattr(native_linear, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    assert native_linear.candidate_builds() == ["avx2:bfloat16", "avx2:float32"]
+
+
+@needs_kernel
+def test_leading_dims_and_non_contiguous_input():
+    x = torch.randn(1, 64, 2).to(BF16)[..., 0]  # [1, 64], not contiguous
+    w = torch.randn(24, 64).to(BF16)
     out = native_linear.linear_rows(x, w, None)
     assert out is not None and out.shape == (1, 24)
     torch.testing.assert_close(out.float(), _reference(x, w, None), rtol=8e-3, atol=1e-2)
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_declines_what_it_does_not_cover(dtype):
-    other = torch.float32 if dtype == BF16 else BF16
-    w = torch.randn(16, 64).to(dtype)
-    x1 = torch.randn(1, 64).to(dtype)
-    assert native_linear.linear_rows(x1, w, None) is not None  # the kernel is there and applies
-    assert native_linear.linear_rows(torch.randn(native_linear.MAX_ROWS + 1, 64).to(dtype), w, None) is None
+@needs_kernel
+def test_declines_what_it_does_not_cover():
+    w = torch.randn(16, 64).to(BF16)
+    x1 = torch.randn(1, 64).to(BF16)
+    assert native_linear.linear_rows(torch.randn(native_linear.MAX_ROWS + 1, 64).to(BF16), w, None) is None
     assert native_linear.linear_rows(x1.half(), w.half(), None) is None
-    assert native_linear.linear_rows(x1.to(other), w, None) is None  # mixed dtypes
+    assert native_linear.linear_rows(x1.float(), w, None) is None  # mixed dtypes
     assert native_linear.linear_rows(x1, w.t().contiguous().t(), None) is None  # strided weight
-    assert native_linear.linear_rows(x1, w, torch.zeros(16, dtype=other)) is None  # bias dtype
-    assert native_linear.linear_rows(torch.randn(0, 64).to(dtype), w, None) is None
+    assert native_linear.linear_rows(x1, w, torch.zeros(16)) is None  # fp32 bias
+    assert native_linear.linear_rows(torch.randn(0, 64).to(BF16), w, None) is None
 
 
-@needs_bf16_kernel
+@needs_kernel
+@pytest.mark.skipif(not cpu_gemm.prepack_supported(BF16), reason="oneDNN has no bf16 matmul here")
 def test_packed_layers_use_it_for_few_rows_only(monkeypatch):
     w = torch.randn(40, 96).to(BF16)
     cpu_gemm.pack_weight(w)
@@ -110,6 +127,37 @@ def test_packed_layers_use_it_for_few_rows_only(monkeypatch):
         cpu_gemm.unpack_weight(w)
 
 
+@needs_kernel
+def test_routed_bf16_layers_without_onednn_bf16_use_it_and_never_pack(monkeypatch):
+    """An AVX2 CPU (no oneDNN bf16): bf16 layers are routed for the kernel alone; 1-2 rows take
+    it, more rows plain F.linear, and nothing is packed."""
+    from forwardkit.layers.linear import Linear, prepack_weights
+
+    monkeypatch.setattr(cpu_gemm, "_packable", lambda dtype: False)  # as on such a CPU
+    assert cpu_gemm.route_supported(BF16)
+    layer = Linear(96, 40, dtype=BF16)
+    with torch.no_grad():
+        layer.weight.normal_()
+    assert prepack_weights(torch.nn.Sequential(layer)) == 1 and layer.packed
+    calls = []
+    real = native_linear.linear_rows
+
+    def spy(x, weight, bias, isa=None):
+        out = real(x, weight, bias, isa)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native_linear, "linear_rows", spy)
+    before = cpu_gemm.packed_weight_count()
+    for rows in (1, 2, 3, 40):
+        x = torch.randn(rows, 96).to(BF16)
+        torch.testing.assert_close(layer(x).float(), _reference(x, layer.weight, None),
+                                   rtol=2e-2, atol=2e-2)
+    assert calls == [True, True, False, False]
+    assert cpu_gemm.packed_weight_count() == before
+    cpu_gemm.unpack_weight(layer.weight)
+
+
 def test_switched_off_by_environment(fresh_kernel):
     fresh_kernel.setenv("FORWARDKIT_CPU_NATIVE_LINEAR", "0")
     assert not native_linear.available()
@@ -117,10 +165,10 @@ def test_switched_off_by_environment(fresh_kernel):
     assert native_linear.linear_rows(x, w, None) is None
 
 
+@needs_kernel
 def test_missing_compiler_disables_with_a_reason(fresh_kernel, tmp_path):
-    """Runs on any CPU: without a compiler (or without AVX-512) the kernel is off and a
-    registered weight's 1-2-row products still equal F.linear (the packed oneDNN path serves
-    them), so a machine without a compiler works."""
+    """Runs on any CPU: without a compiler the kernel is off and a registered weight's 1-2-row
+    products still equal F.linear (another path serves them), so such a machine works."""
     fresh_kernel.setenv("FORWARDKIT_CACHE_ROOT", str(tmp_path))  # nothing built there yet
     fresh_kernel.setenv("CC", "no-such-compiler-xyz")
     with pytest.raises(RuntimeError, match="no C compiler 'no-such-compiler-xyz'"):
@@ -130,12 +178,12 @@ def test_missing_compiler_disables_with_a_reason(fresh_kernel, tmp_path):
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(24, 70, generator=gen)
     b = torch.randn(24, generator=gen)
-    cpu_gemm.pack_weight(w)
+    cpu_gemm.register_weight(w)
     try:
         for rows in (1, 2):
             x = torch.randn(rows, 70, generator=gen)
             assert native_linear.linear_rows(x, w, b) is None
-            # fp32 oneDNN vs MKL: the same products summed in another order
+            # another kernel than MKL's may serve it: the same products summed in another order
             torch.testing.assert_close(cpu_gemm.linear(x, w, b), F.linear(x, w, b),
                                        rtol=1e-5, atol=1e-5)
     finally:
@@ -143,15 +191,15 @@ def test_missing_compiler_disables_with_a_reason(fresh_kernel, tmp_path):
     assert not list((tmp_path / "native").glob("*.so"))  # nothing was built
 
 
-@needs_f32_kernel
+@needs_kernel
 def test_build_is_cached_by_source(fresh_kernel, tmp_path):
     fresh_kernel.setenv("FORWARDKIT_CACHE_ROOT", str(tmp_path))
-    assert native_linear.available(torch.float32)
-    built = sorted((tmp_path / "native").glob("linear_few_rows-*.so"))
+    assert native_linear.available()
+    built = sorted((tmp_path / "native").glob("linear_few_rows*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     native_linear.cache_clear()
-    assert native_linear.available(torch.float32)
+    assert native_linear.available()
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     assert sorted((tmp_path / "native").iterdir()) == built  # no temporary files left
 

@@ -114,6 +114,10 @@ def _bf16_errors(model_dir, load_fk) -> list[tuple[float, float, torch.Tensor, t
     """Per request: (max abs error, tolerance bound, our logits, transformers' bf16 logits)."""
     driver = load_fk(model_dir, block_size=4, dtype="bfloat16")
     assert next(driver.model.parameters()).dtype == torch.bfloat16
+    from forwardkit.layers import cpu_gemm
+
+    if cpu_gemm.route_supported(torch.bfloat16):  # oneDNN bf16 or the native kernel (AVX2)
+        assert driver.model.model.layers[0].self_attn.qkv_proj.packed  # the fast path is tested
     vocab = driver.model.config["vocab_size"]
     sequences = _sequences(vocab, [9, 14], seed=4)
     ref = _hf_logits(model_dir, sequences, dtype=torch.bfloat16)

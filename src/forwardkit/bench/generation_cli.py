@@ -54,6 +54,10 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                    help="decode tokens timed per request (default 32; 4 with --quick)")
     g.add_argument("--repeats", type=int, default=None, metavar="N",
                    help="timed repeats per batch size, medians reported (default 3; 1 with --quick)")
+    g.add_argument("--profile", action="store_true",
+                   help="instead of timing the contenders, take forwardkit's decode steps apart "
+                        "per batch size: time per linear shape (incl. the LM head), attention, "
+                        "norms/rotary/activation, sampling and the engine's host work")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -205,6 +209,8 @@ def run_generation(args: argparse.Namespace) -> int:
     s = _settings(args)
     names = args.contenders or list(gen.GENERATION_CONTENDERS)
     hf_config = None if args.model is not None else model_shape_config(args.model_shape or BUILTIN_MODEL_SHAPE)
+    if getattr(args, "profile", False):
+        return _run_profile(args, hf_config, s)
     names = _with_llamacpp(names, explicit=args.contenders is not None)
     for borrower in ("transformers", "llama.cpp"):  # they take forwardkit's weights: after it
         if borrower in names and "forwardkit" in names:
@@ -255,6 +261,35 @@ def run_generation(args: argparse.Namespace) -> int:
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
+        print(f"\nwrote {args.json_path}")
+    return 0
+
+
+def _run_profile(args: argparse.Namespace, hf_config: dict[str, Any] | None,
+                 s: dict[str, Any]) -> int:
+    """``--profile``: forwardkit's decode steps taken apart, one column per batch size."""
+    import torch
+
+    from forwardkit.bench.decode_profile import format_profiles, profile_decode
+
+    steps = max(4, s["new_tokens"] // 4)
+    _, llm = _build("forwardkit", args, hf_config, s, None)
+    profiles = []
+    for b in s["batch_sizes"]:
+        profile_decode(llm, b, s["prompt_len"], steps=1, warmup=1, seed=args.seed)  # compiles
+        profiles.append(profile_decode(llm, b, s["prompt_len"], steps=steps, seed=args.seed))
+    mc = llm.runner.model_config
+    title = (f"forwardkit bench --generation --profile: model {mc.model or 'random weights'} "
+             f"({str(llm.runner.dtype).removeprefix('torch.')}), prompts of {s['prompt_len']} "
+             f"tokens, median of {steps} profiled decode steps per batch size; {host.machine()} "
+             f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(format_profiles(profiles, title))
+    if args.json_path:
+        data = {"model": mc.model or "random weights", "dtype": str(llm.runner.dtype),
+                "profiles": {str(p.batch_size): [dataclasses.asdict(r) for r in p.rows]
+                             for p in profiles}}
+        with open(args.json_path, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
         print(f"\nwrote {args.json_path}")
     return 0
 

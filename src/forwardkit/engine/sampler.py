@@ -11,7 +11,33 @@ from forwardkit.engine.logprobs import Logprob, logprob_dicts
 from forwardkit.engine.penalties import apply_penalties
 from forwardkit.engine.request import Request
 
-__all__ = ["Sampler", "apply_top_k_top_p", "apply_min_p"]
+__all__ = ["Sampler", "apply_top_k_top_p", "apply_min_p", "greedy_tokens"]
+
+_CHUNK = 2048
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """``logits.argmax(dim=-1).tolist()`` for ``[rows, vocab]`` logits, the same indices
+    (first maximal value, NaN counted as maximal) at a fraction of the cost for large
+    vocabularies: PyTorch's CPU argmax compares element by element with index bookkeeping
+    (14 ms for 16 x 128k float32 logits on one core), while a max is vectorised (under 1 ms).
+    So: the max of every 2048-wide chunk, the first chunk holding the row's max, and the argmax
+    inside that chunk (or the tail past the last whole chunk)."""
+    rows, vocab = logits.shape
+    if vocab < 2 * _CHUNK or logits.device.type != "cpu" or logits.stride(-1) != 1:
+        return logits.argmax(dim=-1).tolist()
+    n = vocab // _CHUNK
+    full = n * _CHUNK
+    chunks = logits[:, :full].view(rows, n, _CHUNK)
+    chunk_max = chunks.amax(dim=-1)
+    if full < vocab:
+        chunk_max = torch.cat([chunk_max, logits[:, full:].amax(dim=-1, keepdim=True)], dim=1)
+    best = chunk_max.argmax(dim=-1)  # the first chunk holding the row's max (NaN: the first NaN)
+    picked = chunks[torch.arange(rows), best.clamp(max=n - 1)]
+    tokens = best * _CHUNK + picked.argmax(dim=-1)
+    if full < vocab:
+        tokens = torch.where(best == n, full + logits[:, full:].argmax(dim=-1), tokens)
+    return tokens.tolist()
 
 
 def apply_top_k_top_p(
@@ -81,8 +107,13 @@ class Sampler:
             )
         if not requests:
             return [], None
-        logits = logits.float().clone()
         params = [r.sampling_params for r in requests]
+        if self._plain_greedy(requests, params):
+            # Every row is an argmax of the logits as they are: no copy, no float32 cast (exact
+            # and order-preserving, so the same index), no masks, a chunked argmax (see
+            # greedy_tokens). At a 128k vocabulary the copy alone is 0.5 MB a row.
+            return greedy_tokens(logits), None
+        logits = logits.float().clone()
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits[want].log_softmax(dim=-1) if want else None
         self._mask_min_tokens(logits, requests)
@@ -98,8 +129,18 @@ class Sampler:
         return tokens, per_row
 
     @staticmethod
+    def _plain_greedy(requests: Sequence[Request], params: list) -> bool:
+        """All rows greedy, none asking for logprobs or penalties, none still masking EOS or
+        stop tokens for ``min_tokens``: the tokens are the logits' row argmaxes."""
+        for req, p in zip(requests, params):
+            if (not p.greedy or p.logprobs is not None or p.has_penalties
+                    or len(req.output_token_ids) < p.min_tokens):
+                return False
+        return True
+
+    @staticmethod
     def _draw(logits: torch.Tensor, requests: Sequence[Request], params: list) -> list[int]:
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = greedy_tokens(logits)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return tokens

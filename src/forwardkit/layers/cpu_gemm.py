@@ -34,6 +34,7 @@ register weights when that would not fit in memory. Batch-1 workloads never pack
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
 import time
@@ -49,7 +50,7 @@ from forwardkit.layers import native_linear
 from forwardkit.logger import init_logger
 
 __all__ = ["LAZY_PACK_MAX_ROWS", "TUNE_MAX_BYTES", "batched_refresh", "clear_routes", "linear",
-           "pack_weight", "packed_weight_count", "prepack_supported", "refresh_packed",
+           "pack_weight", "packed_weight_count", "prepack_supported", "refresh_packed", "route_supported",
            "register_weight", "routes", "tune", "tuning_applies", "unpack_weight"]
 
 logger = init_logger(__name__)
@@ -113,7 +114,8 @@ def _routes_file() -> str:
     import json
 
     machine = json.dumps([sorted(native_linear.cpu_flags()), native_linear.cpu_model_name(), torch.__version__,
-                          torch.get_num_threads(), _TUNE_BUCKETS, _TUNE_CALLS])
+                          torch.get_num_threads(), _TUNE_BUCKETS, _TUNE_CALLS,
+                          native_linear.candidate_builds()])
     digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
     return os.path.join(envs.FORWARDKIT_CACHE_ROOT, "linear_routes", f"{digest}.json")
 
@@ -185,6 +187,22 @@ def prepack_supported(dtype: torch.dtype, device: torch.device | str = "cpu") ->
     if not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.cache
+def _packable(dtype: torch.dtype) -> bool:
+    return prepack_supported(dtype)
+
+
+def route_supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether weights of ``dtype`` on ``device`` are worth routing through :func:`linear`:
+    where oneDNN packs them (:func:`prepack_supported`), or bf16 where only the native few-row
+    kernel serves them (an AVX2 CPU: oneDNN has no bf16 there, so 3+ rows take plain
+    ``F.linear`` and 1-2 rows the kernel). Asking may build the kernel (once per machine)."""
+    if prepack_supported(dtype, device):
+        return True
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
+            and native_linear.available(dtype))
 
 
 def _entry(weight: torch.Tensor, packed: torch.Tensor | None) -> None:
@@ -299,7 +317,7 @@ def _fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     packed = entry[1]
     if packed is None:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows > LAZY_PACK_MAX_ROWS:
+        if rows > LAZY_PACK_MAX_ROWS or not _packable(weight.dtype):
             return F.linear(x, weight, bias)
         pack_weight(weight)
         packed = _PACKED[weight.data_ptr()][1]

@@ -256,7 +256,7 @@ def _dp_exchange(
     chunk = envs.FORWARDKIT_MOE_DP_CHUNK_SIZE
     if chunk <= 0:
         raise ValueError(f"FORWARDKIT_MOE_DP_CHUNK_SIZE must be positive, got {chunk}")
-    max_tokens = int(dp_metadata.max_tokens_across_dp_cpu)
+    max_tokens = dp_metadata.max_tokens_across_dp
 
     def run_chunk(start: int, sizes: list[int], offsets: list[int]) -> None:
         mine = min(sizes[rank], max(0, num_local - start))  # real rows this rank sends
@@ -300,7 +300,7 @@ def _sp_exchange(
     chunk = envs.FORWARDKIT_MOE_DP_CHUNK_SIZE
     if chunk <= 0:
         raise ValueError(f"FORWARDKIT_MOE_DP_CHUNK_SIZE must be positive, got {chunk}")
-    max_tokens = -(-int(dp_metadata.max_tokens_across_dp_cpu) // sp)  # rows of the largest slice
+    max_tokens = -(-dp_metadata.max_tokens_across_dp // sp)  # rows of the largest slice
     naive = layer.all2all_backend == "naive"
 
     def run_chunk(start: int, sizes: list[int], offsets: list[int]) -> None:

@@ -138,14 +138,15 @@ class LMHead(nn.Module):
 
 def prepack_weights(model: nn.Module) -> int:
     """Route every :class:`Linear` and :class:`LMHead` of ``model`` whose weight is float32, or
-    bf16 on a CPU with bf16 instructions, through ``cpu_gemm``'s fast paths (native kernel for
-    1-2 rows, a oneDNN-packed copy made at first use for more), unless a packed second copy of
+    bf16 on a CPU with bf16 instructions or the native kernel (AVX2), through ``cpu_gemm``'s fast
+    paths (native kernel for 1-2 rows, a oneDNN-packed copy made at first use for more where
+    oneDNN has the dtype, else plain ``F.linear``), unless a packed second copy of
     every weight would not fit in the memory available. In a small model (all routed weights
     within ``cpu_gemm.TUNE_MAX_BYTES``) each weight shape's paths are timed against plain
     ``F.linear`` per row bucket, and a weight for which ``F.linear`` wins at every row count is
     left unrouted. Returns the number of layers routed."""
     layers = [m for m in model.modules() if isinstance(m, (Linear, LMHead))]
-    todo = [m for m in layers if cpu_gemm.prepack_supported(m.weight.dtype, m.weight.device)]
+    todo = [m for m in layers if cpu_gemm.route_supported(m.weight.dtype, m.weight.device)]
     if not todo:
         return 0
     need = sum(m.weight.numel() * m.weight.element_size() for m in todo)
@@ -169,5 +170,6 @@ def prepack_weights(model: nn.Module) -> int:
                          "every row count, timed)", plain, len(todo))
         todo = [m for m in todo if m.packed]
     logger.info_once("%d bf16/float32 linear weights (%.2f GiB) use the native kernel for 1-2 rows and "
-                     "oneDNN-packed copies (made at first use) for more", len(todo), need / 2**30)
+                     "oneDNN-packed copies (made at first use; plain F.linear where oneDNN lacks "
+                     "the dtype) for more", len(todo), need / 2**30)
     return len(todo)

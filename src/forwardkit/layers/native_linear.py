@@ -1,18 +1,23 @@
-"""The native few-row linear (``csrc/linear_few_rows.c``), built at first use.
+"""The native few-row linear (``csrc/linear_few_rows*.c``), built at first use.
 
 Decode steps multiply one or two activation rows by each weight; that product streams the
 weight from memory and does little arithmetic. oneDNN's bf16 matmul reaches about 15 GB/s a
 core on such products here (packed or not); the native kernel reads the plain row-major weight
-in blocks of rows with VDPBF16PS and reaches 20-28 GB/s a core with the weight on huge pages.
+in blocks of rows with VDPBF16PS and reaches 20-28 GB/s a core with the weight on huge pages
+(AVX2 build on a 2-core EPYC without AVX-512: 1.3-2.7x ``F.linear`` in bf16, see the README).
 For float32 it saves MKL's per-call overhead on the small matrices of small models. For more
 rows oneDNN's packed matmul is faster (it is compute-bound there) and stays in use.
 
-The C file is compiled with the system C compiler (``$CC``, else ``cc``) into
+There are two builds, chosen per dtype by the CPU's flags: ``csrc/linear_few_rows.c`` for
+AVX-512 (bf16 with VDPBF16PS, needs AVX-512-BF16; float32 needs AVX-512F/BW/VL) and
+``csrc/linear_few_rows_avx2.c`` for AVX2 + FMA (bf16 widened to float32 in registers; both
+dtypes), so a CPU without AVX-512 (or without its bf16 part) streams decode weights too. Each is
+compiled with the system C compiler (``$CC``, else ``cc``) into
 ``$FORWARDKIT_CACHE_ROOT/native/`` under a name derived from the source and flags, checked
-against ``F.linear`` once, and loaded with ``ctypes``. The bf16 kernel needs AVX-512-BF16, the
-float32 one AVX-512F/BW/VL. Anything that fails (no compiler, missing instructions, a wrong
-result) disables it with one log line; ``F.linear``/oneDNN then serve every call.
-``FORWARDKIT_CPU_NATIVE_LINEAR=0`` disables it.
+against ``F.linear`` once, and loaded with ``ctypes``. Anything that fails (no compiler, missing
+instructions, a wrong result) disables that build with one log line (the next one down is
+tried); ``F.linear``/oneDNN then serve every call. ``FORWARDKIT_CPU_NATIVE_LINEAR=0`` disables
+it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,16 +40,36 @@ from forwardkit import envs
 from forwardkit.logger import init_logger
 
 __all__ = ["MAX_ROWS", "available", "cpu_flags", "cpu_has_avx512_bf16", "cpu_model_name",
-           "cpu_supports", "linear_rows"]
+           "candidate_builds", "isa_supported", "kernel_isa", "linear_rows"]
 
 logger = init_logger(__name__)
 
 MAX_ROWS = 2  # rows up to which the kernel beats oneDNN's packed matmul (measured, 2-core EPYC)
-_SOURCE = Path(__file__).with_name("csrc") / "linear_few_rows.c"
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared",
-          "-fPIC"]
+_CSRC = Path(__file__).with_name("csrc")
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 _ABI_VERSION = 2
-_NEEDS = {torch.bfloat16: {"avx512_bf16"}, torch.float32: {"avx512f", "avx512bw", "avx512vl"}}
+
+
+class _Isa(NamedTuple):
+    """One build of the kernel: its source, compiler flags and the CPU flags each dtype needs."""
+
+    source: Path
+    flags: tuple[str, ...]
+    needs: dict[torch.dtype, frozenset[str]]
+
+
+_AVX2_NEEDS = frozenset({"avx2", "fma"})
+# Tried in this order for each dtype; the first whose CPU flags are present and that builds,
+# loads and passes its self-check serves that dtype.
+_ISAS: dict[str, _Isa] = {
+    "avx512": _Isa(_CSRC / "linear_few_rows.c",
+                   ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+                   {torch.bfloat16: frozenset({"avx512_bf16"}),
+                    torch.float32: frozenset({"avx512f", "avx512bw", "avx512vl"})}),
+    "avx2": _Isa(_CSRC / "linear_few_rows_avx2.c", ("-mavx2", "-mfma"),
+                 {torch.bfloat16: _AVX2_NEEDS, torch.float32: _AVX2_NEEDS}),
+}
+_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _cpuinfo(field: str) -> str:
@@ -75,29 +101,35 @@ def cpu_has_avx512_bf16() -> bool:
     return "avx512_bf16" in cpu_flags()
 
 
-def cpu_supports(dtype: torch.dtype) -> bool:
-    """Whether the CPU has the instructions of the ``dtype`` kernel (the library itself needs
-    AVX-512F/BW/VL; the bf16 kernel also AVX-512-BF16). A compiler is needed besides."""
-    if dtype not in _NEEDS:
-        return False
-    return (_NEEDS[torch.float32] | _NEEDS[dtype]) <= cpu_flags()
+def isa_supported(isa: str, dtype: torch.dtype) -> bool:
+    """Whether this CPU has the instructions build ``isa`` ("avx512", "avx2") uses for ``dtype``."""
+    return _ISAS[isa].needs[dtype] <= cpu_flags()
 
 
-def _build(cache_dir: Path) -> Path:
-    """Compile the kernel into ``cache_dir`` (once per source and flags) and return its path."""
-    source = _SOURCE.read_bytes()
+def candidate_builds() -> list[str]:
+    """``"isa:dtype"`` for every build this CPU could run (cheap: no compiling); part of the
+    machine key under which timed linear-path choices are saved."""
+    return [f"{isa}:{str(dtype).removeprefix('torch.')}" for isa in _ISAS for dtype in _DTYPES
+            if isa_supported(isa, dtype)]
+
+
+def _build(cache_dir: Path, isa: str = "avx512") -> Path:
+    """Compile build ``isa`` into ``cache_dir`` (once per source and flags); return its path."""
+    spec = _ISAS[isa]
+    source = spec.source.read_bytes()
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
-    target = cache_dir / f"linear_few_rows-{key}.so"
+    flags = [*_COMMON_FLAGS, *spec.flags]
+    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    target = cache_dir / f"{spec.source.stem}-{key}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp],
+        proc = subprocess.run([compiler, *flags, str(spec.source), "-o", tmp],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
@@ -122,28 +154,32 @@ def _self_check(fn: Callable[..., int], dtype: torch.dtype) -> None:
             raise RuntimeError(f"{dtype} self-check failed for {rows} rows (rc={rc})")
 
 
-@functools.lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
+@functools.cache
+def _library(isa: str) -> ctypes.CDLL | None:
+    """Build ``isa`` loaded, or None (switched off, no instructions for any dtype, build error)."""
     if not envs.FORWARDKIT_CPU_NATIVE_LINEAR:
         return None
-    if not cpu_supports(torch.float32):
-        logger.info_once("Native linear off: the CPU has no AVX-512")
+    if not any(isa_supported(isa, dtype) for dtype in _DTYPES):
         return None
     try:
-        lib = ctypes.CDLL(str(_build(Path(envs.FORWARDKIT_CACHE_ROOT) / "native")))
+        lib = ctypes.CDLL(str(_build(Path(envs.FORWARDKIT_CACHE_ROOT) / "native", isa)))
         lib.fk_abi_version.restype = ctypes.c_int
         if lib.fk_abi_version() != _ABI_VERSION:
             raise RuntimeError(f"ABI version {lib.fk_abi_version()} != {_ABI_VERSION}")
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning_once("Native linear off (%s); oneDNN/MKL serve small products", exc)
+        logger.warning_once("Native %s linear off (%s); oneDNN/MKL serve small products", isa, exc)
         return None
     return lib
 
 
 @functools.cache
-def _kernel(dtype: torch.dtype) -> Callable[..., int] | None:
-    lib = _library()
-    if lib is None or not cpu_supports(dtype):
+def _function(isa: str, dtype: torch.dtype) -> Callable[..., int] | None:
+    """Build ``isa``'s kernel for ``dtype``, self-checked; None when this CPU lacks its
+    instructions or it does not build, load or pass the check."""
+    if dtype not in _DTYPES or not isa_supported(isa, dtype):
+        return None
+    lib = _library(isa)
+    if lib is None:
         return None
     fn = lib.fk_linear_bf16 if dtype == torch.bfloat16 else lib.fk_linear_f32
     fn.restype = ctypes.c_int
@@ -151,14 +187,40 @@ def _kernel(dtype: torch.dtype) -> Callable[..., int] | None:
     try:
         _self_check(fn, dtype)
     except RuntimeError as exc:
-        logger.warning_once("Native %s linear off (%s)", dtype, exc)
+        logger.warning_once("Native %s %s linear off (%s)", isa, dtype, exc)
         return None
     return fn
 
 
+@functools.cache
+def _selected(dtype: torch.dtype) -> tuple[str, Callable[..., int]] | None:
+    """(build, function) serving ``dtype``: the first build in ``_ISAS`` that this CPU can run
+    and that passes its self-check; None when none does."""
+    for isa in _ISAS:
+        fn = _function(isa, dtype)
+        if fn is not None:
+            return isa, fn
+    if (dtype in _DTYPES and envs.FORWARDKIT_CPU_NATIVE_LINEAR
+            and not any(isa_supported(i, dtype) for i in _ISAS)):
+        logger.info_once("Native %s linear off: the CPU has neither AVX-512 nor AVX2+FMA", dtype)
+    return None
+
+
+def _kernel(dtype: torch.dtype) -> Callable[..., int] | None:
+    found = _selected(dtype)
+    return None if found is None else found[1]
+
+
+def kernel_isa(dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Which build serves ``dtype`` here ("avx512", "avx2"), or None when none does."""
+    found = _selected(dtype)
+    return None if found is None else found[0]
+
+
 def cache_clear() -> None:
     """Forget the loaded kernels (the next call re-reads the environment and rebuilds)."""
-    _kernel.cache_clear()
+    _selected.cache_clear()
+    _function.cache_clear()
     _library.cache_clear()
 
 
@@ -167,12 +229,14 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     return _kernel(dtype) is not None
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                isa: str | None = None) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` by the native kernel, or None when it does not apply
     (not bf16/float32 on the CPU, more than :data:`MAX_ROWS` rows, non-contiguous operands,
-    kernel unavailable): the caller then takes another path."""
+    kernel unavailable): the caller then takes another path. ``isa`` forces one build
+    ("avx512", "avx2"; tests compare them), else the one :func:`kernel_isa` names serves."""
     dtype = x.dtype
-    if dtype not in _NEEDS or weight.dtype != dtype or x.device.type != "cpu":
+    if (dtype is not torch.bfloat16 and dtype is not torch.float32) or weight.dtype != dtype or x.device.type != "cpu":
         return None
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
@@ -180,9 +244,16 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return None
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
-    fn = _kernel(dtype)
-    if fn is None:
-        return None
+    if isa is None:
+        found = _selected(dtype)
+        if found is None:
+            return None
+        fn = found[1]
+    else:
+        forced = _function(isa, dtype)
+        if forced is None:
+            return None
+        fn = forced
     x = x.contiguous()
     n = weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=dtype)
