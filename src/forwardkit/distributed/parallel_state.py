@@ -46,7 +46,9 @@ if TYPE_CHECKING:
 __all__ = [
     "DPCollectiveError",
     "DPGroup",
+    "PendingCollective",
     "RankGroup",
+    "comm_wait_stats",
     "destroy_distributed",
     "destroy_dp_group",
     "get_dp_group",
@@ -59,6 +61,7 @@ __all__ = [
     "is_dp_group_initialized",
     "is_tp_group_initialized",
     "rank_dir_name",
+    "reset_comm_wait_stats",
     "tp_rank_and_size",
 ]
 
@@ -69,6 +72,62 @@ _TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 class DPCollectiveError(RuntimeError):
     """A collective of a DP, TP or EP group failed or did not finish within the timeout."""
+
+
+# Seconds spent blocked in PendingCollective.wait, per process (the bench's "exposed
+# communication"); read and reset with ``comm_wait_stats`` / ``reset_comm_wait_stats``.
+_COMM_WAIT = {"seconds": 0.0, "waits": 0}
+
+
+def comm_wait_stats() -> dict[str, float]:
+    """Seconds this process spent blocked waiting on asynchronous collectives
+    (:meth:`RankGroup.start_all_gather` / :meth:`RankGroup.start_all_reduce`), and how many waits."""
+    return dict(_COMM_WAIT)
+
+
+def reset_comm_wait_stats() -> None:
+    """Zero :func:`comm_wait_stats`."""
+    _COMM_WAIT["seconds"] = 0.0
+    _COMM_WAIT["waits"] = 0
+
+
+class PendingCollective:
+    """A collective started with ``async_op=True``: :meth:`wait` finishes it (bounded by the
+    group's timeout) and returns the result. Waiting again returns the same result at once, so
+    the wait can be registered as a micro-batch receive hook and also called by its owner."""
+
+    __slots__ = ("_done", "_error", "_finish", "_group", "_result", "_timeout_s", "_what", "_work")
+
+    def __init__(self, group: RankGroup, work: Any, what: str, timeout_s: float | None,
+                 finish: Any) -> None:
+        self._group, self._work, self._what, self._timeout_s = group, work, what, timeout_s
+        self._finish = finish
+        self._done = False
+        self._error: BaseException | None = None
+        self._result: Any = None
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (without waiting)."""
+        return self._done or self._work is None or bool(self._work.is_completed())
+
+    def wait(self) -> Any:
+        """Block until the collective finishes; returns its result (raises its error again)."""
+        if not self._done:
+            self._done = True
+            start = time.perf_counter()
+            try:
+                if self._work is not None:
+                    self._group._wait(self._work, self._what, self._timeout_s)
+                self._result = self._finish()
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                _COMM_WAIT["seconds"] += time.perf_counter() - start
+                _COMM_WAIT["waits"] += 1
+                self._work = None
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 @dataclass
@@ -160,6 +219,24 @@ class RankGroup:
         work = dist.all_gather(out, tensor.contiguous(), group=self._group(use_cpu), async_op=True)
         self._wait(work, "all_gather", timeout_s)
         return torch.stack(out)
+
+    def start_all_gather(self, tensor: torch.Tensor, *, use_cpu: bool = False,
+                         timeout_s: float | None = None) -> PendingCollective:
+        """Start :meth:`all_gather` without waiting; ``wait()`` returns the stacked result."""
+        if self.world_size == 1:
+            return PendingCollective(self, None, "all_gather", timeout_s, lambda: tensor.unsqueeze(0))
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        work = dist.all_gather(out, tensor.contiguous(), group=self._group(use_cpu), async_op=True)
+        return PendingCollective(self, work, "all_gather", timeout_s, lambda: torch.stack(out))
+
+    def start_all_reduce(self, tensor: torch.Tensor, *, use_cpu: bool = False,
+                         timeout_s: float | None = None) -> PendingCollective:
+        """Start an in-place SUM :meth:`all_reduce` without waiting; ``wait()`` returns ``tensor``."""
+        work = None
+        if self.world_size > 1:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group(use_cpu),
+                                   async_op=True)
+        return PendingCollective(self, work, "all_reduce", timeout_s, lambda: tensor)
 
     def all_gather_v(self, tensor: torch.Tensor, sizes: Sequence[int], *, use_cpu: bool = False,
                      timeout_s: float | None = None) -> torch.Tensor:

@@ -46,6 +46,7 @@ from forwardkit.forward_context import get_forward_context
 from forwardkit.layers.kernels import silu_and_mul_native
 from forwardkit.layers.linear import copy_weight
 from forwardkit.layers.parallel import ShardSpec, divide, narrow, set_shard_spec, tp_rank_and_size
+from forwardkit.ubatching import dbo_enabled, dbo_register_recv_hook, dbo_yield
 
 __all__ = ["FusedMoE", "expert_slice", "moe_forward", "route_topk"]
 
@@ -258,15 +259,29 @@ def _dp_exchange(
         raise ValueError(f"FORWARDKIT_MOE_DP_CHUNK_SIZE must be positive, got {chunk}")
     max_tokens = int(dp_metadata.max_tokens_across_dp_cpu)
 
+    overlap = dbo_enabled()  # a micro-batch of a DBO step: yield while collectives fly
+
     def run_chunk(start: int, sizes: list[int], offsets: list[int]) -> None:
         mine = min(sizes[rank], max(0, num_local - start))  # real rows this rank sends
         buf = torch.zeros((max(sizes), payload.shape[1]), dtype=torch.float32, device=comm_device)
         buf[:mine] = payload[start : start + mine].to(comm_device)
-        gathered = group.all_gather(buf, use_cpu=use_cpu)
+        if overlap:  # dispatch: start, let the sibling micro-batch compute, finish on resume
+            pending = group.start_all_gather(buf, use_cpu=use_cpu)
+            dbo_register_recv_hook(pending.wait)
+            dbo_yield()
+            gathered = pending.wait()
+        else:
+            gathered = group.all_gather(buf, use_cpu=use_cpu)
         rows = torch.cat([gathered[r, : sizes[r]] for r in range(world)]).to(hidden.device)
         x, lg = rows[:, :hidden_size].to(hidden.dtype), rows[:, hidden_size:]
         partial = layer.compute_local(x, lg).to(comm_device)
-        group.all_reduce(partial, use_cpu=use_cpu)
+        if overlap:  # combine, the same way
+            pending = group.start_all_reduce(partial, use_cpu=use_cpu)
+            dbo_register_recv_hook(pending.wait)
+            dbo_yield()
+            pending.wait()
+        else:
+            group.all_reduce(partial, use_cpu=use_cpu)
         out[start : start + mine] = partial[offsets[rank] : offsets[rank] + mine].to(hidden.device)
 
     if max_tokens <= chunk:
