@@ -74,14 +74,16 @@ class DPCollectiveError(RuntimeError):
     """A collective of a DP, TP or EP group failed or did not finish within the timeout."""
 
 
-# Seconds spent blocked in PendingCollective.wait, per process (the bench's "exposed
-# communication"); read and reset with ``comm_wait_stats`` / ``reset_comm_wait_stats``.
+# Seconds this process spent blocked waiting for collectives of any RankGroup (the bench's
+# "exposed communication"); read and reset with ``comm_wait_stats`` / ``reset_comm_wait_stats``.
 _COMM_WAIT = {"seconds": 0.0, "waits": 0}
 
 
 def comm_wait_stats() -> dict[str, float]:
-    """Seconds this process spent blocked waiting on asynchronous collectives
-    (:meth:`RankGroup.start_all_gather` / :meth:`RankGroup.start_all_reduce`), and how many waits."""
+    """``{"seconds", "waits"}``: time this process spent blocked waiting for collectives of
+    every :class:`RankGroup` (a synchronous collective waits for all of its transfer; an
+    asynchronous one, :meth:`RankGroup.start_all_gather`, only for what is left when it is
+    waited on), and how many waits."""
     return dict(_COMM_WAIT)
 
 
@@ -114,7 +116,6 @@ class PendingCollective:
         """Block until the collective finishes; returns its result (raises its error again)."""
         if not self._done:
             self._done = True
-            start = time.perf_counter()
             try:
                 if self._work is not None:
                     self._group._wait(self._work, self._what, self._timeout_s)
@@ -122,8 +123,6 @@ class PendingCollective:
             except BaseException as exc:
                 self._error = exc
             finally:
-                _COMM_WAIT["seconds"] += time.perf_counter() - start
-                _COMM_WAIT["waits"] += 1
                 self._work = None
         if self._error is not None:
             raise self._error
@@ -168,10 +167,14 @@ class RankGroup:
 
     def _wait(self, work: Any, what: str, timeout_s: float | None) -> None:
         limit = self.timeout_s if timeout_s is None else timeout_s
+        start = time.perf_counter()
         try:
             work.wait(timeout=datetime.timedelta(seconds=limit))
         except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses with terse text
             raise self._failure(what, limit, exc) from exc
+        finally:
+            _COMM_WAIT["seconds"] += time.perf_counter() - start
+            _COMM_WAIT["waits"] += 1
 
     def _failure(self, what: str, limit: float, exc: BaseException) -> DPCollectiveError:
         peers = describe_local_peers(self.peers, self.global_rank, end_stopped=True)
