@@ -143,6 +143,9 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self.capture_stats: dict[str, Any] = {}
         self._served = False  # set by the first real step
+        # Set once the model has run a forward: its first call traces and compiles it, which
+        # must not happen in a micro-batch (the sibling would call it mid-trace).
+        self._model_ran = False
 
     # ------------------------------------------------------------------ start-up
     def _place(self, model: nn.Module) -> nn.Module:
@@ -247,7 +250,7 @@ class ModelRunner:
             raise ValueError(f"pad_to={pad_to} exceeds the input buffers "
                              f"({self.max_num_tokens} tokens)")
         plan = self.planner.plan(n, batch.num_reqs, batch.query_lens, batch.max_query_len,
-                                 pad_to=pad_to)
+                                 pad_to=pad_to, allow_microbatching=self._model_ran)
         mode, desc, across_dp = plan.cudagraph_mode, plan.batch_descriptor, plan.num_tokens_across_dp
         padded = desc.num_tokens
         self.buffers.check_fits(padded)
@@ -264,6 +267,7 @@ class ModelRunner:
                                      num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
                                      batch_descriptor=desc):
                 hidden = self.model(input_ids, positions)
+        self._model_ran = True
         self.last_step = StepInfo(mode, desc, n, across_dp, slices)
         self.last_hidden = hidden if self.keep_hidden else None
         if not self._served:  # start-up is over: weights move onto huge pages from now on
@@ -382,6 +386,7 @@ class ModelRunner:
                                  num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
                                  batch_descriptor=desc):
             self.model(input_ids, positions)
+        self._model_ran = True
         self.last_step = StepInfo(mode, desc, 0, across_dp)
 
     def warm_up_compile_ranges(self) -> list[int]:
