@@ -225,3 +225,58 @@ def test_dbo_dp2_expert_parallel(make_checkpoint):
         done = next(i for i, e in enumerate(ev) if e[0] == "gather_done" and e[2] == first[2])
         assert ("attention", 1) in ev[start:done], ev
     assert results[0]["faults"] == results[1]["faults"]
+
+
+def _one_rank_faults(rank: int, nprocs: int, port: int, path: str) -> str:
+    from forwardkit import ubatching
+    from forwardkit.distributed import (
+        DPCollectiveError,
+        destroy_dp_group,
+        get_dp_group,
+        init_dp_group,
+    )
+    from forwardkit.runner.model_runner import ModelRunner
+
+    init_dp_group(world_size=nprocs, rank=rank, master_port=port, backend="gloo", timeout_s=60)
+    try:
+        runner = ModelRunner(_config(path, True, rank))
+        runner.dummy_run(2)
+        group = get_dp_group()
+        group.barrier()
+        group.timeout_s = 10  # short from here on: the test waits for it once
+        reqs = _Requests(rank)
+        runner.execute(reqs.batch(["p9", "p9"]))  # micro-batched, no fault
+        assert runner.last_step.ubatch_slices is not None
+
+        class Fault(Exception):
+            pass
+
+        def inject(ub, event):
+            if rank == 0 and event == "yield" and ub == 1:
+                raise Fault("only rank 0, micro-batch 1, first yield")
+
+        ubatching.set_ubatch_event_hook(inject)
+        try:
+            runner.execute(reqs.batch(["p9", "p9"]))
+        except Fault as exc:
+            return f"fault: {exc}"
+        except DPCollectiveError as exc:
+            return f"collective error: {exc}"
+        finally:
+            ubatching.set_ubatch_event_hook(None)
+        return "no error"
+    finally:
+        destroy_dp_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_a_fault_on_one_rank_ends_the_step_on_every_rank(make_checkpoint):
+    """Rank 0 fails in a micro-batch, rank 1 does not: rank 0 raises its fault, rank 1 a
+    DPCollectiveError at the collective timeout; nobody hangs."""
+    from forwardkit.distributed.launch import spawn
+
+    path = make_checkpoint("mixtral")
+    out = spawn(_one_rank_faults, 2, args=(path,), timeout_s=150)
+    assert out[0] == "fault: only rank 0, micro-batch 1, first yield"
+    assert out[1].startswith("collective error: DP ") and "within 10 s" in out[1], out[1]
