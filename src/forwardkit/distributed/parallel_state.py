@@ -108,10 +108,6 @@ class PendingCollective:
         self._error: BaseException | None = None
         self._result: Any = None
 
-    def is_completed(self) -> bool:
-        """Whether the collective has finished (without waiting)."""
-        return self._done or self._work is None or bool(self._work.is_completed())
-
     def wait(self) -> Any:
         """Block until the collective finishes; returns its result (raises its error again)."""
         if not self._done:
@@ -249,31 +245,48 @@ class RankGroup:
         gloo's all-gather needs equal shapes, so each rank sends its rows padded to
         ``max(sizes)`` and the padding is cut from the result.
         """
+        return self.start_all_gather_v(tensor, sizes, use_cpu=use_cpu, timeout_s=timeout_s).wait()
+
+    def start_all_gather_v(self, tensor: torch.Tensor, sizes: Sequence[int], *,
+                           use_cpu: bool = False, timeout_s: float | None = None) -> PendingCollective:
+        """Start :meth:`all_gather_v` without waiting; ``wait()`` returns its result."""
         sizes = [int(s) for s in sizes]
         self._check_sizes(sizes, tensor, "all_gather_v")
         if self.world_size == 1:
-            return tensor
+            return PendingCollective(self, None, "all_gather", timeout_s, lambda: tensor)
         top = max(sizes)
         if tensor.shape[0] == top:
             send = tensor.contiguous()
         else:
             send = tensor.new_zeros((top, *tensor.shape[1:]))
             send[: tensor.shape[0]] = tensor
-        gathered = self.all_gather(send, use_cpu=use_cpu, timeout_s=timeout_s)
-        if all(s == top for s in sizes):
-            return gathered.flatten(0, 1)
-        return torch.cat([gathered[r, :s] for r, s in enumerate(sizes)])
+        out = [torch.empty_like(send) for _ in range(self.world_size)]
+        work = dist.all_gather(out, send, group=self._group(use_cpu), async_op=True)
+
+        def finish() -> torch.Tensor:
+            if all(s == top for s in sizes):
+                return torch.cat(out)
+            return torch.cat([out[r][:s] for r, s in enumerate(sizes)])
+
+        return PendingCollective(self, work, "all_gather", timeout_s, finish)
 
     def reduce_scatter_v(self, tensor: torch.Tensor, sizes: Sequence[int], *,
                          use_cpu: bool = False, timeout_s: float | None = None) -> torch.Tensor:
         """Sum ``tensor`` (``sum(sizes)`` rows, the same layout on every rank) over the group
         and return this rank's ``sizes[rank]`` rows of the sum (uneven sizes allowed)."""
+        return self.start_reduce_scatter_v(tensor, sizes, use_cpu=use_cpu,
+                                           timeout_s=timeout_s).wait()
+
+    def start_reduce_scatter_v(self, tensor: torch.Tensor, sizes: Sequence[int], *,
+                               use_cpu: bool = False,
+                               timeout_s: float | None = None) -> PendingCollective:
+        """Start :meth:`reduce_scatter_v` without waiting; ``wait()`` returns its result."""
         sizes = [int(s) for s in sizes]
         if tensor.shape[0] != sum(sizes):
             raise ValueError(f"reduce_scatter_v: tensor has {tensor.shape[0]} rows, sizes "
                              f"{sizes} add up to {sum(sizes)}")
         if self.world_size == 1:
-            return tensor
+            return PendingCollective(self, None, "reduce_scatter", timeout_s, lambda: tensor)
         if len(sizes) != self.world_size:
             raise ValueError(f"reduce_scatter_v: {len(sizes)} sizes for a group of "
                              f"{self.world_size} ranks")
@@ -281,8 +294,7 @@ class RankGroup:
         out = torch.empty((sizes[self.rank], *tensor.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
         work = dist.reduce_scatter(out, parts, group=self._group(use_cpu), async_op=True)
-        self._wait(work, "reduce_scatter", timeout_s)
-        return out
+        return PendingCollective(self, work, "reduce_scatter", timeout_s, lambda: out)
 
     def _check_sizes(self, sizes: list[int], tensor: torch.Tensor, what: str) -> None:
         if len(sizes) != self.world_size:
