@@ -197,3 +197,18 @@ def test_fault_in_the_sibling_while_the_other_waits_at_its_last_yield():
     assert "not reached" not in seen
     assert seen[:3] == [(0, "start"), (0, "yield"), (1, "start")]
     assert not _ubatch_threads()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_micro_batches_launch_on_the_callers_cuda_stream():
+    side = torch.cuda.Stream()
+
+    def fn():
+        x = torch.ones(4, device="cuda")
+        dbo_yield()
+        return torch.cuda.current_stream() == side, (x * 2).sum().item()
+
+    with torch.cuda.stream(side):
+        out = run_ubatches([fn, fn], [_ctx(0), _ctx(1)])
+    assert out == [(True, 8.0), (True, 8.0)]

@@ -26,6 +26,7 @@ on the caller. An exception raised by the caller's own thread is treated the sam
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 from collections.abc import Callable, Sequence
@@ -213,7 +214,7 @@ def run_ubatches(fns: Sequence[Callable[[], Any]],
 
     Micro-batch 0 runs on the caller's thread, the others on new threads; each starts from a
     copy of the caller's ``contextvars`` context with its own forward context installed, and
-    inherits the caller's grad / inference mode. Exactly one micro-batch computes at a time
+    inherits the caller's grad / inference mode and (on CUDA) current stream. Exactly one micro-batch computes at a time
     (see the module docstring); the first exception aborts the step and is re-raised here
     once every thread has stopped.
     """
@@ -225,6 +226,8 @@ def run_ubatches(fns: Sequence[Callable[[], Any]],
     results: list[Any] = [None] * n
     inference = torch.is_inference_mode_enabled()
     grad = torch.is_grad_enabled()
+    # The current CUDA stream is per thread: every micro-batch launches on the caller's.
+    stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
 
     def body(i: int) -> None:
         error: BaseException | None = None
@@ -233,7 +236,8 @@ def run_ubatches(fns: Sequence[Callable[[], Any]],
             run.start(i)
             _event(i, "start")
             with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
-                    override_forward_context(contexts[i]):
+                    override_forward_context(contexts[i]), \
+                    (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                 results[i] = fns[i]()
             dbo_maybe_run_recv_hook()
             _event(i, "end")
