@@ -63,6 +63,23 @@ def test_bench_two_dp_ranks(tmp_path):
     assert data["trace"] == "mixed (rank 0 of 2)"
 
 
+@pytest.mark.distributed
+def test_bench_dbo_contender_on_two_dp_ranks(tmp_path, capsys):
+    trace = tmp_path / "trace.json"  # the same steps on both ranks, all above the thresholds
+    trace.write_text(json.dumps([16, 24, {"query_lens": [1] * 8 + [24], "context_lens": [30] * 9}]))
+    out = tmp_path / "dbo.json"
+    assert main(["bench", "--no-progress", "-dp", "2", "--warmup-steps", "0", "-O.mode=0",
+                 "--contenders", "forwardkit,forwardkit+dbo", "--trace", str(trace),
+                 "--dbo-decode-token-threshold", "8", "--dbo-prefill-token-threshold", "16",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    _check_report(data, ["forwardkit", "forwardkit+dbo"])
+    plain, dbo = data["contenders"]["forwardkit"], data["contenders"]["forwardkit+dbo"]
+    assert (plain["ubatched_steps"], dbo["ubatched_steps"]) == (0, 3)
+    assert plain["mean_comm_wait_ms"] > 0 and dbo["mean_comm_wait_ms"] > 0
+    assert "communication left exposed" in capsys.readouterr().out
+
+
 def test_bench_json_trace_file(tmp_path):
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps([1, 8, {"query_lens": [40, 1], "context_lens": [0, 30]}]))
@@ -85,6 +102,7 @@ def test_bench_json_trace_file(tmp_path):
         (["bench", "--model-shape", "llama-9b"], "unknown model shape 'llama-9b'; accepted: ["),
         (["bench", "--model-shape", "default", "--model", "x"], "give --model or --model-shape, not both"),
         (["bench", "--contenders", "transformers"], "--contenders transformers needs --generation"),
+        (["bench", "--contenders", "forwardkit+dbo"], "forwardkit+dbo needs the step trace on data-parallel"),
         (["bench", "--generation", "--batch-sizes", "0,4"], "expected comma-separated positive"),
         (["bench", "--generation", "--new-tokens", "0"], "--new-tokens must be >= 1"),
         (["bench", "-dp", "2", "--model-shape", "llama-3.2-1b"], "has no experts (try mixtral-small)"),

@@ -96,6 +96,20 @@ def test_enforce_eager_and_dp():
     assert moe.parallel_config.all2all_backend == "deepep_low_latency"
 
 
+def test_dbo_flags():
+    dbo = resolve("--enable-expert-parallel", "-dp", "2", "--enable-dbo",
+                  "--dbo-decode-token-threshold", "8", "--dbo-prefill-token-threshold", "64")
+    pc = dbo.parallel_config
+    assert (pc.enable_dbo, pc.use_ubatching, pc.num_ubatches) == (True, True, 2)
+    assert (pc.dbo_decode_token_threshold, pc.dbo_prefill_token_threshold) == (8, 64)
+    three = resolve("--enable-expert-parallel", "-dp", "2", "--ubatch-size", "3").parallel_config
+    assert (three.enable_dbo, three.use_ubatching, three.num_ubatches) == (False, True, 3)
+    off = resolve().parallel_config
+    assert not off.use_ubatching and off.dbo_decode_token_threshold == 32
+    with pytest.raises(ValueError, match="naive is not supported"):
+        resolve("-dp", "2", "--enable-dbo", "--all2all-backend", "naive")
+
+
 def test_defaults_and_limits():
     cfg = resolve()
     assert (cfg.scheduler_config.max_num_seqs, cfg.scheduler_config.max_num_batched_tokens) == (128, 2048)

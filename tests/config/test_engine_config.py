@@ -260,8 +260,9 @@ ERRORS = [
                                       max_cudagraph_capture_size=10), r"\(=4\)"),
     ("split point 0", dict(compile_ranges_split_points=[0]), "Invalid compile range split point: 0"),
     ("split point -3", dict(compile_ranges_split_points=[-3]), "Invalid compile range split point: -3"),
-    ("dbo with default all2all", dict(enable_dbo=True),
-     "Microbatching currently only supports the deepep_low_latency and deepep_high_throughput all2all backend"),
+    ("dbo with naive all2all", dict(enable_dbo=True, all2all="naive"),
+     "Microbatching currently only supports the allgather_reducescatter, deepep_low_latency and "
+     "deepep_high_throughput all2all backends. naive is not supported"),
     ("level 4", dict(level=4), "optimization_level"),
     ("bad compilation key", dict(bogus_key=1), "bogus_key"),
 ]

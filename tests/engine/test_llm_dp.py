@@ -16,14 +16,25 @@ ROUNDS = [
     [[[100, 101], [50 + i for i in range(9)]], []],
     [[], [[200 - i for i in range(23)]]],
 ]
+# With "dbo": a round with balanced work, so steps are micro-batched (prefill and decode).
+DBO_ROUND = [[[5, 6, 7], [8, 9], [30 + i for i in range(7)]],
+             [[1, 2, 3, 4], [60 + i for i in range(6)], [90, 91, 92]]]
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, enforce_eager=True, max_model_len=128)
 
 
-def _engine_config(path: str, nprocs: int, dp_padding: bool):
+def _rounds(dp_padding: bool | str) -> list:
+    return ROUNDS + [DBO_ROUND] if dp_padding == "dbo" else ROUNDS
+
+
+def _engine_config(path: str, nprocs: int, dp_padding: bool | str):
     from forwardkit.config.builder import build_engine_config
     from forwardkit.config.compilation import CUDAGraphMode
     from forwardkit.config.frozen import unfrozen
 
+    if dp_padding == "dbo":  # dual-batch overlap with thresholds the 16-token steps reach
+        return build_engine_config(path, data_parallel_size=nprocs, enable_expert_parallel=True,
+                                   enable_dbo=True, dbo_decode_token_threshold=2,
+                                   dbo_prefill_token_threshold=4, **ENGINE)
     if not dp_padding:
         return build_engine_config(path, data_parallel_size=nprocs, enable_expert_parallel=True,
                                    **ENGINE)
@@ -38,7 +49,7 @@ def _engine_config(path: str, nprocs: int, dp_padding: bool):
 
 
 def _rank_main(rank: int, nprocs: int, port: int, path: str,
-               dp_padding: bool) -> tuple[list[list[list[int]]], int]:
+               dp_padding: bool | str) -> tuple[list[list[list[int]]], int]:
     os.environ["FORWARDKIT_MOE_DP_CHUNK_SIZE"] = "4"  # several all-gather chunks per step
     from forwardkit.distributed import destroy_dp_group, init_dp_group
 
@@ -52,18 +63,21 @@ def _rank_main(rank: int, nprocs: int, port: int, path: str,
             nonlocal padded_steps
             logits = step(batch, pad_to)
             info = llm.runner.last_step
-            if batch.num_reqs:  # (an idle rank's dummy step always pads 0 -> >= 1 tokens)
+            if dp_padding == "dbo":  # count micro-batched steps instead
+                padded_steps += info.ubatch_slices is not None
+            elif batch.num_reqs:  # (an idle rank's dummy step always pads 0 -> >= 1 tokens)
                 padded_steps += info.num_padded_tokens > batch.num_tokens
             across = info.num_tokens_across_dp.tolist()
             assert across[rank] == info.num_padded_tokens
-            assert (len(set(across)) == 1) or not dp_padding
+            assert (len(set(across)) == 1) or not dp_padding or (
+                dp_padding == "dbo" and info.ubatch_slices is None)
             return logits
 
         llm.runner.execute = execute
         experts = [m for m in llm.runner.model.modules() if type(m).__name__ == "FusedMoE"]
         assert experts and all(m.use_ep for m in experts)
         results = []
-        for per_rank in ROUNDS:
+        for per_rank in _rounds(dp_padding):
             outs = llm.generate(prompt_token_ids=per_rank[rank], sampling_params=GREEDY,
                                 use_tqdm=False)
             results.append([o.outputs[0].token_ids for o in outs])
@@ -74,15 +88,15 @@ def _rank_main(rank: int, nprocs: int, port: int, path: str,
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("dp_padding", [False, True], ids=["unpadded", "dp-padded"])
+@pytest.mark.parametrize("dp_padding", [False, True, "dbo"], ids=["unpadded", "dp-padded", "dbo"])
 def test_dp2_expert_parallel_matches_single_process(make_checkpoint, dp_padding):
     from forwardkit.distributed.launch import spawn
 
     path = make_checkpoint("mixtral")
     single = LLM(path, **ENGINE)
     results, padded_steps = zip(*spawn(_rank_main, 2, args=(path, dp_padding), timeout_s=300))
-    assert (sum(padded_steps) > 0) == dp_padding
-    for round_index, per_rank in enumerate(ROUNDS):
+    assert (sum(padded_steps) > 0) == bool(dp_padding)  # with "dbo": steps micro-batched
+    for round_index, per_rank in enumerate(_rounds(dp_padding)):
         for rank in range(2):
             prompts = per_rank[rank]
             expected = [o.outputs[0].token_ids for o in

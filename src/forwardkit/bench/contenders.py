@@ -6,6 +6,9 @@
 - ``torch.compile``: what a user would write by hand: that eager model wrapped in stock
   ``torch.compile(dynamic=True)`` (Inductor, guards kept), so Inductor sees every op.
 - ``forwardkit``: the configuration resolved from the command line (``-O`` / ``-cc``).
+- ``forwardkit+dbo``: the same with dual-batch overlap on (``--enable-dbo``); only with
+  ``--data-parallel-size > 1`` (micro-batching needs DP ranks to agree on it), and then in
+  the default list.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from forwardkit.config.args import engine_config_from_args
 from forwardkit.config.engine import EngineConfig
 from forwardkit.runner.model_runner import ModelRunner
 
-__all__ = ["CONTENDER_NAMES", "Contender", "build_contender"]
+__all__ = ["CONTENDER_NAMES", "DBO_CONTENDER", "Contender", "build_contender"]
 
 CONTENDER_NAMES = ("eager", "torch.compile", "forwardkit")
+DBO_CONTENDER = "forwardkit+dbo"
 # The baselines' compilation config: plain PyTorch, every op native.
 NATIVE_EAGER = '{"mode": 0, "custom_ops": ["none"]}'
 
@@ -44,7 +48,7 @@ class Contender:
 
     def traces(self) -> int:
         """Dynamo traces (graphs handed to a compiler) so far."""
-        if self.name == "forwardkit":
+        if self.name in ("forwardkit", DBO_CONTENDER):
             return compilation_counter.num_dynamo_traces + compilation_counter.stock_torch_compile_count
         return self._traces[0]
 
@@ -66,7 +70,9 @@ def engine_config_for(name: str, args: argparse.Namespace, hf_config: dict[str, 
     """The engine config a contender runs with (the baselines run at ``-O0`` with every op
     native: no compile, no CUDA graphs, no custom-op wrappers)."""
     ns = copy.copy(args)
-    if name != "forwardkit":
+    if name == DBO_CONTENDER:
+        ns.enable_dbo = True
+    elif name != "forwardkit":
         ns.enforce_eager = False
         ns.engine_O = ["0"]
         ns.compilation_config = NATIVE_EAGER
@@ -78,12 +84,13 @@ def engine_config_for(name: str, args: argparse.Namespace, hf_config: dict[str, 
 def build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
                     num_blocks: int) -> Contender:
     """Build the runner of contender ``name`` (model load, compile set-up and graph capture)."""
-    if name not in CONTENDER_NAMES:
-        raise ValueError(f"unknown contender {name!r}; expected some of {list(CONTENDER_NAMES)}")
+    if name not in (*CONTENDER_NAMES, DBO_CONTENDER):
+        raise ValueError(f"unknown contender {name!r}; expected some of "
+                         f"{[*CONTENDER_NAMES, DBO_CONTENDER]}")
     start = time.perf_counter()
     cfg = engine_config_for(name, args, hf_config, num_blocks)
     model = None
-    if name != "forwardkit":  # plain F.linear weights, as a user's model has
+    if name not in ("forwardkit", DBO_CONTENDER):  # plain F.linear weights, as a user's model has
         from forwardkit.config.engine import set_current_engine_config
         from forwardkit.models.loader import load_model
 

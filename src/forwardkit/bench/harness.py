@@ -17,6 +17,7 @@ from forwardkit import forward_context
 from forwardkit.bench.contenders import Contender, build_contender
 from forwardkit.bench.report import BenchReport, ContenderResult
 from forwardkit.bench.trace import Step
+from forwardkit.distributed.parallel_state import comm_wait_stats
 from forwardkit.runner.batch import StepBatch
 
 __all__ = ["blocks_for_trace", "make_batches", "run_bench"]
@@ -65,18 +66,20 @@ def _telemetry_into(store: defaultdict[Any, list[float]]) -> Iterator[None]:
          forward_context.batchsize_forward_time) = saved
 
 
-def _timed_step(contender: Contender, batch: StepBatch) -> tuple[float, int]:
-    """Run one step; (milliseconds, padded token count)."""
+def _timed_step(contender: Contender, batch: StepBatch) -> tuple[float, int, float]:
+    """Run one step; (milliseconds, padded token count, milliseconds blocked on collectives)."""
     runner = contender.runner
     sync = runner.engine_config.platform.synchronize if runner.device.type != "cpu" else None
+    waited = comm_wait_stats()["seconds"]
     start = time.perf_counter()
     runner.execute(batch)
     if sync is not None:
         sync()
     elapsed = (time.perf_counter() - start) * 1e3
+    comm_ms = (comm_wait_stats()["seconds"] - waited) * 1e3
     last = runner.last_step
     padded = int(last.num_padded_tokens) if last is not None else batch.num_tokens
-    return elapsed, padded
+    return elapsed, padded, comm_ms
 
 
 def run_bench(args: Any, names: list[str], steps: list[Step], *, trace_name: str,
@@ -96,7 +99,7 @@ def run_bench(args: Any, names: list[str], steps: list[Step], *, trace_name: str
         if not batches:
             vocab = contender.runner.vocab_size
             batches = make_batches(steps, block_size, vocab, seed)
-        first_ms, _ = _timed_step(contender, batches[0])
+        first_ms, _, _ = _timed_step(contender, batches[0])
         contenders[name] = contender
         results[name] = ContenderResult(name, startup_s=contender.build_s + first_ms / 1e3)
         stores[name] = defaultdict(list)
@@ -110,13 +113,15 @@ def run_bench(args: Any, names: list[str], steps: list[Step], *, trace_name: str
         for name in rotated:
             if timed:
                 with _telemetry_into(stores[name]):
-                    ms, padded = _timed_step(contenders[name], batch)
+                    ms, padded, comm_ms = _timed_step(contenders[name], batch)
                 r = results[name]
                 r.step_ms.append(ms)
                 r.step_tokens.append(batch.num_tokens)
                 r.padded_tokens.append(padded)
                 last = contenders[name].runner.last_step
                 r.step_modes.append(last.mode.name if last is not None else "NONE")
+                r.comm_wait_ms.append(comm_ms)
+                r.ubatched_steps += last is not None and last.ubatch_slices is not None
             else:
                 _timed_step(contenders[name], batch)
 

@@ -33,6 +33,14 @@ class ContenderResult:
     padded_tokens: list[int] = field(default_factory=list)
     step_modes: list[str] = field(default_factory=list)  # CUDA-graph runtime mode of each step
     recompiles: int = 0
+    # per step: milliseconds blocked waiting for collectives (DP coordination, MoE exchange)
+    comm_wait_ms: list[float] = field(default_factory=list)
+    ubatched_steps: int = 0  # steps run as micro-batches (dual-batch overlap)
+
+    @property
+    def mean_comm_wait_ms(self) -> float:
+        """Mean time per step blocked on collectives ("exposed communication"), ms."""
+        return statistics.fmean(self.comm_wait_ms) if self.comm_wait_ms else math.nan
 
     @property
     def median_step_ms(self) -> float:
@@ -110,6 +118,10 @@ class BenchReport:
                     "padded_fraction": r.padded_fraction,
                     "steps": len(r.step_ms),
                     "graph_modes": r.graph_modes,
+                    "mean_comm_wait_ms": r.mean_comm_wait_ms,
+                    "median_comm_wait_ms": (statistics.median(r.comm_wait_ms)
+                                            if r.comm_wait_ms else math.nan),
+                    "ubatched_steps": r.ubatched_steps,
                 }
                 for name, r in self.contenders.items()
             },
@@ -142,6 +154,20 @@ class BenchReport:
                 f"{self.speedup(name):>9.2f}x{r.startup_s:>11.2f}{r.recompiles:>11d}"
                 f"{r.padded_fraction:>7.1%}  {r.format_graph_modes()}"
             )
+        return "\n".join(lines)
+
+    def format_comm_table(self) -> str:
+        """Exposed communication per contender (time blocked waiting for collectives), or ""
+        when no contender communicated (one rank)."""
+        if not any(sum(r.comm_wait_ms) > 0 for r in self.contenders.values()):
+            return ""
+        lines = ["communication left exposed (time blocked waiting for collectives, per step)",
+                 f"{'contender':<16}{'mean ms':>10}{'median ms':>11}{'share':>8}{'ubatched':>10}"]
+        for name, r in self.contenders.items():
+            share = sum(r.comm_wait_ms) / sum(r.step_ms) if sum(r.step_ms) else math.nan
+            median = statistics.median(r.comm_wait_ms) if r.comm_wait_ms else math.nan
+            lines.append(f"{name:<16}{r.mean_comm_wait_ms:>10.3f}{median:>11.3f}{share:>7.1%}"
+                         f"{r.ubatched_steps:>6d}/{len(r.step_ms)}")
         return "\n".join(lines)
 
     def format_batchsize_table(self, name: str) -> str:

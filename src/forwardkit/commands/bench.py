@@ -92,14 +92,17 @@ def _bench_rank(rank: int, nprocs: int, port: int | None, args: argparse.Namespa
 
 
 def _contender_list(text: str) -> list[str]:
+    from forwardkit.bench.contenders import DBO_CONTENDER
     from forwardkit.bench.generation import GENERATION_CONTENDERS
 
+    known = (*GENERATION_CONTENDERS, DBO_CONTENDER)
     names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in GENERATION_CONTENDERS]
+    bad = [n for n in names if n not in known]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown contender(s) {bad or text!r}; choose from {','.join(GENERATION_CONTENDERS)} "
-            "(transformers and llama.cpp with --generation only)"
+            f"unknown contender(s) {bad or text!r}; choose from {','.join(known)} "
+            f"(transformers and llama.cpp with --generation only, {DBO_CONTENDER} with -dp > 1 "
+            "only)"
         )
     return names
 
@@ -137,7 +140,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--contenders", type=_contender_list, default=None, metavar="LIST",
                    help="comma-separated subset of eager,torch.compile,forwardkit (default: all); "
                         "with --generation also transformers and llama.cpp (the latter when "
-                        "llama-cpp-python is installed)")
+                        "llama-cpp-python is installed); with -dp > 1 also forwardkit+dbo "
+                        "(forwardkit with --enable-dbo; in the default list then)")
     g.add_argument("--quick", action="store_true",
                    help="a short run for smoke tests (fewer steps)")
     g.add_argument("--seed", type=int, default=0, help="seed of the trace and token ids (default 0)")
@@ -173,7 +177,7 @@ def _ranks_note(dp: int, tp: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print the report."""
-    from forwardkit.bench.contenders import CONTENDER_NAMES
+    from forwardkit.bench.contenders import CONTENDER_NAMES, DBO_CONTENDER
     from forwardkit.bench.harness import run_bench
     from forwardkit.bench.trace import load_trace
     from forwardkit.config.args import engine_config_from_args
@@ -182,6 +186,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model_shape is not None and args.model is not None:
         raise ValueError(f"give --model or --model-shape, not both (got {args.model!r} and "
                          f"{args.model_shape!r})")
+    dp = int(args.data_parallel_size or 1)
+    if DBO_CONTENDER in (args.contenders or ()) and (args.generation or dp < 2):
+        raise ValueError(f"--contenders {DBO_CONTENDER} needs the step trace on data-parallel "
+                         "ranks (-dp 2 or more, no --generation): micro-batching is agreed by "
+                         "DP ranks")
     if args.generation:
         return run_generation(args)
     steps_n = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
@@ -190,14 +199,13 @@ def run(args: argparse.Namespace) -> int:
     hf_config = None
     if args.model is None:
         hf_config = model_shape_config(args.model_shape or BUILTIN_MODEL_SHAPE)
-    names = args.contenders or list(CONTENDER_NAMES)
+    names = args.contenders or list(CONTENDER_NAMES) + ([DBO_CONTENDER] if dp > 1 else [])
     for only_generation in ("transformers", "llama.cpp"):
         if only_generation in names:
             raise ValueError(f"--contenders {only_generation} needs --generation (the step trace "
                              "runs forwardkit's model runner); step-trace contenders: "
                              f"{','.join(CONTENDER_NAMES)}")
     steps = load_trace(args.trace, steps_n, seed=args.seed, max_tokens=args.max_num_batched_tokens)
-    dp = int(args.data_parallel_size or 1)
     tp = int(args.tensor_parallel_size or 1)
     if dp > 1 or tp > 1:
         if dp > 1:
@@ -229,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
     print("\nvs eager = eager median / contender median (higher is faster); startup = build, "
           "compile, capture and first step\n", file=out)
     print(report.format_batchsize_table("forwardkit" if "forwardkit" in names else names[0]), file=out)
+    comm = report.format_comm_table()
+    if comm:
+        print("\n" + comm, file=out)
     if args.json_path:
         report.write_json(args.json_path)
         print(f"\nwrote {args.json_path}", file=out)

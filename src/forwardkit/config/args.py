@@ -135,6 +135,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="shard MoE experts over data-parallel ranks")
     g.add_argument("--all2all-backend", choices=ALL2ALL_BACKENDS, default=None,
                    help="MoE all-to-all backend (default allgather_reducescatter)")
+    g.add_argument("--enable-dbo", action="store_true",
+                   help="dual-batch overlap: with data parallelism, split a step every DP rank "
+                        "agrees on into two micro-batches so one's MoE communication overlaps "
+                        "the other's compute")
+    g.add_argument("--ubatch-size", type=int, default=None, metavar="N",
+                   help="micro-batches per step when > 1 (without --enable-dbo; default 0)")
+    g.add_argument("--dbo-decode-token-threshold", type=positive_int, default=None, metavar="N",
+                   help="micro-batch a decode-only step from N tokens (default 32)")
+    g.add_argument("--dbo-prefill-token-threshold", type=positive_int, default=None, metavar="N",
+                   help="micro-batch a step with a prefill from N tokens (default 512)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no torch.compile and no CUDA graphs (forces -O0)")
     g.add_argument("--platform", choices=("cuda", "cpu"), default=None,
@@ -260,4 +270,8 @@ def engine_config_from_args(ns: argparse.Namespace, *,
         tensor_parallel_size=getattr(ns, "tensor_parallel_size", None),
         all2all_backend=getattr(ns, "all2all_backend", None),
         enable_expert_parallel=bool(getattr(ns, "enable_expert_parallel", False)),
+        enable_dbo=bool(getattr(ns, "enable_dbo", False)),
+        ubatch_size=getattr(ns, "ubatch_size", None),
+        dbo_decode_token_threshold=getattr(ns, "dbo_decode_token_threshold", None),
+        dbo_prefill_token_threshold=getattr(ns, "dbo_prefill_token_threshold", None),
     )

@@ -75,7 +75,9 @@ __all__ = [
 
 logger = init_logger(__name__)
 
-_UBATCH_BACKENDS = ("deepep_low_latency", "deepep_high_throughput")
+# vLLM allows only the DeepEP backends; forwardkit's own all-gather exchange (its default
+# backend, which every non-naive backend runs on the CPU) has the DBO yield points too.
+_UBATCH_BACKENDS = ("allgather_reducescatter", "deepep_low_latency", "deepep_high_throughput")
 _ASYNC_EXECUTORS = ("mp", "uni", "external_launcher")
 
 
@@ -309,9 +311,10 @@ class EngineConfig(FreezableConfig):
         if parallel.use_ubatching:  # step 24
             if parallel.all2all_backend not in _UBATCH_BACKENDS:
                 raise ConfigAssertionError(
-                    "Microbatching currently only supports the deepep_low_latency and "
-                    f"deepep_high_throughput all2all backend. {parallel.all2all_backend} is not "
-                    "supported. Set all2all_backend to one of those.")
+                    "Microbatching currently only supports the allgather_reducescatter, "
+                    "deepep_low_latency and deepep_high_throughput all2all backends. "
+                    f"{parallel.all2all_backend} is not supported. Set all2all_backend to one "
+                    "of those.")
             if model is not None and not model.disable_cascade_attn:
                 logger.warning("Disabling cascade attention when DBO/micro-batching is enabled.")
                 model.disable_cascade_attn = True

@@ -46,7 +46,9 @@ if TYPE_CHECKING:
 __all__ = [
     "DPCollectiveError",
     "DPGroup",
+    "PendingCollective",
     "RankGroup",
+    "comm_wait_stats",
     "destroy_distributed",
     "destroy_dp_group",
     "get_dp_group",
@@ -59,6 +61,7 @@ __all__ = [
     "is_dp_group_initialized",
     "is_tp_group_initialized",
     "rank_dir_name",
+    "reset_comm_wait_stats",
     "tp_rank_and_size",
 ]
 
@@ -69,6 +72,57 @@ _TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 class DPCollectiveError(RuntimeError):
     """A collective of a DP, TP or EP group failed or did not finish within the timeout."""
+
+
+# Seconds this process spent blocked waiting for collectives of any RankGroup (the bench's
+# "exposed communication"); read and reset with ``comm_wait_stats`` / ``reset_comm_wait_stats``.
+_COMM_WAIT = {"seconds": 0.0, "waits": 0}
+
+
+def comm_wait_stats() -> dict[str, float]:
+    """``{"seconds", "waits"}``: time this process spent blocked waiting for collectives of
+    every :class:`RankGroup` (a synchronous collective waits for all of its transfer; an
+    asynchronous one, :meth:`RankGroup.start_all_gather`, only for what is left when it is
+    waited on), and how many waits."""
+    return dict(_COMM_WAIT)
+
+
+def reset_comm_wait_stats() -> None:
+    """Zero :func:`comm_wait_stats`."""
+    _COMM_WAIT["seconds"] = 0.0
+    _COMM_WAIT["waits"] = 0
+
+
+class PendingCollective:
+    """A collective started with ``async_op=True``: :meth:`wait` finishes it (bounded by the
+    group's timeout) and returns the result. Waiting again returns the same result at once, so
+    the wait can be registered as a micro-batch receive hook and also called by its owner."""
+
+    __slots__ = ("_done", "_error", "_finish", "_group", "_result", "_timeout_s", "_what", "_work")
+
+    def __init__(self, group: RankGroup, work: Any, what: str, timeout_s: float | None,
+                 finish: Any) -> None:
+        self._group, self._work, self._what, self._timeout_s = group, work, what, timeout_s
+        self._finish = finish
+        self._done = False
+        self._error: BaseException | None = None
+        self._result: Any = None
+
+    def wait(self) -> Any:
+        """Block until the collective finishes; returns its result (raises its error again)."""
+        if not self._done:
+            self._done = True
+            try:
+                if self._work is not None:
+                    self._group._wait(self._work, self._what, self._timeout_s)
+                self._result = self._finish()
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                self._work = None
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 @dataclass
@@ -109,10 +163,14 @@ class RankGroup:
 
     def _wait(self, work: Any, what: str, timeout_s: float | None) -> None:
         limit = self.timeout_s if timeout_s is None else timeout_s
+        start = time.perf_counter()
         try:
             work.wait(timeout=datetime.timedelta(seconds=limit))
         except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses with terse text
             raise self._failure(what, limit, exc) from exc
+        finally:
+            _COMM_WAIT["seconds"] += time.perf_counter() - start
+            _COMM_WAIT["waits"] += 1
 
     def _failure(self, what: str, limit: float, exc: BaseException) -> DPCollectiveError:
         peers = describe_local_peers(self.peers, self.global_rank, end_stopped=True)
@@ -161,6 +219,24 @@ class RankGroup:
         self._wait(work, "all_gather", timeout_s)
         return torch.stack(out)
 
+    def start_all_gather(self, tensor: torch.Tensor, *, use_cpu: bool = False,
+                         timeout_s: float | None = None) -> PendingCollective:
+        """Start :meth:`all_gather` without waiting; ``wait()`` returns the stacked result."""
+        if self.world_size == 1:
+            return PendingCollective(self, None, "all_gather", timeout_s, lambda: tensor.unsqueeze(0))
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        work = dist.all_gather(out, tensor.contiguous(), group=self._group(use_cpu), async_op=True)
+        return PendingCollective(self, work, "all_gather", timeout_s, lambda: torch.stack(out))
+
+    def start_all_reduce(self, tensor: torch.Tensor, *, use_cpu: bool = False,
+                         timeout_s: float | None = None) -> PendingCollective:
+        """Start an in-place SUM :meth:`all_reduce` without waiting; ``wait()`` returns ``tensor``."""
+        work = None
+        if self.world_size > 1:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group(use_cpu),
+                                   async_op=True)
+        return PendingCollective(self, work, "all_reduce", timeout_s, lambda: tensor)
+
     def all_gather_v(self, tensor: torch.Tensor, sizes: Sequence[int], *, use_cpu: bool = False,
                      timeout_s: float | None = None) -> torch.Tensor:
         """All-gather of uneven row counts: rank ``r`` sends ``sizes[r]`` rows of ``tensor``
@@ -169,31 +245,48 @@ class RankGroup:
         gloo's all-gather needs equal shapes, so each rank sends its rows padded to
         ``max(sizes)`` and the padding is cut from the result.
         """
+        return self.start_all_gather_v(tensor, sizes, use_cpu=use_cpu, timeout_s=timeout_s).wait()
+
+    def start_all_gather_v(self, tensor: torch.Tensor, sizes: Sequence[int], *,
+                           use_cpu: bool = False, timeout_s: float | None = None) -> PendingCollective:
+        """Start :meth:`all_gather_v` without waiting; ``wait()`` returns its result."""
         sizes = [int(s) for s in sizes]
         self._check_sizes(sizes, tensor, "all_gather_v")
         if self.world_size == 1:
-            return tensor
+            return PendingCollective(self, None, "all_gather", timeout_s, lambda: tensor)
         top = max(sizes)
         if tensor.shape[0] == top:
             send = tensor.contiguous()
         else:
             send = tensor.new_zeros((top, *tensor.shape[1:]))
             send[: tensor.shape[0]] = tensor
-        gathered = self.all_gather(send, use_cpu=use_cpu, timeout_s=timeout_s)
-        if all(s == top for s in sizes):
-            return gathered.flatten(0, 1)
-        return torch.cat([gathered[r, :s] for r, s in enumerate(sizes)])
+        out = [torch.empty_like(send) for _ in range(self.world_size)]
+        work = dist.all_gather(out, send, group=self._group(use_cpu), async_op=True)
+
+        def finish() -> torch.Tensor:
+            if all(s == top for s in sizes):
+                return torch.cat(out)
+            return torch.cat([out[r][:s] for r, s in enumerate(sizes)])
+
+        return PendingCollective(self, work, "all_gather", timeout_s, finish)
 
     def reduce_scatter_v(self, tensor: torch.Tensor, sizes: Sequence[int], *,
                          use_cpu: bool = False, timeout_s: float | None = None) -> torch.Tensor:
         """Sum ``tensor`` (``sum(sizes)`` rows, the same layout on every rank) over the group
         and return this rank's ``sizes[rank]`` rows of the sum (uneven sizes allowed)."""
+        return self.start_reduce_scatter_v(tensor, sizes, use_cpu=use_cpu,
+                                           timeout_s=timeout_s).wait()
+
+    def start_reduce_scatter_v(self, tensor: torch.Tensor, sizes: Sequence[int], *,
+                               use_cpu: bool = False,
+                               timeout_s: float | None = None) -> PendingCollective:
+        """Start :meth:`reduce_scatter_v` without waiting; ``wait()`` returns its result."""
         sizes = [int(s) for s in sizes]
         if tensor.shape[0] != sum(sizes):
             raise ValueError(f"reduce_scatter_v: tensor has {tensor.shape[0]} rows, sizes "
                              f"{sizes} add up to {sum(sizes)}")
         if self.world_size == 1:
-            return tensor
+            return PendingCollective(self, None, "reduce_scatter", timeout_s, lambda: tensor)
         if len(sizes) != self.world_size:
             raise ValueError(f"reduce_scatter_v: {len(sizes)} sizes for a group of "
                              f"{self.world_size} ranks")
@@ -201,8 +294,7 @@ class RankGroup:
         out = torch.empty((sizes[self.rank], *tensor.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
         work = dist.reduce_scatter(out, parts, group=self._group(use_cpu), async_op=True)
-        self._wait(work, "reduce_scatter", timeout_s)
-        return out
+        return PendingCollective(self, work, "reduce_scatter", timeout_s, lambda: out)
 
     def _check_sizes(self, sizes: list[int], tensor: torch.Tensor, what: str) -> None:
         if len(sizes) != self.world_size:

@@ -46,6 +46,7 @@ from forwardkit.forward_context import get_forward_context
 from forwardkit.layers.kernels import silu_and_mul_native
 from forwardkit.layers.linear import copy_weight
 from forwardkit.layers.parallel import ShardSpec, divide, narrow, set_shard_spec, tp_rank_and_size
+from forwardkit.ubatching import dbo_enabled, dbo_register_recv_hook, dbo_yield
 
 __all__ = ["FusedMoE", "expert_slice", "moe_forward", "route_topk"]
 
@@ -258,15 +259,18 @@ def _dp_exchange(
         raise ValueError(f"FORWARDKIT_MOE_DP_CHUNK_SIZE must be positive, got {chunk}")
     max_tokens = dp_metadata.max_tokens_across_dp
 
+    overlap = dbo_enabled()  # a micro-batch of a DBO step: yield while collectives fly
+
     def run_chunk(start: int, sizes: list[int], offsets: list[int]) -> None:
         mine = min(sizes[rank], max(0, num_local - start))  # real rows this rank sends
         buf = torch.zeros((max(sizes), payload.shape[1]), dtype=torch.float32, device=comm_device)
         buf[:mine] = payload[start : start + mine].to(comm_device)
-        gathered = group.all_gather(buf, use_cpu=use_cpu)
+        # dispatch: start; in a DBO micro-batch the sibling computes meanwhile; finish
+        gathered = _finish(group.start_all_gather(buf, use_cpu=use_cpu), overlap)
         rows = torch.cat([gathered[r, : sizes[r]] for r in range(world)]).to(hidden.device)
         x, lg = rows[:, :hidden_size].to(hidden.dtype), rows[:, hidden_size:]
         partial = layer.compute_local(x, lg).to(comm_device)
-        group.all_reduce(partial, use_cpu=use_cpu)
+        _finish(group.start_all_reduce(partial, use_cpu=use_cpu), overlap)  # combine
         out[start : start + mine] = partial[offsets[rank] : offsets[rank] + mine].to(hidden.device)
 
     if max_tokens <= chunk:
@@ -302,6 +306,7 @@ def _sp_exchange(
         raise ValueError(f"FORWARDKIT_MOE_DP_CHUNK_SIZE must be positive, got {chunk}")
     max_tokens = -(-dp_metadata.max_tokens_across_dp // sp)  # rows of the largest slice
     naive = layer.all2all_backend == "naive"
+    overlap = dbo_enabled()  # a micro-batch of a DBO step: yield while collectives fly
 
     def run_chunk(start: int, sizes: list[int], offsets: list[int]) -> None:
         mine = min(sizes[rank], max(0, num_local - start))  # real rows this rank sends
@@ -311,17 +316,17 @@ def _sp_exchange(
             rows = torch.zeros((sum(sizes), payload.shape[1]), dtype=torch.float32,
                                device=comm_device)
             rows[offsets[rank] : offsets[rank] + sizes[rank]] = send
-            group.all_reduce(rows, use_cpu=use_cpu)
+            rows = _finish(group.start_all_reduce(rows, use_cpu=use_cpu), overlap)
         else:
-            rows = group.all_gather_v(send, sizes, use_cpu=use_cpu)
+            rows = _finish(group.start_all_gather_v(send, sizes, use_cpu=use_cpu), overlap)
         rows = rows.to(hidden.device)
         x, lg = rows[:, :hidden_size].to(hidden.dtype), rows[:, hidden_size:]
         partial = layer.compute_local(x, lg).to(comm_device)
         if naive:
-            group.all_reduce(partial, use_cpu=use_cpu)
+            partial = _finish(group.start_all_reduce(partial, use_cpu=use_cpu), overlap)
             back = partial[offsets[rank] : offsets[rank] + sizes[rank]]
         else:
-            back = group.reduce_scatter_v(partial, sizes, use_cpu=use_cpu)
+            back = _finish(group.start_reduce_scatter_v(partial, sizes, use_cpu=use_cpu), overlap)
         out[start : start + mine] = back[:mine].to(hidden.device)
 
     if max_tokens <= chunk:
@@ -335,6 +340,15 @@ def _sp_exchange(
                 sizes = list(dp_metadata.get_chunk_sizes_across_dp_rank())
                 run_chunk(start, sizes, [sum(sizes[:r]) for r in range(len(sizes))])
     return out.to(hidden.dtype)
+
+
+def _finish(pending: Any, overlap: bool) -> Any:
+    """The result of a started collective; in a DBO micro-batch, first let the sibling
+    micro-batch compute while it is in flight (its wait is the registered receive hook)."""
+    if overlap:
+        dbo_register_recv_hook(pending.wait)
+        dbo_yield()
+    return pending.wait()
 
 
 def _lookup_layer(layer_name: str) -> FusedMoE:

@@ -11,10 +11,12 @@ Per step the runner only sets the forward context; the wrappers act on it.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -23,7 +25,8 @@ from forwardkit.config.engine import EngineConfig, set_current_engine_config
 from forwardkit.cudagraph import monitor
 from forwardkit.cudagraph.dispatcher import cudagraphs_available
 from forwardkit.cudagraph.wrapper import CUDAGraphWrapper, GraphBackend, piecewise_cudagraph_options
-from forwardkit.forward_context import set_forward_context
+from forwardkit.distributed.dp_utils import DPMetadata
+from forwardkit.forward_context import create_forward_context, set_forward_context
 from forwardkit.layers import hugepages
 from forwardkit.layers.attention_backend import AttentionBackend, AttentionCGSupport
 from forwardkit.layers.kv_cache import (
@@ -39,6 +42,8 @@ from forwardkit.runner.input_buffers import InputBuffers, int64_tensor
 from forwardkit.runner.planner import StepPlanner, resolve_graph_mode
 from forwardkit.runner.setup import num_kv_blocks
 from forwardkit.runner.static_metadata import StaticMetadataPool
+from forwardkit.ubatch import UBatchSlice, UBatchSlices, maybe_create_ubatch_slices
+from forwardkit.ubatching import run_ubatches
 
 __all__ = ["ModelRunner", "StepInfo"]
 
@@ -48,20 +53,41 @@ logger = init_logger(__name__)
 _CPU_WARMUP_TOKENS = 2
 
 
+def _ubatch_requests(cu: np.ndarray, seq_lens: list[int], block_tables: list[list[int]],
+                     sl: UBatchSlice) -> tuple[list[int], list[int], list[list[int]]]:
+    """Query lengths, sequence lengths and block tables of the requests in micro-batch ``sl``
+    (real tokens only). A request cut by a boundary keeps only its tokens inside the slice:
+    before the cut its sequence ends where the slice ends."""
+    q, s, b = [], [], []
+    stop = min(sl.request_slice.stop, len(seq_lens))
+    for r in range(sl.request_slice.start, stop):
+        first, end = max(int(cu[r]), sl.token_slice.start), min(int(cu[r + 1]), sl.token_slice.stop)
+        if end <= first:
+            continue
+        q.append(end - first)
+        s.append(seq_lens[r] - (int(cu[r + 1]) - end))
+        b.append(block_tables[r])
+    return q, s, b
+
+
 class StepInfo:
     """How the last step ran: runtime mode, descriptor, real and padded tokens, DP counts."""
 
     def __init__(self, mode: CUDAGraphMode, descriptor: Any, num_tokens: int,
-                 num_tokens_across_dp: torch.Tensor | None) -> None:
+                 num_tokens_across_dp: torch.Tensor | None,
+                 ubatch_slices: UBatchSlices | None = None) -> None:
         self.mode = mode
         self.descriptor = descriptor
         self.num_tokens = num_tokens
         self.num_padded_tokens = descriptor.num_tokens
         self.num_tokens_across_dp = num_tokens_across_dp
+        # the padded micro-batch slices when the step was micro-batched (DBO), else None
+        self.ubatch_slices = ubatch_slices
 
     def __repr__(self) -> str:
         return (f"StepInfo(mode={self.mode}, tokens={self.num_tokens}, "
-                f"padded={self.num_padded_tokens}, across_dp={self.num_tokens_across_dp})")
+                f"padded={self.num_padded_tokens}, across_dp={self.num_tokens_across_dp}, "
+                f"ubatches={None if self.ubatch_slices is None else len(self.ubatch_slices)})")
 
 
 class ModelRunner:
@@ -121,6 +147,9 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self.capture_stats: dict[str, Any] = {}
         self._served = False  # set by the first real step
+        # Set once the model has run a forward: its first call traces and compiles it, which
+        # must not happen in a micro-batch (the sibling would call it mid-trace).
+        self._model_ran = False
 
     # ------------------------------------------------------------------ start-up
     def _place(self, model: nn.Module) -> nn.Module:
@@ -225,17 +254,25 @@ class ModelRunner:
             raise ValueError(f"pad_to={pad_to} exceeds the input buffers "
                              f"({self.max_num_tokens} tokens)")
         plan = self.planner.plan(n, batch.num_reqs, batch.query_lens, batch.max_query_len,
-                                 pad_to=pad_to)
+                                 pad_to=pad_to, allow_microbatching=self._model_ran)
         mode, desc, across_dp = plan.cudagraph_mode, plan.batch_descriptor, plan.num_tokens_across_dp
         padded = desc.num_tokens
         self.buffers.check_fits(padded)
-        attn_md = self._metadata(batch.query_lens, batch.seq_lens, batch.block_tables, padded, mode)
         input_ids, positions = self.buffers.fill(batch, padded)
-        with set_forward_context(attn_md, self.engine_config, num_tokens=padded,
-                                 num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
-                                 batch_descriptor=desc):
-            hidden = self.model(input_ids, positions)
-        self.last_step = StepInfo(mode, desc, n, across_dp)
+        slices = None
+        if plan.should_ubatch:  # every DP rank agreed: dual-batch overlap
+            hidden, slices = self._forward_ubatched(batch.query_lens, batch.seq_lens,
+                                                    batch.block_tables, input_ids, positions,
+                                                    mode, desc, across_dp)
+        else:
+            attn_md = self._metadata(batch.query_lens, batch.seq_lens, batch.block_tables,
+                                     padded, mode)
+            with set_forward_context(attn_md, self.engine_config, num_tokens=padded,
+                                     num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
+                                     batch_descriptor=desc):
+                hidden = self.model(input_ids, positions)
+        self._model_ran = True
+        self.last_step = StepInfo(mode, desc, n, across_dp, slices)
         self.last_hidden = hidden if self.keep_hidden else None
         if not self._served:  # start-up is over: weights move onto huge pages from now on
             self._served = True
@@ -246,6 +283,47 @@ class ModelRunner:
         else:
             selected = hidden.index_select(0, int64_tensor(rows).to(hidden.device))
         return self.model.compute_logits(selected).float()
+
+    def _forward_ubatched(self, query_lens: list[int], seq_lens: list[int],
+                          block_tables: list[list[int]], input_ids: torch.Tensor,
+                          positions: torch.Tensor, mode: CUDAGraphMode, desc: Any,
+                          across_dp: torch.Tensor | None) -> tuple[torch.Tensor, UBatchSlices]:
+        """Run the step as ``num_ubatches`` micro-batches that take turns (dual-batch overlap).
+
+        Each micro-batch gets its own forward context: attention metadata of its requests
+        (a request split by a boundary is trimmed to its tokens on each side), ``DPMetadata``
+        of its token count on every rank (all ranks split the same padded total), runtime
+        mode NONE. The outer context carries the padded ``ubatch_slices`` and the list of
+        per-micro-batch metadata, as in vLLM. Returns the concatenated hidden states and the
+        padded slices.
+        """
+        cfg, pc = self.engine_config, self.parallel_config
+        padded = desc.num_tokens
+        unpadded_slices, slices = maybe_create_ubatch_slices(
+            True, np.asarray(query_lens), padded, len(query_lens), pc.num_ubatches)
+        assert unpadded_slices is not None and slices is not None
+        cu = np.concatenate([[0], np.cumsum(query_lens)])
+        metadata, contexts, fns = [], [], []
+        for real, sl in zip(unpadded_slices, slices):
+            q, s, b = _ubatch_requests(cu, seq_lens, block_tables, real)
+            md = self.attn_backend.build_metadata(q, s, b, sl.num_tokens, self.block_size,
+                                                  self.device)
+            attn = dict.fromkeys(self.attn_layer_names, md)
+            metadata.append(attn)
+            dp_md = None
+            if self.dp_size > 1:
+                dp_md = DPMetadata.make(pc, sl.num_tokens,
+                                        torch.full((self.dp_size,), sl.num_tokens, dtype=torch.int32))
+            contexts.append(create_forward_context(attn, cfg, dp_metadata=dp_md,
+                                                   cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                                   batch_descriptor=desc))
+            tok = sl.token_slice
+            fns.append(functools.partial(self.model, input_ids[tok], positions[tok]))
+        with set_forward_context(metadata, cfg, num_tokens=padded, num_tokens_across_dp=across_dp,
+                                 cudagraph_runtime_mode=mode, batch_descriptor=desc,
+                                 ubatch_slices=slices):
+            outs = run_ubatches(fns, contexts)
+        return torch.cat(outs), slices
 
     def _metadata(self, query_lens: list[int], seq_lens: list[int],
                   block_tables: list[list[int]], padded: int, mode: CUDAGraphMode) -> dict[str, Any]:
@@ -294,7 +372,8 @@ class ModelRunner:
         lens = self._dummy_shapes(num_tokens, uniform_decode)
         plan = self.planner.plan(num_tokens, len(lens), lens, max(lens),
                                  force_eager=runtime_mode == CUDAGraphMode.NONE,
-                                 force_uniform_decode=uniform_decode)
+                                 force_uniform_decode=uniform_decode,
+                                 allow_microbatching=False)  # its vote keeps every rank off DBO
         mode, desc, across_dp = plan.cudagraph_mode, plan.batch_descriptor, plan.num_tokens_across_dp
         if runtime_mode is not None:
             assert mode == runtime_mode, (
@@ -311,6 +390,7 @@ class ModelRunner:
                                  num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
                                  batch_descriptor=desc):
             self.model(input_ids, positions)
+        self._model_ran = True
         self.last_step = StepInfo(mode, desc, 0, across_dp)
 
     def warm_up_compile_ranges(self) -> list[int]:

@@ -39,12 +39,14 @@ logger = init_logger(__name__)
 
 
 class StepPlan(NamedTuple):
-    """How one step runs: runtime mode, padded descriptor, DP token counts, optional stat."""
+    """How one step runs: runtime mode, padded descriptor, DP token counts, optional stat, and
+    whether every DP rank agreed to micro-batch it (dual-batch overlap)."""
 
     cudagraph_mode: CUDAGraphMode
     batch_descriptor: BatchDescriptor
     num_tokens_across_dp: torch.Tensor | None
     cudagraph_stats: CUDAGraphStat | None
+    should_ubatch: bool = False
 
 
 def resolve_graph_mode(compilation_config: CompilationConfig, support: AttentionCGSupport, *, enforce_eager: bool = False,
@@ -119,6 +121,7 @@ class StepPlanner:
         parallel = engine_config.parallel_config
         self.dp_size = parallel.data_parallel_size
         self.dp_rank = parallel.data_parallel_rank
+        self.use_ubatching = bool(parallel.use_ubatching)
         # vLLM pads across DP ranks whenever the config asks for graphs, even where this rank
         # runs eagerly (so the ranks' shapes agree); read once, like the mode.
         configured = engine_config.compilation_config.cudagraph_mode
@@ -144,13 +147,18 @@ class StepPlanner:
 
     def plan(self, num_tokens: int, num_reqs: int, num_scheduled_tokens: Sequence[int],
              max_num_scheduled_tokens: int, *, force_eager: bool = False,
-             force_uniform_decode: bool | None = None, pad_to: int | None = None) -> StepPlan:
+             force_uniform_decode: bool | None = None, pad_to: int | None = None,
+             allow_microbatching: bool = True) -> StepPlan:
         """Plan one step of ``num_tokens`` tokens over ``num_reqs`` requests.
 
         ``force_eager`` (warm-up, ``pad_to``) dispatches NONE; ``force_uniform_decode``
         overrides the derived uniform-decode flag (dummy runs); ``pad_to`` forces an eager step
         padded to at least that many tokens (tests use it to show padding never changes
         results). With DP > 1 this is a collective: every rank must plan every step.
+        ``allow_microbatching`` False makes this rank vote against micro-batching (dummy steps),
+        which keeps every rank off it this step; with micro-batching configured
+        (``ParallelConfig.use_ubatching``) the plan's ``should_ubatch`` is the agreed decision,
+        the same on every rank.
         """
         cfg = self.engine_config
         uniform = (bool(force_uniform_decode) if force_uniform_decode is not None else
@@ -171,11 +179,12 @@ class StepPlanner:
             "by sequence parallelism; make every capture size a multiple of it"
         )
         across_dp = None
+        should_ubatch = False
         if self.dp_size > 1:
-            _, across_dp, synced_mode = self.coordinate_fn(
+            should_ubatch, across_dp, synced_mode = self.coordinate_fn(
                 num_tokens_unpadded=num_tokens,
                 parallel_config=cfg.parallel_config,
-                allow_microbatching=False,
+                allow_microbatching=allow_microbatching and self.use_ubatching,
                 allow_dp_padding=self.allow_dp_padding,
                 num_tokens_padded=num_tokens_padded,
                 uniform_decode=uniform,
@@ -197,4 +206,4 @@ class StepPlanner:
                 num_paddings=desc.num_tokens - num_tokens,
                 runtime_mode=str(mode),
             )
-        return StepPlan(mode, desc, across_dp, stats)
+        return StepPlan(mode, desc, across_dp, stats, bool(should_ubatch))
