@@ -101,7 +101,7 @@ def test_declines_what_it_does_not_cover():
 
 
 @needs_kernel
-@pytest.mark.skipif(not cpu_gemm.prepack_supported(BF16), reason="oneDNN has no bf16 matmul here")
+@pytest.mark.skipif(not cpu_gemm.prepack_supported(BF16), reason="this CPU has no native bf16 matmul (oneDNN: no AVX-512-BF16 / AMX)")
 def test_packed_layers_use_it_for_few_rows_only(monkeypatch):
     w = torch.randn(40, 96).to(BF16)
     cpu_gemm.pack_weight(w)

@@ -13,8 +13,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from forwardkit.config.utils import short_repr
-
 __all__ = ["SamplingParams", "SAMPLING_EPS"]
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
@@ -25,6 +23,9 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 def _short(value: object, limit: int = 60) -> str:
+    # imported here: only an error needs it, and this module must not import torch
+    from forwardkit.config.utils import short_repr
+
     return short_repr(value, limit)  # depth-limited: a deeply nested value cannot recurse
 
 
