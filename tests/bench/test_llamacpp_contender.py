@@ -14,10 +14,43 @@ from forwardkit.bench.llamacpp import llamacpp_available, llamacpp_missing_note
 from forwardkit.engine import LLM, SamplingParams
 
 
+ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=128)
+# llama3 rotary scaling with a short original context, so the per-frequency divisors vary
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4,
-               max_num_batched_tokens=128, seed=3)
+    return LLM(seed=3, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def scaled_llm():
+    from forwardkit.config import build_engine_config
+    from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
+
+    hf = {**model_shape_config(BUILTIN_MODEL_SHAPE), "rope_scaling": LLAMA3}
+    return LLM(engine_config=build_engine_config(default_hf_config=hf, platform="cpu", **ENGINE),
+               seed=4)
+
+
+def test_a_scaled_rotary_goes_as_rope_freqs(scaled_llm, tmp_path):
+    from forwardkit.layers.rotary_embedding import _default_inv_freq
+
+    hf = scaled_llm.runner.model_config.hf_config
+    path = write_llama_gguf(tmp_path / "m.gguf", hf, hf_state_dict(scaled_llm.runner.model))
+    (freqs,) = [t for t in gguf.GGUFReader(path).tensors if t.name == "rope_freqs.weight"]
+    factors = torch.from_numpy(freqs.data.copy())
+    head_dim = hf["head_dim"]
+    assert factors.shape == (head_dim // 2,)
+    assert factors[0] == 1.0 and factors[-1] == pytest.approx(8.0)  # fast dims kept, slow / 8
+    rotary = scaled_llm.runner.model.model.layers[0].self_attn.rotary_emb
+    row = rotary.cos_sin_cache[1].double()  # cos, then sin, of position 1 x each frequency
+    scaled = torch.atan2(row[head_dim // 2:], row[: head_dim // 2])
+    torch.testing.assert_close(scaled, (_default_inv_freq(10000.0, head_dim) / factors).double(),
+                               rtol=1e-4, atol=1e-6)
 
 
 def test_rotary_reorder_interleaves_each_heads_halves():
@@ -57,7 +90,9 @@ def test_experts_are_refused_by_name(tmp_path):
         write_llama_gguf(tmp_path / "m.gguf", {"num_local_experts": 8}, {})
 
 
-def test_llamacpp_generates_forwardkits_tokens_or_is_left_out_with_a_note(llm, capsys):
+@pytest.mark.parametrize("model", ["llm", "scaled_llm"])
+def test_llamacpp_generates_forwardkits_tokens_or_is_left_out_with_a_note(model, request, capsys):
+    llm = request.getfixturevalue(model)
     from forwardkit.bench.generation_cli import _with_llamacpp
 
     names = ["forwardkit", "llama.cpp"]

@@ -8,6 +8,8 @@ with the ``gguf`` package under llama.cpp's ``llama`` architecture names:
 - Q and K rows are permuted from Hugging Face's rotary layout (the two halves of each head)
   to the interleaved pairs llama.cpp's ``llama`` rotary expects, per head:
   ``w.view(heads, 2, head_dim // 2, in).transpose(1, 2)``;
+- a scaled rotary (``llama3``, ``linear``) as the ``rope_freqs`` tensor of per-frequency
+  divisors, taken from forwardkit's own rotary tables;
 - no vocabulary (tokenizer model ``no_vocab``): the benchmark feeds token ids.
 
 bf16 tensors are stored as BF16, float32 as F32, float16 as F16, so both engines read the
@@ -40,6 +42,27 @@ def _rotary_interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def _rope_factors(hf_config: Mapping[str, Any], head_dim: int) -> tuple[float, torch.Tensor | None]:
+    """(rope base, per-frequency divisors or None): a scaled rotary (``llama3``, ``linear``)
+    goes to llama.cpp as the ``rope_freqs`` tensor, plain frequency / scaled frequency, from
+    forwardkit's own rotary tables so both engines rotate alike."""
+    from forwardkit.config.model import rope_parameters
+    from forwardkit.layers.rotary_embedding import _default_inv_freq, _llama3_inv_freq
+
+    theta, scaling = rope_parameters(dict(hf_config))
+    if scaling is None:
+        return theta, None
+    plain = _default_inv_freq(theta, head_dim)
+    if scaling["rope_type"] == "llama3":
+        scaled = _llama3_inv_freq(plain, scaling)
+    elif scaling["rope_type"] == "linear":
+        scaled = plain / float(scaling["factor"])
+    else:
+        raise ValueError(f"the GGUF export writes rope_type 'llama3' or 'linear', not "
+                         f"{scaling['rope_type']!r}")
+    return theta, (plain / scaled).float().contiguous()
+
+
 def _gguf_names(layers: int) -> dict[str, str]:
     names = {"model.embed_tokens.weight": "token_embd.weight",
              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -60,15 +83,12 @@ def write_llama_gguf(path: str | os.PathLike[str], hf_config: Mapping[str, Any],
                      state: Mapping[str, torch.Tensor]) -> str:
     """Write ``state`` (Hugging Face names, a Llama-family model of ``hf_config``) to ``path``
     as a GGUF file llama.cpp loads; returns the path. Raises ``ValueError`` for a model this
-    cannot express (biases, mixture of experts, rope scaling, names it does not know)."""
+    cannot express (biases, mixture of experts, other rope types, names it does not know)."""
     import gguf
     import numpy as np
 
     if hf_config.get("num_local_experts"):
         raise ValueError("the GGUF export covers Llama-family dense models; this one has experts")
-    if hf_config.get("rope_scaling"):
-        raise ValueError(f"the GGUF export does not write rope_scaling "
-                         f"{hf_config.get('rope_scaling')!r}")
     layers = int(hf_config["num_hidden_layers"])
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
@@ -93,7 +113,8 @@ def write_llama_gguf(path: str | os.PathLike[str], hf_config: Mapping[str, Any],
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(hf_config.get("rope_theta", 10000.0)))
+    theta, factors = _rope_factors(hf_config, head_dim)
+    writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(float(hf_config.get("rms_norm_eps", 1e-6)))
     writer.add_vocab_size(int(hf_config["vocab_size"]))
     writer.add_tokenizer_model("no_vocab")
@@ -116,6 +137,9 @@ def write_llama_gguf(path: str | os.PathLike[str], hf_config: Mapping[str, Any],
         else:
             array = t.numpy()
         writer.add_tensor(names[hf_name], array, raw_shape=list(t.shape), raw_dtype=kind)
+    if factors is not None:  # llama.cpp divides each rotary frequency by its factor
+        writer.add_tensor("rope_freqs.weight", factors.numpy(), raw_shape=list(factors.shape),
+                          raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
