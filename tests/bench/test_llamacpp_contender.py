@@ -13,7 +13,6 @@ from forwardkit.bench.gguf_export import _rotary_interleaved, write_llama_gguf
 from forwardkit.bench.llamacpp import llamacpp_available, llamacpp_missing_note
 from forwardkit.engine import LLM, SamplingParams
 
-
 ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=128)
 # llama3 rotary scaling with a short original context, so the per-frequency divisors vary
