@@ -295,14 +295,7 @@ class _ForwardStepScope:
         self._token = _CURRENT.set(ctx)
 
     def __exit__(self, *exc: object) -> None:
-        token = self._token
-        if token is None:
-            raise RuntimeError("forward-context scope exited without being entered")
-        try:
-            _CURRENT.reset(token)
-        except ValueError:  # exited in another asyncio task/context than entered: best effort
-            old = token.old_value
-            _CURRENT.set(None if old is Token.MISSING else old)
+        _restore(self._token)
         if self._start is not None:
             _record_forward_time(self._num_tokens, self._start)
 
