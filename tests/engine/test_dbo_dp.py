@@ -38,17 +38,33 @@ STEPS = [
     (["d", "d", "d", "d", "d", "p20"], ["d", "d", "d", "d", "d", "p9"], True),
 ]
 
-FAULT_POINTS = 8  # 2 layers x (dispatch + combine) per micro-batch, 2 micro-batches
+FAULT_POINTS = 8
+CAPTURE_SIZES = [1, 2, 4, 8]  # 2 layers x (dispatch + combine) per micro-batch, 2 micro-batches
 
 
-def _config(path: str, dbo: bool, rank: int):
+def _config(path: str, dbo: bool, rank: int, graphs: bool = False):
     from forwardkit.config.builder import build_engine_config
 
     extra = dict(enable_dbo=True, **THRESHOLDS) if dbo else {}
-    return build_engine_config(path, data_parallel_size=2, data_parallel_rank=rank,
-                               enable_expert_parallel=True,
-                               enforce_eager=True, max_num_seqs=16, max_num_batched_tokens=64,
-                               max_model_len=128, num_gpu_blocks=128, **extra)
+    if graphs:
+        extra.update(compilation_config={"mode": 0}, optimization_level=0)
+    cfg = build_engine_config(path, data_parallel_size=2, data_parallel_rank=rank,
+                              enable_expert_parallel=True,
+                              enforce_eager=not graphs, max_num_seqs=16,
+                              max_num_batched_tokens=64, max_model_len=128, num_gpu_blocks=128,
+                              **extra)
+    if graphs:
+        from forwardkit.config.compilation import CUDAGraphMode
+        from forwardkit.config.frozen import unfrozen
+
+        cc = cfg.compilation_config
+        with unfrozen(cfg):  # graphs on the CPU: resolution turned them off
+            cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+            cc.cudagraph_capture_sizes = list(CAPTURE_SIZES)
+            cc.max_cudagraph_capture_size = CAPTURE_SIZES[-1]
+            cc.cudagraph_num_of_warmups = 1
+            cc.compute_bs_to_padded_graph_size()
+    return cfg
 
 
 class _Requests:
@@ -280,3 +296,145 @@ def test_a_fault_on_one_rank_ends_the_step_on_every_rank(make_checkpoint):
     out = spawn(_one_rank_faults, 2, args=(path,), timeout_s=150)
     assert out[0] == "fault: only rank 0, micro-batch 1, first yield"
     assert out[1].startswith("collective error: DP ") and "within 10 s" in out[1], out[1]
+
+
+# --- micro-batched FULL CUDA graphs (recording stand-in for the graph backend) ---
+# (step, micro-batched?, padded size); every step of the graphed runner runs FULL but the first
+GRAPH_STEPS = [
+    (["p5"] * 8, True, 40),  # prefill above its threshold: eager micro-batches (mode NONE)
+    (["d"] * 8, True, 8),  # decode 8: the micro-batched graph of 8 (4 + 4)
+    (["d"] * 5, True, 8),  # decode 5 padded to 8: uneven (4 + 1 real)
+    (["d"] * 4, True, 4),  # at the threshold: the micro-batched graph of 4 (2 + 2)
+    (["d"] * 3, False, 4),  # 3 -> 4, below the threshold: the ordinary FULL graph of 4
+    (["d"] * 2, False, 2),  # the ordinary FULL graph of 2
+    (["d"] * 8, True, 8),  # the graph of 8 again
+]
+
+
+def _graphs_rank_main(rank: int, nprocs: int, port: int, path: str) -> dict:
+    import sys
+
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "cudagraph"))
+    from recording import RecordingGraphs
+
+    from forwardkit import ubatching
+    from forwardkit.config.compilation import CUDAGraphMode
+    from forwardkit.distributed import destroy_dp_group, init_dp_group
+    from forwardkit.runner import model_runner
+
+    model_runner.GraphBackend = RecordingGraphs  # type: ignore[misc]
+    model_runner.ModelRunner._graphs_supported = lambda self: True  # type: ignore[method-assign]
+    init_dp_group(world_size=nprocs, rank=rank, master_port=port, backend="gloo", timeout_s=60)
+    try:
+        plain = model_runner.ModelRunner(_config(path, False, rank))
+        dbo = model_runner.ModelRunner(_config(path, True, rank, graphs=True))
+        out: dict = {"mode": str(dbo.cudagraph_mode)}
+        backend = dbo.graph_backend
+        starts: list = []
+
+        def on_event(ub, event):
+            if event == "start":
+                starts.append((ub, id(backend._capturing) if backend._capturing else None))
+
+        plain.dummy_run(2)
+        dbo.dummy_run(2)  # the model's first forward is never micro-batched
+        previous = ubatching.set_ubatch_event_hook(on_event)
+        try:
+            dbo.capture_model()
+        finally:
+            ubatching.set_ubatch_event_hook(previous)
+        graphs = dbo.ubatch_graphs
+        out["sizes"] = graphs.sizes()
+        out["stats"] = {k: dbo.capture_stats[k] for k in ("graphs", "keys")}
+        out["starts"] = starts
+
+        calls: list = []
+        real_run = model_runner.run_ubatches
+
+        def counting_run(fns, contexts):
+            calls.append(len(fns))
+            return real_run(fns, contexts)
+
+        model_runner.run_ubatches = counting_run  # type: ignore[assignment]
+        ub_graphs = {n: graphs._entries[n].graph for n in graphs.sizes()}
+        full = dbo.model.concrete_cudagraph_entries
+        reqs_plain, reqs_dbo = _Requests(rank), _Requests(rank)
+        steps, max_diff = [], 0.0
+
+        def step(spec):
+            nonlocal max_diff
+            ub_before = {n: g.replays for n, g in ub_graphs.items()}
+            full_before = {d.num_tokens: e.cudagraph.replays for d, e in full.items()}
+            calls.clear()
+            a = plain.execute(reqs_plain.batch(spec))
+            b = dbo.execute(reqs_dbo.batch(spec))
+            assert a.shape == b.shape and (a.numel() > 0) == (spec[0] == "d"), spec
+            if a.numel():  # a first prompt chunk samples nothing
+                assert not torch.isnan(b).any(), spec
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+                assert torch.equal(a.argmax(-1), b.argmax(-1))
+                max_diff = max(max_diff, float((a - b).abs().max()))
+            s = dbo.last_step
+            return {"mode": str(s.mode), "ubatched": s.ubatch_slices is not None,
+                    "padded": s.num_padded_tokens, "calls": list(calls),
+                    "ub_replays": {n: g.replays - ub_before[n] for n, g in ub_graphs.items()},
+                    "full_replays": {d.num_tokens: e.cudagraph.replays - full_before[d.num_tokens]
+                                     for d, e in full.items()}}
+
+        for spec, _, _ in GRAPH_STEPS:
+            steps.append(step(spec))
+        out["steps"] = steps
+        # a size whose micro-batched graph is missing after start-up: eager micro-batches
+        graphs._entries.pop(8)
+        out["fallback"] = step(["d"] * 8)
+        out["max_diff"] = max_diff
+        out["full_mode"] = str(CUDAGraphMode.FULL)
+        return out
+    finally:
+        destroy_dp_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_dbo_microbatched_full_graphs_dp2(make_checkpoint):
+    """Both micro-batches of a uniform decode step above the threshold are captured in one
+    FULL graph per padded size; a replay runs them once (the stand-in re-running the capture)
+    with no threads started by the runner; logits equal a plain eager runner's; a step the
+    vote keeps off micro-batching replays the size's ordinary FULL graph."""
+    from forwardkit.cudagraph.ubatch_graphs import MICROBATCHED_FULL
+    from forwardkit.distributed.launch import spawn
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    path = make_checkpoint("mixtral")
+    results = spawn(_graphs_rank_main, 2, args=(path,), timeout_s=300)
+    for rank, res in enumerate(results):
+        assert res["mode"] == "FULL_DECODE_ONLY"
+        # sizes >= the decode threshold (4) whose last micro-batch holds a real token
+        assert res["sizes"] == [4, 8], res["sizes"]
+        assert res["stats"]["graphs"] == {"FULL": 4, MICROBATCHED_FULL: 2}, res["stats"]
+        assert res["stats"]["keys"][MICROBATCHED_FULL] == 2
+        # inside each micro-batched capture both micro-batches started: 2 captures x 2
+        captured = [(ub, g) for ub, g in res["starts"] if g is not None]
+        assert sorted(ub for ub, _ in captured) == [0, 0, 1, 1], res["starts"]
+        assert len({g for _, g in captured}) == 2
+        for (spec, ubatched, padded), got in zip(GRAPH_STEPS, res["steps"]):
+            graph_step = spec[0] == "d"
+            want_mode = res["full_mode"] if graph_step else "NONE"
+            assert (got["mode"], got["ubatched"], got["padded"]) == (want_mode, ubatched, padded), (
+                rank, spec, got)
+            if graph_step and ubatched:
+                # one replay of that size's micro-batched graph, the micro-batches run once
+                # (by the stand-in's replay), the ordinary FULL graphs not at all
+                assert got["ub_replays"] == {n: int(n == padded) for n in (4, 8)}, got
+                assert got["calls"] == [2], got
+                assert sum(got["full_replays"].values()) == 0, got
+            elif graph_step:
+                assert sum(got["ub_replays"].values()) == 0 and got["calls"] == [], got
+                assert got["full_replays"][padded] == 1, got
+            else:
+                assert got["calls"] == [2] and sum(got["ub_replays"].values()) == 0, got
+        fb = results[rank]["fallback"]
+        assert fb["ubatched"] and fb["calls"] == [2] and sum(fb["full_replays"].values()) == 0, fb
+        assert fb["ub_replays"] == {4: 0, 8: 0}, fb

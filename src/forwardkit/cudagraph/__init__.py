@@ -2,6 +2,7 @@
 
 * :mod:`forwardkit.cudagraph.dispatcher` — ``CudagraphDispatcher`` (graph keys, padding, mode per batch).
 * :mod:`forwardkit.cudagraph.wrapper` — ``CUDAGraphWrapper``, ``CUDAGraphOptions``, ``CUDAGraphEntry``.
+* :mod:`forwardkit.cudagraph.ubatch_graphs` — ``UBatchGraphs`` (micro-batched FULL graphs of DBO steps).
 * :mod:`forwardkit.cudagraph.monitor` — capture guard, capture counter, gc freeze for capture.
 * :mod:`forwardkit.cudagraph.metrics` — ``CUDAGraphStat``, ``CUDAGraphLogging``.
 
@@ -23,6 +24,7 @@ _EXPORTS = {
     "GraphBackend": "wrapper",
     "piecewise_cudagraph_options": "wrapper",
     "weak_ref_tensors": "wrapper",
+    "UBatchGraphs": "ubatch_graphs",
     "CUDAGraphStat": "metrics",
     "CUDAGraphLogging": "metrics",
     "capture_session": "monitor",

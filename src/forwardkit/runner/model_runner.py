@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -24,9 +25,10 @@ from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.config.engine import EngineConfig, set_current_engine_config
 from forwardkit.cudagraph import monitor
 from forwardkit.cudagraph.dispatcher import cudagraphs_available
+from forwardkit.cudagraph.ubatch_graphs import MICROBATCHED_FULL, UBatchGraphs
 from forwardkit.cudagraph.wrapper import CUDAGraphWrapper, GraphBackend, piecewise_cudagraph_options
 from forwardkit.distributed.dp_utils import DPMetadata
-from forwardkit.forward_context import create_forward_context, set_forward_context
+from forwardkit.forward_context import BatchDescriptor, create_forward_context, set_forward_context
 from forwardkit.layers import hugepages
 from forwardkit.layers.attention_backend import AttentionBackend, AttentionCGSupport
 from forwardkit.layers.kv_cache import (
@@ -42,7 +44,13 @@ from forwardkit.runner.input_buffers import InputBuffers, int64_tensor
 from forwardkit.runner.planner import StepPlanner, resolve_graph_mode
 from forwardkit.runner.setup import num_kv_blocks
 from forwardkit.runner.static_metadata import StaticMetadataPool
-from forwardkit.ubatch import UBatchSlice, UBatchSlices, maybe_create_ubatch_slices
+from forwardkit.ubatch import (
+    UBatchSlice,
+    UBatchSlices,
+    check_ubatch_thresholds,
+    is_last_ubatch_empty,
+    maybe_create_ubatch_slices,
+)
 from forwardkit.ubatching import run_ubatches
 
 __all__ = ["ModelRunner", "StepInfo"]
@@ -211,6 +219,11 @@ class ModelRunner:
         if mode.has_full_cudagraphs():
             self.model = CUDAGraphWrapper(self.model, self.engine_config, CUDAGraphMode.FULL,
                                           graph_backend=self.graph_backend)
+        # Micro-batched FULL graphs (both micro-batches of a DBO step in one graph) when
+        # micro-batching is configured and the mode has FULL graphs; None otherwise.
+        self.ubatch_graphs: UBatchGraphs | None = None
+        if mode.has_full_cudagraphs() and self.parallel_config.use_ubatching:
+            self.ubatch_graphs = UBatchGraphs(self.graph_backend)
 
     def _wrap_piece(self, piece: Any, index: int, num_pieces: int) -> CUDAGraphWrapper:
         """The piece-wrapper factory handed to the compilation backend (one wrapper per piece)."""
@@ -296,18 +309,38 @@ class ModelRunner:
         mode NONE. The outer context carries the padded ``ubatch_slices`` and the list of
         per-micro-batch metadata, as in vLLM. Returns the concatenated hidden states and the
         padded slices.
+
+        With ``mode`` FULL (a uniform decode step of a captured size) the step is one
+        micro-batched graph (:class:`~forwardkit.cudagraph.ubatch_graphs.UBatchGraphs`):
+        each micro-batch's metadata covers its padded slice (padding rows as dummy requests
+        on the scratch block) in persistent tensors, and after the capture a step replays
+        the graph without threads.
         """
         cfg, pc = self.engine_config, self.parallel_config
         padded = desc.num_tokens
+        graphs = self.ubatch_graphs if mode == CUDAGraphMode.FULL else None
+        assert mode != CUDAGraphMode.FULL or graphs is not None, (
+            "a FULL micro-batched step needs the runner's micro-batched graphs "
+            "(micro-batching configured and a mode with FULL graphs)"
+        )
+        if graphs is not None and padded not in graphs and not monitor.cudagraph_capturing_enabled:
+            # not captured at start-up (capture_model skips sizes no decode step can split):
+            # run the micro-batches eagerly rather than fail the step
+            logger.warning_once("no micro-batched graph for %d tokens: running that step's "
+                                "micro-batches eagerly", padded)
+            graphs, mode = None, CUDAGraphMode.NONE
         unpadded_slices, slices = maybe_create_ubatch_slices(
             True, np.asarray(query_lens), padded, len(query_lens), pc.num_ubatches)
         assert unpadded_slices is not None and slices is not None
         cu = np.concatenate([[0], np.cumsum(query_lens)])
         metadata, contexts, fns = [], [], []
-        for real, sl in zip(unpadded_slices, slices):
+        for i, (real, sl) in enumerate(zip(unpadded_slices, slices)):
             q, s, b = _ubatch_requests(cu, seq_lens, block_tables, real)
-            md = self.attn_backend.build_metadata(q, s, b, sl.num_tokens, self.block_size,
-                                                  self.device)
+            if graphs is not None:
+                md = self._full_metadata(q, s, b, sl.num_tokens, key=(padded, i))
+            else:
+                md = self.attn_backend.build_metadata(q, s, b, sl.num_tokens, self.block_size,
+                                                      self.device)
             attn = dict.fromkeys(self.attn_layer_names, md)
             metadata.append(attn)
             dp_md = None
@@ -322,8 +355,11 @@ class ModelRunner:
         with set_forward_context(metadata, cfg, num_tokens=padded, num_tokens_across_dp=across_dp,
                                  cudagraph_runtime_mode=mode, batch_descriptor=desc,
                                  ubatch_slices=slices):
-            outs = run_ubatches(fns, contexts)
-        return torch.cat(outs), slices
+            if graphs is not None:
+                hidden = graphs.run(padded, lambda: torch.cat(run_ubatches(fns, contexts)))
+            else:
+                hidden = torch.cat(run_ubatches(fns, contexts))
+        return hidden, slices
 
     def _metadata(self, query_lens: list[int], seq_lens: list[int],
                   block_tables: list[list[int]], padded: int, mode: CUDAGraphMode) -> dict[str, Any]:
@@ -334,18 +370,24 @@ class ModelRunner:
         into persistent tensors (``StaticMetadataPool``).
         """
         if mode == CUDAGraphMode.FULL:
-            extra = padded - sum(query_lens)
-            query_lens = list(query_lens) + [1] * extra
-            seq_lens = list(seq_lens) + [1] * extra
-            block_tables = list(block_tables) + [[self.scratch_block]] * extra
-            md = self.attn_backend.build_metadata(query_lens, seq_lens, block_tables, padded,
-                                                  self.block_size, self.device,
-                                                  self.max_blocks_per_req)
-            md = self.static_metadata.update(padded, md)
+            md = self._full_metadata(query_lens, seq_lens, block_tables, padded, key=padded)
         else:
             md = self.attn_backend.build_metadata(query_lens, seq_lens, block_tables, padded,
                                                   self.block_size, self.device)
         return dict.fromkeys(self.attn_layer_names, md)
+
+    def _full_metadata(self, query_lens: list[int], seq_lens: list[int],
+                       block_tables: list[list[int]], padded: int, key: Hashable) -> Any:
+        """Fixed-shape metadata of ``padded`` tokens kept in the persistent tensors of ``key``
+        (a padded size, or (padded size, micro-batch index) for micro-batched graphs)."""
+        extra = padded - sum(query_lens)
+        query_lens = list(query_lens) + [1] * extra
+        seq_lens = list(seq_lens) + [1] * extra
+        block_tables = list(block_tables) + [[self.scratch_block]] * extra
+        md = self.attn_backend.build_metadata(query_lens, seq_lens, block_tables, padded,
+                                              self.block_size, self.device,
+                                              self.max_blocks_per_req)
+        return self.static_metadata.update(key, md)
 
     # ------------------------------------------------------------------ dummy runs, capture
     def _dummy_shapes(self, num_tokens: int, uniform_decode: bool) -> list[int]:
@@ -359,12 +401,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, runtime_mode: CUDAGraphMode | None = None,
-                  uniform_decode: bool = False, force_attention: bool = False) -> None:
+                  uniform_decode: bool = False, force_attention: bool = False,
+                  allow_microbatching: bool = False) -> None:
         """Run a batch of ``num_tokens`` zero tokens: warm-up, capture, or an idle DP rank.
 
         Goes through the same dispatch and DP coordination as ``execute``. Attention
         metadata is built only when ``force_attention`` or the mode is FULL (dummy requests
         on the scratch block); otherwise attention layers get None and output zeros.
+        ``allow_microbatching`` lets this rank vote for micro-batching (capturing micro-batched
+        graphs); by default its vote keeps every rank off it.
         """
         if num_tokens > self.max_num_tokens:
             raise ValueError(f"dummy run of {num_tokens} tokens exceeds max_num_tokens "
@@ -373,7 +418,7 @@ class ModelRunner:
         plan = self.planner.plan(num_tokens, len(lens), lens, max(lens),
                                  force_eager=runtime_mode == CUDAGraphMode.NONE,
                                  force_uniform_decode=uniform_decode,
-                                 allow_microbatching=False)  # its vote keeps every rank off DBO
+                                 allow_microbatching=allow_microbatching and self._model_ran)
         mode, desc, across_dp = plan.cudagraph_mode, plan.batch_descriptor, plan.num_tokens_across_dp
         if runtime_mode is not None:
             assert mode == runtime_mode, (
@@ -381,17 +426,22 @@ class ModelRunner:
                 f"dispatched {mode} for {num_tokens} tokens"
             )
         padded = desc.num_tokens
-        attn_md = None
-        if force_attention or mode == CUDAGraphMode.FULL:
-            tables = [[self.scratch_block] * math.ceil(q / self.block_size) for q in lens]
-            attn_md = self._metadata(lens, lens, tables, padded, mode)
+        tables = [[self.scratch_block] * math.ceil(q / self.block_size) for q in lens]
         input_ids, positions = self.buffers.dummy(padded)
-        with set_forward_context(attn_md, self.engine_config, num_tokens=padded,
-                                 num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
-                                 batch_descriptor=desc):
-            self.model(input_ids, positions)
+        slices = None
+        if plan.should_ubatch:
+            _, slices = self._forward_ubatched(lens, lens, tables, input_ids, positions, mode,
+                                               desc, across_dp)
+        else:
+            attn_md = None
+            if force_attention or mode == CUDAGraphMode.FULL:
+                attn_md = self._metadata(lens, lens, tables, padded, mode)
+            with set_forward_context(attn_md, self.engine_config, num_tokens=padded,
+                                     num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
+                                     batch_descriptor=desc):
+                self.model(input_ids, positions)
         self._model_ran = True
-        self.last_step = StepInfo(mode, desc, 0, across_dp)
+        self.last_step = StepInfo(mode, desc, 0, across_dp, slices)
 
     def warm_up_compile_ranges(self) -> list[int]:
         """Compile at start-up instead of on the first real step (vLLM's profile run): one
@@ -466,6 +516,17 @@ class ModelRunner:
                         self.dummy_run(desc.num_tokens, CUDAGraphMode.NONE, desc.uniform,
                                        force_attention=mode == CUDAGraphMode.FULL)
                     self.dummy_run(desc.num_tokens, mode, desc.uniform)
+            for desc in self._microbatched_capture_descs():
+                keys[MICROBATCHED_FULL] = keys.get(MICROBATCHED_FULL, 0) + 1
+                for _ in range(warmups):  # eager micro-batched steps of the same shape
+                    self.dummy_run(desc.num_tokens, CUDAGraphMode.NONE, True,
+                                   force_attention=True, allow_microbatching=True)
+                self.dummy_run(desc.num_tokens, CUDAGraphMode.FULL, True, allow_microbatching=True)
+                step = self.last_step
+                assert step is not None and step.ubatch_slices is not None, (
+                    f"the micro-batched capture of {desc.num_tokens} tokens was not micro-batched: "
+                    "the DP ranks disagreed about micro-batching a start-up capture size"
+                )
         sync = current_platform.synchronize
         if sync is not None:
             sync()
@@ -483,6 +544,26 @@ class ModelRunner:
                     ", ".join(f"{n} {m} graphs" for m, n in sorted(captured.items())) or "nothing",
                     keys, len(self.piece_wrappers))
         return elapsed
+
+    def _microbatched_capture_descs(self) -> list[BatchDescriptor]:
+        """The uniform-decode FULL sizes captured as micro-batched graphs too, largest first:
+        those at or above ``dbo_decode_token_threshold`` whose last micro-batch holds a real
+        token (a uniform-decode dummy step of the size is not padded). Empty when the runner
+        has no micro-batched graphs."""
+        if self.ubatch_graphs is None:
+            return []
+        pc = self.parallel_config
+        out = []
+        for mode, descs in self.planner.capture_descs():
+            if mode != CUDAGraphMode.FULL:
+                continue
+            for desc in descs:
+                # a decode step of this padded size has at most max_num_seqs real tokens
+                n, real = desc.num_tokens, min(desc.num_tokens, self.max_num_seqs)
+                if (desc.uniform and check_ubatch_thresholds(pc, real, True)
+                        and not is_last_ubatch_empty(real, n, pc.num_ubatches)):
+                    out.append(desc)
+        return sorted(out, key=lambda d: d.num_tokens, reverse=True)
 
     def _free_device_memory(self) -> int | None:
         """Free device memory in bytes on a GPU; None elsewhere."""

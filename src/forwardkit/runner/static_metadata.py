@@ -10,6 +10,7 @@ row as a dummy one-token request on the scratch block and a fixed block-table wi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -18,16 +19,17 @@ __all__ = ["StaticMetadataPool"]
 
 
 class StaticMetadataPool:
-    """Per padded token count, one metadata object whose tensors never move."""
+    """Per key (a padded token count; for a micro-batched graph (padded count, micro-batch
+    index)), one metadata object whose tensors never move."""
 
     def __init__(self) -> None:
-        self._by_size: dict[int, Any] = {}
+        self._by_size: dict[Hashable, Any] = {}
 
     def __len__(self) -> int:
         return len(self._by_size)
 
-    def update(self, num_tokens: int, metadata: Any) -> Any:
-        """Return the persistent metadata for ``num_tokens`` holding ``metadata``'s values."""
+    def update(self, num_tokens: Hashable, metadata: Any) -> Any:
+        """Return the persistent metadata for key ``num_tokens`` holding ``metadata``'s values."""
         kept = self._by_size.get(num_tokens)
         if kept is None:
             self._by_size[num_tokens] = metadata
