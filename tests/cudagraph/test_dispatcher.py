@@ -208,15 +208,22 @@ def test_invalid_inputs_raise_clear_errors():
     disp = dispatcher_for()
     with pytest.raises(ValueError, match="num_tokens must be a non-negative int, got -1"):
         disp.dispatch(-1)
-    with pytest.raises(ValueError, match="invalid cudagraph_mode 'SOMETIMES'"):
+    with pytest.raises(ValueError, match="Invalid cudagraph_mode: 'SOMETIMES'"):
         disp.initialize_cudagraph_keys("SOMETIMES")
 
 
-def test_padding_without_table_uses_capture_sizes():
-    disp = dispatcher_for(sizes=(4, 12, 20), with_table=False)
+def test_padding_uses_the_configs_one_table():
+    """One padding lookup: the dispatcher pads through ``EngineConfig.pad_for_cudagraph``; a
+    config whose table was never computed is named in the error, not padded a second way."""
+    disp = dispatcher_for(sizes=(4, 12, 20))
     assert disp.dispatch(5, False) == (M.PIECEWISE, d(12))
     assert disp.dispatch(13, True) == (M.PIECEWISE, d(20))
     assert disp.dispatch(3, True) == (M.FULL, d(4, 4, True))
+    for n in range(21):
+        assert disp._pad(n) == disp.engine_config.pad_for_cudagraph(n)
+    bare = dispatcher_for(sizes=(4, 12, 20), with_table=False)
+    with pytest.raises(ValueError, match="bs_to_padded_graph_size is None"):
+        bare.dispatch(5, False)
 
 
 # ---- capture list ------------------------------------------------------------------------
@@ -257,8 +264,14 @@ def test_cudagraphs_available():
 
 
 def test_cpu_platform_logs_once_that_graphs_are_off(cpu_platform, fk_log_records):
-    CudagraphDispatcher(make_cfg(mode=M.NONE))
-    CudagraphDispatcher(make_cfg(mode=M.NONE))
+    """Resolution decides it (one owner), so it logs it; the dispatcher adds nothing."""
+    from forwardkit.config.engine import EngineConfig
+    from forwardkit.config.model import ModelConfig
+
+    for _ in range(2):
+        cfg = EngineConfig(model_config=ModelConfig(), platform=CpuPlatform())
+        assert cfg.compilation_config.cudagraph_mode == M.NONE
+        CudagraphDispatcher(make_cfg(mode=M.NONE))
     lines = [r.getMessage() for r in fk_log_records if "CUDA graphs are off" in r.getMessage()]
     assert len(lines) == 1
     assert "platform cpu" in lines[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forwardkit.config.cache import CacheConfig
-from forwardkit.config.compilation import CompilationConfig, CUDAGraphMode
+from forwardkit.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.frozen import unfrozen
 from forwardkit.config.model import ModelConfig
@@ -175,11 +175,14 @@ def test_step_batch_views():
 def test_warm_up_compile_sizes_runs_dummy_steps(monkeypatch):
     runner = _runner(LLAMA)
     assert runner.warm_up_compile_sizes() == []  # enforce_eager: nothing to compile
-    with unfrozen(runner.engine_config):  # emulate a compiling config on the same runner
-        runner.model_config.enforce_eager = False
-        runner.compilation_config.compile_sizes = [8, 2, 100, 8]
     seen = []
     monkeypatch.setattr(runner, "dummy_run", lambda n, mode=None: seen.append((n, mode)))
+    with unfrozen(runner.engine_config):  # not eager, but compilation mode NONE: still nothing
+        runner.model_config.enforce_eager = False
+        runner.compilation_config.compile_sizes = [8, 2, 100, 8]
+    assert runner.warm_up_compile_sizes() == [] and seen == []
+    with unfrozen(runner.engine_config):  # emulate a compiling config on the same runner
+        runner.compilation_config.mode = CompilationMode.VLLM_COMPILE
     assert runner.warm_up_compile_sizes() == [8, 2]  # 100 exceeds the 64-token buffers
     assert seen == [(8, CUDAGraphMode.NONE), (2, CUDAGraphMode.NONE)]
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace as NS
-
 import pytest
 import torch
 
 from forwardkit.config.compilation import CompilationMode, CUDAGraphMode
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.frozen import unfrozen
+from forwardkit.config.observability import ObservabilityConfig
 from forwardkit.config.parallel import ParallelConfig
 from forwardkit.config.scheduler import SchedulerConfig
 from forwardkit.cudagraph.metrics import CUDAGraphStat
@@ -37,8 +36,8 @@ def make_cfg(mode=M.FULL_AND_PIECEWISE, metrics=False, dp_size=1, dp_rank=0, tp=
         cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = list(SIZES), 16
         cc.bs_to_padded_graph_size = [0] + [min(s for s in SIZES if s >= b) for b in range(1, 17)]
         cc.pass_config.enable_sp = enable_sp
-        if metrics:  # EngineConfig has no observability config; the planner reads one if present
-            cfg.observability_config = NS(cudagraph_metrics=True)
+        if metrics:
+            cfg.observability_config = ObservabilityConfig(cudagraph_metrics=True)
     return cfg
 
 
@@ -166,7 +165,7 @@ def test_real_config_e34_decisions():
     for per_req, kw, mode, desc, _ in ONE_RANK_CASES:
         out = plan(planner, per_req, **kw)
         assert (out.cudagraph_mode, out.batch_descriptor) == (mode, desc), (per_req, kw)
-        assert out.cudagraph_stats is None  # EngineConfig has no observability_config: metrics off
+        assert out.cudagraph_stats is None  # observability_config.cudagraph_metrics defaults to off
 
 
 def test_dp_padding_follows_the_configured_mode_even_when_this_rank_runs_eagerly():

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace as NS
-
 import pytest
 
 from forwardkit.config.compilation import CUDAGraphMode as M
+from forwardkit.config.observability import ObservabilityConfig
 from forwardkit.forward_context import BatchDescriptor as d
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
@@ -36,7 +35,7 @@ def _rank_main(rank: int, nprocs: int, port: int) -> list[tuple]:
         cc.cudagraph_mode = M.FULL_AND_PIECEWISE
         cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = sizes, 16
         cc.bs_to_padded_graph_size = [0] + [min(s for s in sizes if s >= b) for b in range(1, 17)]
-        cfg.observability_config = NS(cudagraph_metrics=True)  # EngineConfig has none; stats on
+        cfg.observability_config = ObservabilityConfig(cudagraph_metrics=True)  # stats on
     planner = StepPlanner(cfg, M.FULL_AND_PIECEWISE)
     # ParallelConfig picks its own free master port (as vLLM's does); the ranks meet at ``port``
     init_dp_group(parallel, backend="gloo", timeout_s=60, master_addr="127.0.0.1", master_port=port)

@@ -70,11 +70,6 @@ def _evaluate_guards(engine_config: EngineConfig) -> bool:
     return engine_config.compilation_config.dynamic_shapes_config.evaluate_guards
 
 
-def _enforce_eager(engine_config: EngineConfig) -> bool:
-    mc = engine_config.model_config
-    return mc is not None and mc.enforce_eager
-
-
 def _mark_dynamic(bound: inspect.BoundArguments, dims: dict[str, int | list[int]],
                   unbacked: dict[str, int | list[int]], dyn_type: str) -> None:
     """Mark the configured dims dynamic (unbacked for size 0/1 or UNBACKED type)."""
@@ -186,8 +181,7 @@ def _install(klass: Any, dims: dict[str, Any], unbacked: dict[str, Any],
         mode = _mode_of(cfg)
         gate = cls._fk_enable_if
         skip = (
-            mode == 0
-            or _enforce_eager(cfg)
+            not cfg.compiles_model
             or getattr(cls, "_forwardkit_ignore_compile", False)
             or (gate is not None and not gate(cfg))
         )

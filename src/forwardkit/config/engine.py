@@ -57,6 +57,7 @@ from forwardkit.config.levels import (
     default_capture_sizes,
 )
 from forwardkit.config.model import ModelConfig
+from forwardkit.config.observability import ObservabilityConfig
 from forwardkit.config.parallel import ParallelConfig, check_parallel_fits_model
 from forwardkit.config.scheduler import SchedulerConfig, SpeculativeConfig
 from forwardkit.config.utils import ConfigAssertionError, short_repr
@@ -104,6 +105,8 @@ class EngineConfig(FreezableConfig):
     """Speculative decoding (a dict is accepted); None = off."""
     lora_config: None = None
     """LoRA is not supported; must stay None."""
+    observability_config: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    """Per-step statistics (a dict is accepted); not part of the compile-cache hash."""
     optimization_level: OptimizationLevel = OptimizationLevel.O2
     """O0..O3 (ints 0-3 and numeric strings accepted)."""
     if TYPE_CHECKING:
@@ -337,12 +340,24 @@ class EngineConfig(FreezableConfig):
         spec = self.speculative_config
         return 1 + spec.num_speculative_tokens if spec is not None and spec.num_speculative_tokens else 1
 
+    @property
+    def compiles_model(self) -> bool:
+        """Whether models built under this config compile their ``support_torch_compile``
+        modules: compilation mode is not NONE and ``enforce_eager`` is off. The one answer the
+        decorator and the runner read."""
+        mode = self.compilation_config.mode
+        if mode is None or int(mode) == 0:
+            return False
+        return self.model_config is None or not self.model_config.enforce_eager
+
     def pad_for_cudagraph(self, batch_size: int) -> int:
         """The capture size a batch of ``batch_size`` tokens is padded to."""
         table = self.compilation_config.bs_to_padded_graph_size
         if table is None:
-            raise ValueError(f"no cudagraph padding table: CUDA graphs are off on platform "
-                             f"{self.platform.name!r}")
+            raise ValueError(
+                "no cudagraph padding table (compilation_config.bs_to_padded_graph_size is "
+                f"None): CUDA graphs are off on platform {self.platform.name!r}, or capture "
+                "sizes were set without compute_bs_to_padded_graph_size()")
         if not 0 <= batch_size < len(table):
             raise IndexError(f"batch size {batch_size} is outside the cudagraph padding table "
                              f"[0, {len(table) - 1}] (max_cudagraph_capture_size)")

@@ -27,6 +27,9 @@ def resolve_static_graphs(cfg: EngineConfig) -> None:
     """Step 15: the cudagraph mode the platform and model allow, then the capture sizes."""
     cc, model = cfg.compilation_config, cfg.model_config
     if not cfg.platform.supports_static_graph():
+        if cc.cudagraph_mode not in (None, CUDAGraphMode.NONE):
+            logger.info_once("CUDA graphs are off: platform %s cannot capture them; steps run "
+                             "eagerly (runtime mode NONE).", cfg.platform.name)
         cc.cudagraph_mode = CUDAGraphMode.NONE  # sizes untouched, no padding table
         return
     if model is not None:

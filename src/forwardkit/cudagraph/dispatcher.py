@@ -10,7 +10,6 @@ eager steps). The graph mode it serves is fixed once, by :meth:`initialize_cudag
 
 from __future__ import annotations
 
-import bisect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +22,7 @@ from forwardkit.platforms import current_platform
 if TYPE_CHECKING:
     from forwardkit.config.engine import EngineConfig
 
-__all__ = ["CudagraphDispatcher", "as_cudagraph_mode", "cudagraphs_available"]
+__all__ = ["CudagraphDispatcher", "cudagraphs_available"]
 
 logger = init_logger(__name__)
 
@@ -48,18 +47,6 @@ def cudagraphs_available(platform: Any = None) -> bool:
     return True
 
 
-def as_cudagraph_mode(mode: Any) -> CUDAGraphMode:
-    """Accept a ``CUDAGraphMode`` or its name (``"FULL_AND_PIECEWISE"``); anything else raises."""
-    if isinstance(mode, CUDAGraphMode):
-        return mode
-    if isinstance(mode, str) and mode.upper() in CUDAGraphMode.__members__:
-        return CUDAGraphMode[mode.upper()]
-    raise ValueError(
-        f"invalid cudagraph_mode {mode!r}; expected a CUDAGraphMode or one of "
-        f"{list(CUDAGraphMode.__members__)}"
-    )
-
-
 class CudagraphDispatcher:
     """Maps a step's ``(num_tokens, uniform_decode, has_lora)`` to a runtime mode and graph key.
 
@@ -74,29 +61,20 @@ class CudagraphDispatcher:
     def __init__(self, engine_config: EngineConfig) -> None:
         self.engine_config = engine_config
         self.compilation_config = engine_config.compilation_config
-        configured = as_cudagraph_mode(self.compilation_config.cudagraph_mode)
+        configured = CUDAGraphMode.parse(self.compilation_config.cudagraph_mode)
         self._cudagraph_mode = CUDAGraphMode.NONE
         self.cudagraph_keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {
             CUDAGraphMode.PIECEWISE: set(),
             CUDAGraphMode.FULL: set(),
         }
         self.keys_initialized = False
-        spec = engine_config.speculative_config
-        num_spec = 0 if spec is None else spec.num_speculative_tokens
-        self.uniform_decode_query_len = 1 + num_spec
+        self.uniform_decode_query_len = engine_config.uniform_decode_query_len
 
         if configured.requires_piecewise_compilation():
             assert self.compilation_config.is_attention_compiled_piecewise(), (
                 _PIECEWISE_ASSERT + f"cudagraph_mode={configured}, "
                 f"compilation_mode={self.compilation_config.mode}, "
                 f"splitting_ops={self.compilation_config.splitting_ops}"
-            )
-        platform = engine_config.platform or current_platform
-        if not cudagraphs_available(platform):
-            logger.info_once(
-                "CUDA graphs are off: platform %s cannot capture them on this machine; steps "
-                "run eagerly (runtime mode NONE).",
-                platform.name,
             )
 
     @property
@@ -124,18 +102,9 @@ class CudagraphDispatcher:
         return [True]  # as in vLLM: without specialisation every graph includes the LoRA ops
 
     def _pad(self, num_tokens: int) -> int:
-        """``bs_to_padded_graph_size[num_tokens]`` (computed from the sizes if the table is absent)."""
-        table = self.compilation_config.bs_to_padded_graph_size
-        if table is not None and 0 <= num_tokens < len(table):
-            return int(table[num_tokens])
-        sizes = self._capture_sizes()
-        i = bisect.bisect_left(sizes, num_tokens)
-        if num_tokens < 0 or i == len(sizes):
-            raise IndexError(
-                f"num_tokens={num_tokens} has no CUDA-graph padding; accepted range is "
-                f"0..{self._max_capture_size()} (capture sizes {sizes})"
-            )
-        return 0 if num_tokens == 0 else sizes[i]
+        """The capture size ``num_tokens`` pads to: the config's one padding table
+        (``EngineConfig.pad_for_cudagraph``)."""
+        return int(self.engine_config.pad_for_cudagraph(num_tokens))
 
     # ---- keys ----
     def _create_padded_batch_descriptor(
@@ -166,7 +135,7 @@ class CudagraphDispatcher:
         and padding always use the same value. A second call raises ``RuntimeError``: the
         mode and keys are fixed for the dispatcher's life.
         """
-        mode = as_cudagraph_mode(cudagraph_mode)
+        mode = CUDAGraphMode.parse(cudagraph_mode)
         if self.keys_initialized:
             raise RuntimeError(
                 f"initialize_cudagraph_keys({mode}) called again: the keys were built for "

@@ -123,7 +123,7 @@ class ModelRunner:
         if model is None:
             from forwardkit.models.loader import load_model  # model layer, loaded lazily
 
-            if int(self.compilation_config.mode or 0) != 0 and not self.model_config.enforce_eager:
+            if cfg.compiles_model:
                 from forwardkit.compilation.cache import prepare_compile_cache
                 from forwardkit.compilation.compiler import prefetch_compiler_imports
 
@@ -450,8 +450,7 @@ class ModelRunner:
 
         A no-op for eager models (mode NONE or ``enforce_eager``). Returns the sizes run.
         """
-        mode = int(self.compilation_config.mode or 0)
-        if mode == 0 or self.model_config.enforce_eager:
+        if not self.engine_config.compiles_model:
             return []
         ranges = self.compilation_config.get_compile_ranges() or []
         if self.device.type == "cpu":
@@ -483,7 +482,7 @@ class ModelRunner:
 
         Returns the sizes run.
         """
-        if self.model_config.enforce_eager:
+        if not self.engine_config.compiles_model:
             return []
         capture = set(self.compilation_config.cudagraph_capture_sizes or [])
         sizes = [s for s in (self.compilation_config.compile_sizes or [])

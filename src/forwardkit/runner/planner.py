@@ -11,7 +11,7 @@ decides, in order (vLLM: ``GPUModelRunner._determine_batch_execution_and_padding
 4. with ``data_parallel_size > 1``: one all-reduce so every rank agrees on the padded count
    and the lowest mode, then a re-dispatch at the agreed count with FULL disabled when any
    rank could not run FULL;
-5. an optional ``CUDAGraphStat`` when ``observability_config.cudagraph_metrics`` is on.
+5. an optional ``CUDAGraphStat`` when ``engine_config.observability_config.cudagraph_metrics`` is on.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ class StepPlanner:
 
     Args:
         engine_config: the engine config (``compilation_config``, ``scheduler_config``,
-            ``parallel_config``, ``speculative_config``, ``lora_config``; an
-            ``observability_config`` if the object has one).
+            ``parallel_config``, ``speculative_config``, ``lora_config``,
+            ``observability_config``).
         cudagraph_mode: the resolved mode (:func:`resolve_graph_mode`); fixed for the
             planner's life and readable as :attr:`cudagraph_mode`.
         coordinate_fn: the DP agreement collective (default
@@ -126,10 +126,7 @@ class StepPlanner:
         # runs eagerly (so the ranks' shapes agree); read once, like the mode.
         configured = engine_config.compilation_config.cudagraph_mode
         self.allow_dp_padding = CUDAGraphMode.parse(configured or CUDAGraphMode.NONE) != CUDAGraphMode.NONE
-        # EngineConfig has no observability_config (vLLM's VllmConfig does); an engine config
-        # that carries one (a VllmConfig-shaped object) turns the per-step stats on.
-        observability = getattr(engine_config, "observability_config", None)
-        self.collect_stats = bool(getattr(observability, "cudagraph_metrics", False))
+        self.collect_stats = bool(engine_config.observability_config.cudagraph_metrics)
 
     @property
     def cudagraph_mode(self) -> CUDAGraphMode:
