@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from forwardkit.config.engine import EngineConfig
 
 __all__ = [
+    "AttnMetadata",
+    "AttnMetadataDict",
     "BatchDescriptor",
     "DPMetadata",
     "ForwardContext",
@@ -61,6 +63,7 @@ __all__ = [
     "override_forward_context",
     "reset_batchsize_stats",
     "set_forward_context",
+    "StepAttentionMetadata",
 ]
 
 logger = init_logger(__name__)
@@ -107,6 +110,22 @@ class BatchDescriptor(NamedTuple):
         return BatchDescriptor(self.num_tokens, None, False, self.has_lora)
 
 
+class StepAttentionMetadata:
+    """Base class of an attention backend's per-step metadata: what the forward context
+    carries for each attention layer. Backends subclass it (forwardkit's torch-native
+    backend: ``forwardkit.layers.attention_metadata.AttentionMetadata``); the forward context
+    only passes it through."""
+
+    __slots__ = ()
+
+
+#: Attention metadata of one step: layer name -> that layer's metadata.
+AttnMetadataDict = dict[str, StepAttentionMetadata]
+#: What ``ForwardContext.attn_metadata`` holds: one dict, one dict per micro-batch, or None
+#: (profile / warm-up runs).
+AttnMetadata = AttnMetadataDict | list[AttnMetadataDict] | None
+
+
 @dataclass
 class ForwardContext:
     """Everything the running step exposes to model code.
@@ -119,7 +138,7 @@ class ForwardContext:
     """
 
     no_compile_layers: dict[str, Any]
-    attn_metadata: Any
+    attn_metadata: AttnMetadata
     virtual_engine: int
     dp_metadata: DPMetadata | None = None
     cudagraph_runtime_mode: CUDAGraphMode = _NONE
@@ -160,7 +179,7 @@ def is_forward_context_available() -> bool:
 
 
 def create_forward_context(
-    attn_metadata: Any,
+    attn_metadata: AttnMetadata,
     vllm_config: EngineConfig,
     virtual_engine: int = 0,
     dp_metadata: DPMetadata | None = None,
@@ -301,7 +320,7 @@ class _ForwardStepScope:
 
 
 def set_forward_context(
-    attn_metadata: Any,
+    attn_metadata: AttnMetadata,
     vllm_config: EngineConfig,
     virtual_engine: int = 0,
     num_tokens: int | None = None,

@@ -18,9 +18,10 @@ import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.nn as nn
 
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.config.args import engine_config_from_args
@@ -99,9 +100,9 @@ def build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, An
     runner = ModelRunner(cfg, model=model)
     contender = Contender(name, runner, cfg, 0.0)
     if name == "torch.compile":
-        inner = runner.model.model
-        runner.model.model = torch.compile(inner, dynamic=True,
-                                           backend=_counting_inductor(contender._traces))
+        inner = runner.module.get_submodule("model")
+        compiled = torch.compile(inner, dynamic=True, backend=_counting_inductor(contender._traces))
+        runner.module.add_module("model", cast(nn.Module, compiled))
     runner.capture_model()
     contender.build_s = time.perf_counter() - start
     return contender

@@ -262,7 +262,7 @@ def _rows(llm: Any, per_step: list[dict[str, Any]], plain_ms: list[float]) -> li
     def med(values: list[float]) -> float:
         return statistics.median(values) if values else 0.0
 
-    names = _weight_names(llm.runner.model)
+    names = _weight_names(llm.runner.module)
     vocab = int(llm.runner.vocab_size)
     shapes = sorted({s for step in per_step for s in step["linear"]}, key=lambda s: (s[1] != vocab, s))
     rows: list[ProfileRow] = []

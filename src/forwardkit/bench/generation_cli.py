@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from forwardkit.config.engine import EngineConfig
@@ -169,7 +169,7 @@ def _build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, A
         from forwardkit.bench.llamacpp import LlamaCppGenerator
 
         runner = fk_llm.runner
-        cpp = LlamaCppGenerator(runner.model_config.hf_config, gen.hf_state_dict(runner.model),
+        cpp = LlamaCppGenerator(runner.model_config.hf_config, gen.hf_state_dict(runner.module),
                                 max_seqs=max(s["batch_sizes"]),
                                 max_len=s["prompt_len"] + s["new_tokens"] + 2,
                                 threads=torch.get_num_threads())
@@ -180,7 +180,7 @@ def _build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, A
                              "takes forwardkit's weights)")
         runner = fk_llm.runner
         model = gen.build_transformers_model(runner.model_config.hf_config, runner.dtype,
-                                             runner.model)
+                                             runner.module)
         return gen.transformers_generate(model), model
     cfg = _engine_config(name, args, hf_config, s)
     if name.startswith("forwardkit"):
@@ -191,7 +191,9 @@ def _build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, A
         if name == "torch.compile":
             import torch
 
-            llm.runner.model.model = torch.compile(llm.runner.model.model, dynamic=True)
+            module = llm.runner.module
+            compiled = torch.compile(module.get_submodule("model"), dynamic=True)
+            module.add_module("model", cast(torch.nn.Module, compiled))
     return gen.llm_generate(llm), llm
 
 

@@ -189,7 +189,7 @@ class LLM:
         """Bytes of model weights each rank of this replica holds, TP rank order (one entry
         without TP; under torchrun, each rank's own entry is its own, the others' are
         gathered)."""
-        mine = weight_bytes(self.runner.model)
+        mine = weight_bytes(self.runner.module)
         if self._tp_pool is not None:
             return [mine, *self._tp_pool.call("weight_bytes", None)]
         if self._tp_link is not None:
@@ -395,10 +395,10 @@ class LLM:
         ``{"num_tensors", "num_parameters", "seconds"}``.
         """
         if self._tp_pool is not None:  # every check first, then the workers, then here
-            named_tensors = prepare_weight_update(self.engine_config, self.runner.model,
+            named_tensors = prepare_weight_update(self.engine_config, self.runner.module,
                                                   named_tensors)
             self._tp_pool.update_weights(named_tensors)
-        return update_model_weights(self.engine_config, self.runner.model, named_tensors)
+        return update_model_weights(self.engine_config, self.runner.module, named_tensors)
 
     def sleep(self, level: int = 1) -> int:
         """Release the KV cache's memory (level 1; the weights stay); returns the bytes freed.

@@ -148,9 +148,9 @@ def _serve(runner: ModelRunner, engine_config: EngineConfig, conn: Connection, p
                 return
             if kind == "update_weights":
                 pairs = _receive_tensors(msg[1])
-                result: Any = update_model_weights(engine_config, runner.model, pairs)
+                result: Any = update_model_weights(engine_config, runner.module, pairs)
             elif kind == "weight_bytes":
-                result = weight_bytes(runner.model)
+                result = weight_bytes(runner.module)
             elif kind in ("sleep", "wake_up"):
                 sleeper = sleeper or KVCacheSleeper(runner)
                 result = sleeper.sleep(msg[1]) if kind == "sleep" else sleeper.wake_up(msg[1])

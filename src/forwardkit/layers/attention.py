@@ -18,13 +18,11 @@ So nothing per-step is baked into a compiled graph. Both ops are tagged
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn as nn
 
 from forwardkit.config.engine import get_current_engine_config
-from forwardkit.forward_context import get_forward_context
+from forwardkit.forward_context import StepAttentionMetadata, get_forward_context
 from forwardkit.layers.attention_backend import (
     AttentionBackend,
     AttentionMetadata,
@@ -43,7 +41,7 @@ __all__ = [
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
-def _lookup(layer_name: str) -> tuple[Attention, AttentionMetadata | None, torch.Tensor]:
+def _lookup(layer_name: str) -> tuple[Attention, StepAttentionMetadata | None, torch.Tensor]:
     ctx = get_forward_context()
     try:
         layer = ctx.no_compile_layers[layer_name]
@@ -53,13 +51,16 @@ def _lookup(layer_name: str) -> tuple[Attention, AttentionMetadata | None, torch
             f"no_compile_layers ({len(ctx.no_compile_layers)} layers); was the model built under "
             "this engine config?"
         ) from None
-    md: Any = ctx.attn_metadata
-    if isinstance(md, dict):
-        md = md.get(layer_name)
-    elif md is not None and not isinstance(md, layer.backend.metadata_cls):
+    raw: object = ctx.attn_metadata
+    md: StepAttentionMetadata | None
+    if isinstance(raw, dict):
+        md = raw.get(layer_name)
+    elif raw is None or isinstance(raw, layer.backend.metadata_cls):
+        md = raw
+    else:
         raise TypeError(
             f"attn_metadata must be a dict of layer name -> {layer.backend.metadata_cls.__name__} "
-            f"or None, got {type(md).__name__}"
+            f"or None, got {type(raw).__name__}"
         )
     kv_cache = layer.kv_cache[ctx.virtual_engine]
     return layer, md, kv_cache

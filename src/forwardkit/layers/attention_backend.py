@@ -29,12 +29,13 @@ plus one ``register_attention_backend`` call.
 from __future__ import annotations
 
 import enum
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from forwardkit import envs
+from forwardkit.forward_context import StepAttentionMetadata
 from forwardkit.layers.attention_metadata import (
     AttentionMetadata,
     DecodeBucket,
@@ -193,7 +194,7 @@ class AttentionBackend:
 
     name: ClassVar[str] = ""
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
-    metadata_cls: ClassVar[type] = AttentionMetadata
+    metadata_cls: ClassVar[type[StepAttentionMetadata]] = AttentionMetadata
 
     @staticmethod
     def get_kv_cache_shape(
@@ -212,7 +213,7 @@ class AttentionBackend:
         block_size: int,
         device: torch.device | str = "cpu",
         max_num_blocks_per_req: int | None = None,
-    ) -> Any:
+    ) -> StepAttentionMetadata:
         """Metadata of one padded step (see :func:`build_attention_metadata` for the inputs).
 
         ``max_num_blocks_per_req`` set means fixed shapes per padded size (FULL graphs).
@@ -227,7 +228,7 @@ class AttentionBackend:
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: Any,
+        metadata: StepAttentionMetadata,
         output: torch.Tensor,
     ) -> None:
         """Store this step's K/V [T, Hk, D] and write the attention of ``query`` [T, Hq, D]
@@ -301,7 +302,9 @@ class TorchNativeAttentionBackend(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: Any,
+        metadata: StepAttentionMetadata,
         output: torch.Tensor,
     ) -> None:
+        # the attention op checked the type against metadata_cls already
+        assert isinstance(metadata, AttentionMetadata)
         paged_attention(query, key, value, kv_cache, metadata, layer.scale, output)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from forwardkit.forward_context import StepAttentionMetadata
+
 __all__ = [
     "AttentionMetadata",
     "DecodeBucket",
@@ -90,7 +92,7 @@ class PrefillChunk:
 
 
 @dataclass
-class AttentionMetadata:
+class AttentionMetadata(StepAttentionMetadata):
     """Everything the paged-attention kernel needs for one (padded) step.
 
     Tensors live on the step's device; the ``*_cpu`` lists and the bucket/chunk plans drive the

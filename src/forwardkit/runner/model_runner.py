@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -24,11 +24,17 @@ import torch.nn as nn
 from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.config.engine import EngineConfig, set_current_engine_config
 from forwardkit.cudagraph import monitor
-from forwardkit.cudagraph.dispatcher import cudagraphs_available
+from forwardkit.cudagraph.dispatcher import CudagraphDispatcher, cudagraphs_available
 from forwardkit.cudagraph.ubatch_graphs import MICROBATCHED_FULL, UBatchGraphs
 from forwardkit.cudagraph.wrapper import CUDAGraphWrapper, GraphBackend, piecewise_cudagraph_options
 from forwardkit.distributed.dp_utils import DPMetadata
-from forwardkit.forward_context import BatchDescriptor, create_forward_context, set_forward_context
+from forwardkit.forward_context import (
+    AttnMetadataDict,
+    BatchDescriptor,
+    StepAttentionMetadata,
+    create_forward_context,
+    set_forward_context,
+)
 from forwardkit.layers import hugepages
 from forwardkit.layers.attention_backend import AttentionBackend, AttentionCGSupport
 from forwardkit.layers.kv_cache import (
@@ -53,7 +59,7 @@ from forwardkit.ubatch import (
 )
 from forwardkit.ubatching import run_ubatches
 
-__all__ = ["ModelRunner", "StepInfo"]
+__all__ = ["ModelRunner", "StepInfo", "StepModel"]
 
 logger = init_logger(__name__)
 
@@ -78,10 +84,19 @@ def _ubatch_requests(cu: np.ndarray, seq_lens: list[int], block_tables: list[lis
     return q, s, b
 
 
+class StepModel(Protocol):
+    """What the runner calls on its model (a ``*ForCausalLM``, or the FULL-graph wrapper
+    around one): the forward over a step's tokens and the LM head over selected rows."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
+
+
 class StepInfo:
     """How the last step ran: runtime mode, descriptor, real and padded tokens, DP counts."""
 
-    def __init__(self, mode: CUDAGraphMode, descriptor: Any, num_tokens: int,
+    def __init__(self, mode: CUDAGraphMode, descriptor: BatchDescriptor, num_tokens: int,
                  num_tokens_across_dp: torch.Tensor | None,
                  ubatch_slices: UBatchSlices | None = None) -> None:
         self.mode = mode
@@ -137,8 +152,10 @@ class ModelRunner:
             finally:
                 if prefetch is not None:
                     prefetch.join()
-        # the model, or the CUDAGraphWrapper around it (which forwards attribute access)
-        self.model: Any = self._place(model)
+        # the model as an nn.Module (never wrapped): weights, submodules, parameters
+        self.module: nn.Module = self._place(model)
+        # what a step calls: the module, or the FULL CUDAGraphWrapper around it
+        self.model: StepModel = cast(StepModel, self.module)
         self.dtype: torch.dtype = self.model_config.dtype
         self.vocab_size = self.model_config.get_vocab_size()
         self.max_model_len = self.model_config.get_max_model_len()
@@ -212,7 +229,7 @@ class ModelRunner:
             # engine (and ``from forwardkit import LLM``) never needs.
             from forwardkit.compilation.backend import set_piece_wrapper
 
-            compiled = set_piece_wrapper(self.model, self._wrap_piece)
+            compiled = set_piece_wrapper(self.module, self._wrap_piece)
             if compiled == 0:
                 logger.warning("cudagraph_mode %s: the model has no compiled submodule, so no "
                                "piecewise graphs will be captured", mode)
@@ -225,7 +242,7 @@ class ModelRunner:
         if mode.has_full_cudagraphs() and self.parallel_config.use_ubatching:
             self.ubatch_graphs = UBatchGraphs(self.graph_backend)
 
-    def _wrap_piece(self, piece: Any, index: int, num_pieces: int) -> CUDAGraphWrapper:
+    def _wrap_piece(self, piece: Callable[..., Any], index: int, num_pieces: int) -> CUDAGraphWrapper:
         """The piece-wrapper factory handed to the compilation backend (one wrapper per piece)."""
         wrapper = CUDAGraphWrapper(piece, self.engine_config, CUDAGraphMode.PIECEWISE,
                                    piecewise_cudagraph_options(index, num_pieces),
@@ -239,7 +256,7 @@ class ModelRunner:
         return self.planner.cudagraph_mode
 
     @property
-    def dispatcher(self) -> Any:
+    def dispatcher(self) -> CudagraphDispatcher:
         """The planner's ``CudagraphDispatcher`` (graph keys)."""
         return self.planner.dispatcher
 
@@ -299,7 +316,7 @@ class ModelRunner:
 
     def _forward_ubatched(self, query_lens: list[int], seq_lens: list[int],
                           block_tables: list[list[int]], input_ids: torch.Tensor,
-                          positions: torch.Tensor, mode: CUDAGraphMode, desc: Any,
+                          positions: torch.Tensor, mode: CUDAGraphMode, desc: BatchDescriptor,
                           across_dp: torch.Tensor | None) -> tuple[torch.Tensor, UBatchSlices]:
         """Run the step as ``num_ubatches`` micro-batches that take turns (dual-batch overlap).
 
@@ -362,7 +379,7 @@ class ModelRunner:
         return hidden, slices
 
     def _metadata(self, query_lens: list[int], seq_lens: list[int],
-                  block_tables: list[list[int]], padded: int, mode: CUDAGraphMode) -> dict[str, Any]:
+                  block_tables: list[list[int]], padded: int, mode: CUDAGraphMode) -> AttnMetadataDict:
         """Per-layer attention metadata for a step padded to ``padded`` tokens.
 
         FULL graphs need fixed shapes: every padding row becomes a one-token dummy request
@@ -377,7 +394,7 @@ class ModelRunner:
         return dict.fromkeys(self.attn_layer_names, md)
 
     def _full_metadata(self, query_lens: list[int], seq_lens: list[int],
-                       block_tables: list[list[int]], padded: int, key: Hashable) -> Any:
+                       block_tables: list[list[int]], padded: int, key: Hashable) -> StepAttentionMetadata:
         """Fixed-shape metadata of ``padded`` tokens kept in the persistent tensors of ``key``
         (a padded size, or (padded size, micro-batch index) for micro-batched graphs)."""
         extra = padded - sum(query_lens)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
-from typing import Any
 
 import torch
+
+from forwardkit.forward_context import StepAttentionMetadata
 
 __all__ = ["StaticMetadataPool"]
 
@@ -23,13 +24,16 @@ class StaticMetadataPool:
     index)), one metadata object whose tensors never move."""
 
     def __init__(self) -> None:
-        self._by_size: dict[Hashable, Any] = {}
+        self._by_size: dict[Hashable, StepAttentionMetadata] = {}
 
     def __len__(self) -> int:
         return len(self._by_size)
 
-    def update(self, num_tokens: Hashable, metadata: Any) -> Any:
+    def update(self, num_tokens: Hashable, metadata: StepAttentionMetadata) -> StepAttentionMetadata:
         """Return the persistent metadata for key ``num_tokens`` holding ``metadata``'s values."""
+        if not dataclasses.is_dataclass(metadata):
+            raise TypeError(f"FULL-graph attention metadata must be a dataclass (its tensor "
+                            f"fields are refilled in place), got {type(metadata).__name__}")
         kept = self._by_size.get(num_tokens)
         if kept is None:
             self._by_size[num_tokens] = metadata
