@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from forwardkit.compilation import kernel_cache
 from forwardkit.layers import cpu_gemm, hugepages, native_linear
 
 BF16 = torch.bfloat16
@@ -166,15 +167,19 @@ def test_switched_off_by_environment(fresh_kernel):
 
 
 @needs_kernel
-def test_missing_compiler_disables_with_a_reason(fresh_kernel, tmp_path):
-    """Runs on any CPU: without a compiler the kernel is off and a registered weight's 1-2-row
-    products still equal F.linear (another path serves them), so such a machine works."""
+def test_missing_compiler_disables_with_a_reason(fresh_kernel, tmp_path, fk_log_records):
+    """Without a compiler (and no verified build cached) the kernel is off with one log line
+    and a registered weight's 1-2-row products still equal F.linear (another path serves
+    them), so such a machine works."""
     fresh_kernel.setenv("FORWARDKIT_CACHE_ROOT", str(tmp_path))  # nothing built there yet
     fresh_kernel.setenv("CC", "no-such-compiler-xyz")
-    with pytest.raises(RuntimeError, match="no C compiler 'no-such-compiler-xyz'"):
-        native_linear._build(tmp_path / "native")
+    # as on a CPU with every build's instructions: still one line (nothing runs: nothing builds)
+    flags = native_linear.cpu_flags() | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    fresh_kernel.setattr(native_linear, "cpu_flags", lambda: flags)
     for dtype in (BF16, torch.float32):
         assert not native_linear.available(dtype)  # the engine falls back instead of failing
+    said = [r.getMessage() for r in fk_log_records if r.name == native_linear.__name__]
+    assert len(said) == 1 and "no C compiler 'no-such-compiler-xyz'" in said[0], said
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(24, 70, generator=gen)
     b = torch.randn(24, generator=gen)
@@ -201,7 +206,9 @@ def test_build_is_cached_by_source(fresh_kernel, tmp_path):
     native_linear.cache_clear()
     assert native_linear.available()
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
-    assert sorted((tmp_path / "native").iterdir()) == built  # no temporary files left
+    manifest = tmp_path / "native" / kernel_cache.MANIFEST
+    lock = tmp_path / "native" / ".forwardkit_manifest.lock"
+    assert sorted((tmp_path / "native").iterdir()) == sorted([*built, manifest, lock])  # no temporary files left
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux")

@@ -9,6 +9,8 @@ Layout (``root`` = ``cache_dir`` or ``FORWARDKIT_CACHE_ROOT``, default ``~/.cach
         <artifact name>                # binary: one file; unpacked: a directory
     <root>/inductor_cache/             # Inductor's own cache (C++ kernels), kept with ours,
                                        # checksummed too (see compilation/kernel_cache.py)
+    <root>/native/                     # the native CPU kernels' shared libraries
+                                       # (layers/native_linear.py), checksummed the same way
 
 ``<hash10>`` covers the engine config hash, the torch version, the traced source files and the
 compiler identity. Unlike the reference, a user-supplied ``cache_dir`` is also keyed by that
@@ -46,6 +48,7 @@ __all__ = [
     "code_hash",
     "compile_cache_root",
     "inductor_cache_dir",
+    "native_kernel_dir",
     "prepare_compile_cache",
 ]
 
@@ -97,16 +100,19 @@ def cache_enabled(inductor_config: dict[str, Any] | None = None) -> bool:
     return not (inductor_config or {}).get("force_disable_caches", False)
 
 
-def check_private_dir(path: str) -> None:
-    """Raise :class:`UnsafeCacheDirError` unless ``path`` is owned by us and not group/other-writable."""
+_COMPILE_CACHE_REMEDY = ("point FORWARDKIT_CACHE_ROOT / compilation_config.cache_dir at a private "
+                         "directory, or set FORWARDKIT_DISABLE_COMPILE_CACHE=1")
+
+
+def check_private_dir(path: str, remedy: str = _COMPILE_CACHE_REMEDY) -> None:
+    """Raise :class:`UnsafeCacheDirError` unless ``path`` is owned by us and not group/other-writable.
+    ``remedy`` ends the message: the settings that lead elsewhere for this directory's user."""
     st = os.stat(path)
     if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UnsafeCacheDirError(
             f"refusing to use compile cache directory {path!r} (mode {oct(stat.S_IMODE(st.st_mode))}, "
             f"owner uid {st.st_uid}): another user could write to it, and cached artifacts are "
-            f"executable code. Run `chmod go-w {path}` (as its owner), or point "
-            "FORWARDKIT_CACHE_ROOT / compilation_config.cache_dir at a private directory, or set "
-            "FORWARDKIT_DISABLE_COMPILE_CACHE=1."
+            f"executable code. Run `chmod go-w {path}` (as its owner), or {remedy}."
         )
 
 
@@ -119,16 +125,18 @@ def _cache_dir_error(source: str, root: str, path: str, exc: OSError) -> CacheDi
     )
 
 
-def _make_private_dirs(root: str, leaf: str, source: str = "cache root") -> None:
-    """Create ``leaf`` below ``root`` level by level (mode 0o700), checking each level first.
-    A level that cannot be created is a :class:`CacheDirError` naming ``source``."""
+def _make_private_dirs(root: str, leaf: str, source: str = "cache root",
+                       remedy: str = _COMPILE_CACHE_REMEDY) -> None:
+    """Create ``leaf`` below ``root`` level by level (mode 0o700), checking each level first
+    (:func:`check_private_dir`, whose message ends with ``remedy``). A level that cannot be
+    created is a :class:`CacheDirError` naming ``source``."""
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)
     except OSError as e:
         raise _cache_dir_error(source, root, root, e) from e
     if not os.path.isdir(root):
         raise _cache_dir_error(source, root, root, NotADirectoryError(20, "Not a directory"))
-    check_private_dir(root)
+    check_private_dir(root, remedy)
     rel = os.path.relpath(leaf, root)
     path = root
     for part in [] if rel == "." else rel.split(os.sep):
@@ -139,7 +147,22 @@ def _make_private_dirs(root: str, leaf: str, source: str = "cache root") -> None
             pass
         except OSError as e:
             raise _cache_dir_error(source, root, path, e) from e
-        check_private_dir(path)
+        check_private_dir(path, remedy)
+
+
+def native_kernel_dir() -> str:
+    """``<root>/native`` (``root`` from :func:`compile_cache_root` without a ``cache_dir``, i.e.
+    ``FORWARDKIT_CACHE_ROOT``): where ``layers/native_linear.py`` builds its shared libraries.
+    Created owner-only and checked level by level like the compile cache's directories:
+    :class:`UnsafeCacheDirError` when another user could write to it or to the root,
+    :class:`CacheDirError` when it cannot be created. The kernels are process-wide, built
+    outside any engine config, so a per-engine ``compilation_config.cache_dir`` does not move
+    them."""
+    root, source = compile_cache_root(None)
+    leaf = os.path.join(root, "native")
+    _make_private_dirs(root, leaf, source, remedy="point FORWARDKIT_CACHE_ROOT at a private "
+                       "directory, or set FORWARDKIT_CPU_NATIVE_LINEAR=0")
+    return leaf
 
 
 def code_hash(files: Iterable[str]) -> str:

@@ -13,6 +13,12 @@ rebuilds them; each removal is logged once and counted in ``num_cache_errors``.
 :func:`record_kernel_cache` adds new files after a compile or load. A file seen for the first
 time is trusted and recorded (another rank sharing the root may have just written it).
 Both run under an exclusive ``fcntl`` lock on the directory.
+
+The same manifest (file name ``MANIFEST``, entries ``{relative path: [sha256, size]}``) guards
+files a caller builds itself, one at a time, in a directory of its own (the native kernels'
+``<root>/native/``): under :func:`manifest_lock`, :func:`check_file` before a file is used and
+:func:`record_file` after it is written. There a file the manifest does not list is not
+trusted: only the caller writes that directory, so an unlisted file is removed and rebuilt.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from collections.abc import Iterator
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.logger import init_logger
 
-__all__ = ["MANIFEST", "record_kernel_cache", "verify_kernel_cache"]
+__all__ = ["MANIFEST", "check_file", "manifest_lock", "record_file", "record_kernel_cache",
+           "verify_kernel_cache"]
 
 logger = init_logger(__name__)
 
@@ -40,7 +47,9 @@ _mutex = threading.Lock()
 
 
 @contextlib.contextmanager
-def _locked(directory: str) -> Iterator[None]:
+def manifest_lock(directory: str) -> Iterator[None]:
+    """Hold the exclusive ``fcntl`` lock of ``directory``'s manifest (blocks other processes and
+    other threads; not re-entrant)."""
     fd = os.open(os.path.join(directory, _LOCK), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -103,6 +112,41 @@ def _remove_kernel(directory: str, rel: str, manifest: dict[str, list]) -> None:
             manifest.pop(os.path.join(folder, other), None)
 
 
+def check_file(directory: str, rel: str, what: str) -> bool:
+    """Whether ``rel`` (a regular file under ``directory``) matches its manifest entry, SHA-256
+    and size. A file that does not match, that the manifest does not list, or that is not a
+    regular file is removed (logged once with ``what``, counted in ``num_cache_errors``) so the
+    caller rebuilds it; False then, and when there is no file. The caller holds
+    :func:`manifest_lock`."""
+    full = os.path.join(directory, rel)
+    if not os.path.lexists(full):
+        return False
+    manifest = _read(directory)
+    expected = manifest.get(rel)
+    actual = None
+    if os.path.isfile(full) and not os.path.islink(full):
+        with contextlib.suppress(OSError):
+            actual = list(_digest(full))
+    if expected is not None and actual == expected:
+        return True
+    os.remove(full)
+    if manifest.pop(rel, None) is not None:
+        _write(directory, manifest)
+    compilation_counter.num_cache_errors += 1
+    reason = ("is not in the manifest" if expected is None
+              else "failed its checksum (truncated or corrupt)")
+    logger.warning_once("%s: %s %s; removed it so it is rebuilt", what, full, reason)
+    return False
+
+
+def record_file(directory: str, rel: str) -> None:
+    """Record ``rel``'s SHA-256 and size in ``directory``'s manifest (written atomically) after
+    the caller wrote the file. The caller holds :func:`manifest_lock`."""
+    manifest = _read(directory)
+    manifest[rel] = list(_digest(os.path.join(directory, rel)))
+    _write(directory, manifest)
+
+
 def verify_kernel_cache(directory: str, force: bool = False) -> list[str]:
     """Remove kernel files whose checksum no longer matches the manifest (once per process and
     directory unless ``force``); returns the removed paths. Never raises for a bad file."""
@@ -114,7 +158,7 @@ def verify_kernel_cache(directory: str, force: bool = False) -> list[str]:
     if not os.path.isdir(directory):
         return []
     removed: list[str] = []
-    with _locked(directory):
+    with manifest_lock(directory):
         manifest = _read(directory)
         for rel in list(_files(directory)):
             expected = manifest.get(rel)
@@ -143,7 +187,7 @@ def record_kernel_cache(directory: str) -> int:
     if not os.path.isdir(directory):
         return 0
     added = 0
-    with _locked(directory):
+    with manifest_lock(directory):
         manifest = _read(directory)
         for rel in _files(directory):
             if rel in manifest:

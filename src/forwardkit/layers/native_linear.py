@@ -12,12 +12,24 @@ There are two builds, chosen per dtype by the CPU's flags: ``csrc/linear_few_row
 AVX-512 (bf16 with VDPBF16PS, needs AVX-512-BF16; float32 needs AVX-512F/BW/VL) and
 ``csrc/linear_few_rows_avx2.c`` for AVX2 + FMA (bf16 widened to float32 in registers; both
 dtypes), so a CPU without AVX-512 (or without its bf16 part) streams decode weights too. Each is
-compiled with the system C compiler (``$CC``, else ``cc``) into
-``$FORWARDKIT_CACHE_ROOT/native/`` under a name derived from the source and flags, checked
-against ``F.linear`` once, and loaded with ``ctypes``. Anything that fails (no compiler, missing
-instructions, a wrong result) disables that build with one log line (the next one down is
-tried); ``F.linear``/oneDNN then serve every call. ``FORWARDKIT_CPU_NATIVE_LINEAR=0`` disables
-it.
+compiled with the system C compiler (``$CC``, else ``cc``) into ``<cache root>/native/``
+(:func:`forwardkit.compilation.cache.native_kernel_dir`: ``$FORWARDKIT_CACHE_ROOT/native``)
+under a name derived from the source, compiler and flags, checked against ``F.linear`` once, and
+loaded with ``ctypes``.
+
+A shared library is code, so that directory follows the compile cache's rules: it is created
+owner-only and, before anything is loaded from it, checked to be owned by this user and not
+group/other-writable; an unsafe one switches the kernel off for the process with one warning.
+Every build's SHA-256 and size go into the directory's manifest
+(:mod:`forwardkit.compilation.kernel_cache`), and an existing ``.so`` is loaded only when it
+matches its entry; one that does not, or that the manifest does not list, is removed and rebuilt
+(logged once, counted in ``num_cache_errors``), so a truncated library is never ``dlopen``-ed.
+Checking, building, recording and loading happen under the manifest's exclusive ``fcntl`` lock,
+so two processes building at once compile once. A verified build is loaded without a compiler.
+
+Anything that fails (no compiler and no verified build, missing instructions, a wrong result)
+disables that build with one log line (the next one down is tried); ``F.linear``/oneDNN then
+serve every call. ``FORWARDKIT_CPU_NATIVE_LINEAR=0`` disables it.
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ import torch
 import torch.nn.functional as F
 
 from forwardkit import envs
+from forwardkit.compilation import kernel_cache
+from forwardkit.compilation.cache import CacheDirError, native_kernel_dir
 from forwardkit.logger import init_logger
 
 __all__ = ["MAX_ROWS", "available", "cpu_flags", "cpu_has_avx512_bf16", "cpu_model_name",
@@ -113,31 +127,67 @@ def candidate_builds() -> list[str]:
             if isa_supported(isa, dtype)]
 
 
-def _build(cache_dir: Path, isa: str = "avx512") -> Path:
-    """Compile build ``isa`` into ``cache_dir`` (once per source and flags); return its path."""
+class _NoCompiler(RuntimeError):
+    """No C compiler to build with (and no verified build to load)."""
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def _flags(isa: str) -> list[str]:
+    return [*_COMMON_FLAGS, *_ISAS[isa].flags]
+
+
+def _library_name(isa: str) -> str:
+    """The file name of build ``isa``: the source's stem and a hash of the source, compiler and
+    flags (a change to any of them is another file)."""
     spec = _ISAS[isa]
-    source = spec.source.read_bytes()
-    compiler = os.environ.get("CC") or "cc"
+    key = hashlib.sha256(spec.source.read_bytes()
+                         + " ".join([_compiler(), *_flags(isa)]).encode()).hexdigest()[:16]
+    return f"{spec.source.stem}-{key}.so"
+
+
+def _compile(directory: Path, isa: str, name: str) -> None:
+    """Compile build ``isa`` into ``directory/name`` (whole or not at all: renamed into place)."""
+    compiler = _compiler()
     if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler {compiler!r} on PATH")
-    flags = [*_COMMON_FLAGS, *spec.flags]
-    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    target = cache_dir / f"{spec.source.stem}-{key}.so"
-    if target.exists():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+        raise _NoCompiler(f"no C compiler {compiler!r} on PATH")
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=directory)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *flags, str(spec.source), "-o", tmp],
+        proc = subprocess.run([compiler, *_flags(isa), str(_ISAS[isa].source), "-o", tmp],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, target)  # atomic: a concurrent builder sees the old name or the whole file
+        os.replace(tmp, directory / name)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
+
+
+@functools.cache
+def _build_dir() -> Path | None:
+    """The checked build directory (:func:`native_kernel_dir`), or None with one warning when
+    another user could write to it or it cannot be made: the kernel is then off for the process."""
+    try:
+        return Path(native_kernel_dir())
+    except (OSError, CacheDirError) as exc:  # UnsafeCacheDirError is a PermissionError
+        logger.warning_once("Native linear kernel off for this process (F.linear/oneDNN serve "
+                            "every call): %s", str(exc))
+        return None
+
+
+def _load(directory: Path, isa: str) -> ctypes.CDLL:
+    """Build ``isa`` from ``directory`` loaded: the existing file if it matches the manifest, else
+    compiled and recorded first. All under the manifest's lock, so no other process swaps or
+    half-writes the file between its check and ``dlopen``."""
+    name = _library_name(isa)
+    with kernel_cache.manifest_lock(str(directory)):
+        if not kernel_cache.check_file(str(directory), name, "native linear build"):
+            _compile(directory, isa, name)
+            kernel_cache.record_file(str(directory), name)
+        return ctypes.CDLL(str(directory / name))
 
 
 def _self_check(fn: Callable[..., int], dtype: torch.dtype) -> None:
@@ -161,11 +211,18 @@ def _library(isa: str) -> ctypes.CDLL | None:
         return None
     if not any(isa_supported(isa, dtype) for dtype in _DTYPES):
         return None
+    directory = _build_dir()
+    if directory is None:
+        return None
     try:
-        lib = ctypes.CDLL(str(_build(Path(envs.FORWARDKIT_CACHE_ROOT) / "native", isa)))
+        lib = _load(directory, isa)
         lib.fk_abi_version.restype = ctypes.c_int
         if lib.fk_abi_version() != _ABI_VERSION:
             raise RuntimeError(f"ABI version {lib.fk_abi_version()} != {_ABI_VERSION}")
+    except _NoCompiler as exc:  # the same line for every build: one line on any CPU
+        logger.warning_once("Native linear off (%s, no verified build cached); oneDNN/MKL serve "
+                            "small products", str(exc))
+        return None
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning_once("Native %s linear off (%s); oneDNN/MKL serve small products", isa, exc)
         return None
@@ -222,6 +279,7 @@ def cache_clear() -> None:
     _selected.cache_clear()
     _function.cache_clear()
     _library.cache_clear()
+    _build_dir.cache_clear()
 
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
