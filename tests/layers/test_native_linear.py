@@ -63,6 +63,43 @@ def test_matches_a_float64_linear(isa, rows, n, k, with_bias, dtype):
     assert torch.equal(out, native_linear.linear_rows(x, w, b, isa=isa))  # deterministic
 
 
+@pytest.mark.parametrize("rows", [3, 4, 5, 7, 8, 9, 16])
+@pytest.mark.parametrize(("n", "k"), [(13, 70), (3072, 2048), (257, 1000), (9, 47)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_avx2_bf16_serves_batched_decode_rows(rows, n, k, with_bias):
+    """The AVX2 build in bf16 takes 3-16 rows too (groups of up to 4 activation rows through
+    each block of weight rows, odd group sizes and partial blocks included)."""
+    _require("avx2", BF16)
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16)
+    b = torch.randn(n, generator=gen).to(BF16) if with_bias else None
+    out = native_linear.linear_rows(x, w, b, isa="avx2")
+    assert out is not None and out.shape == (rows, n)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=1e-3 * ref.abs().max().item())
+    # each row equals that row computed alone: no group mixes rows up
+    for r in (0, rows - 1):
+        alone = native_linear.linear_rows(x[r:r + 1], w, b, isa="avx2")
+        assert alone is not None
+        torch.testing.assert_close(out[r:r + 1].double(), alone.double(), rtol=8e-3, atol=1e-3 * ref.abs().max().item())
+
+
+def test_row_limits_per_build():
+    """The AVX2 bf16 build reports 16 rows; every other build serves MAX_ROWS; more rows than
+    a build serves fall through to the caller's other path (None)."""
+    _require("avx2", BF16)
+    assert native_linear._row_limit("avx2", BF16) == 16
+    assert native_linear._row_limit("avx2", torch.float32) == native_linear.MAX_ROWS == 2
+    w = torch.randn(8, 32).to(BF16)
+    assert native_linear.linear_rows(torch.randn(17, 32).to(BF16), w, None, isa="avx2") is None
+    assert native_linear.linear_rows(torch.randn(16, 32).to(BF16), w, None, isa="avx2") is not None
+    wf = torch.randn(8, 32)
+    assert native_linear.linear_rows(torch.randn(3, 32), wf, None, isa="avx2") is None
+    if native_linear.kernel_isa(BF16) == "avx2":
+        assert native_linear.max_rows(BF16) == 16
+
+
 def test_each_dtype_takes_the_widest_build_the_cpu_has():
     for dtype in (BF16, torch.float32):
         expected = next((isa for isa in ISAS if native_linear.isa_supported(isa, dtype)), None)
@@ -93,7 +130,8 @@ def test_leading_dims_and_non_contiguous_input():
 def test_declines_what_it_does_not_cover():
     w = torch.randn(16, 64).to(BF16)
     x1 = torch.randn(1, 64).to(BF16)
-    assert native_linear.linear_rows(torch.randn(native_linear.MAX_ROWS + 1, 64).to(BF16), w, None) is None
+    too_many = max(native_linear.max_rows(BF16), native_linear.MAX_ROWS) + 1
+    assert native_linear.linear_rows(torch.randn(too_many, 64).to(BF16), w, None) is None
     assert native_linear.linear_rows(x1.half(), w.half(), None) is None
     assert native_linear.linear_rows(x1.float(), w, None) is None  # mixed dtypes
     assert native_linear.linear_rows(x1, w.t().contiguous().t(), None) is None  # strided weight
@@ -130,8 +168,9 @@ def test_packed_layers_use_it_for_few_rows_only(monkeypatch):
 
 @needs_kernel
 def test_routed_bf16_layers_without_onednn_bf16_use_it_and_never_pack(monkeypatch):
-    """An AVX2 CPU (no oneDNN bf16): bf16 layers are routed for the kernel alone; 1-2 rows take
-    it, more rows plain F.linear, and nothing is packed."""
+    """An AVX2 CPU (no oneDNN bf16): bf16 layers are routed for the kernel alone; the rows the
+    kernel serves (1-16 with the AVX2 build) take it, more rows plain F.linear, and nothing is
+    packed."""
     from forwardkit.layers.linear import Linear, prepack_weights
 
     monkeypatch.setattr(cpu_gemm, "_packable", lambda dtype: False)  # as on such a CPU
@@ -154,7 +193,8 @@ def test_routed_bf16_layers_without_onednn_bf16_use_it_and_never_pack(monkeypatc
         x = torch.randn(rows, 96).to(BF16)
         torch.testing.assert_close(layer(x).float(), _reference(x, layer.weight, None),
                                    rtol=2e-2, atol=2e-2)
-    assert calls == [True, True, False, False]
+    assert calls == [r <= native_linear.max_rows(BF16) for r in (1, 2, 3, 40)]
+    assert calls[:2] == [True, True] and calls[3] is False
     assert cpu_gemm.packed_weight_count() == before
     cpu_gemm.unpack_weight(layer.weight)
 

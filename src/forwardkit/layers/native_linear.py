@@ -53,7 +53,7 @@ from forwardkit.compilation import kernel_cache
 from forwardkit.compilation.cache import CacheDirError, native_kernel_dir
 from forwardkit.logger import init_logger
 
-__all__ = ["MAX_ROWS", "available", "cpu_flags", "cpu_has_avx512_bf16", "cpu_model_name",
+__all__ = ["MAX_ROWS", "available", "max_rows", "cpu_flags", "cpu_has_avx512_bf16", "cpu_model_name",
            "candidate_builds", "isa_supported", "kernel_isa", "linear_rows"]
 
 logger = init_logger(__name__)
@@ -190,10 +190,11 @@ def _load(directory: Path, isa: str) -> ctypes.CDLL:
         return ctypes.CDLL(str(directory / name))
 
 
-def _self_check(fn: Callable[..., int], dtype: torch.dtype) -> None:
-    """Small products (with a K tail and a bias) against ``F.linear`` in float64."""
+def _self_check(fn: Callable[..., int], dtype: torch.dtype, max_rows: int = MAX_ROWS) -> None:
+    """Small products (with a K tail and a bias) against ``F.linear`` in float64, for every
+    row count the build serves."""
     gen = torch.Generator().manual_seed(0)
-    for rows in range(1, MAX_ROWS + 1):
+    for rows in range(1, max_rows + 1):
         x = torch.randn(rows, 70, generator=gen).to(dtype)
         w = torch.randn(13, 70, generator=gen).to(dtype)
         b = torch.randn(13, generator=gen).to(dtype)
@@ -242,11 +243,30 @@ def _function(isa: str, dtype: torch.dtype) -> Callable[..., int] | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
     try:
-        _self_check(fn, dtype)
+        _self_check(fn, dtype, _row_limit(isa, dtype))
     except RuntimeError as exc:
         logger.warning_once("Native %s %s linear off (%s)", isa, dtype, exc)
         return None
     return fn
+
+
+@functools.cache
+def _row_limit(isa: str, dtype: torch.dtype) -> int:
+    """Most activation rows build ``isa`` serves for ``dtype``: :data:`MAX_ROWS`, except the
+    AVX2 build in bf16, which reports its own limit (``fk_max_rows_bf16``): without native bf16
+    arithmetic oneDNN widens the whole weight on every call, so streaming it wins for batched
+    decode too."""
+    lib = _library(isa)
+    if dtype != torch.bfloat16 or lib is None or not hasattr(lib, "fk_max_rows_bf16"):
+        return MAX_ROWS
+    lib.fk_max_rows_bf16.restype = ctypes.c_int
+    return max(MAX_ROWS, int(lib.fk_max_rows_bf16()))
+
+
+def max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
+    """Most activation rows the native kernel serving ``dtype`` takes (0 when none serves)."""
+    found = _selected(dtype)
+    return 0 if found is None else _row_limit(found[0], dtype)
 
 
 @functools.cache
@@ -278,6 +298,7 @@ def cache_clear() -> None:
     """Forget the loaded kernels (the next call re-reads the environment and rebuilds)."""
     _selected.cache_clear()
     _function.cache_clear()
+    _row_limit.cache_clear()
     _library.cache_clear()
     _build_dir.cache_clear()
 
@@ -290,7 +311,8 @@ def available(dtype: torch.dtype = torch.bfloat16) -> bool:
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 isa: str | None = None) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` by the native kernel, or None when it does not apply
-    (not bf16/float32 on the CPU, more than :data:`MAX_ROWS` rows, non-contiguous operands,
+    (not bf16/float32 on the CPU, more rows than the build serves (:func:`max_rows`),
+    non-contiguous operands,
     kernel unavailable): the caller then takes another path. ``isa`` forces one build
     ("avx512", "avx2"; tests compare them), else the one :func:`kernel_isa` names serves."""
     dtype = x.dtype
@@ -298,7 +320,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return None
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not 1 <= rows <= MAX_ROWS or not weight.is_contiguous() or weight.shape[1] != k:
+    if rows < 1 or not weight.is_contiguous() or weight.shape[1] != k:
         return None
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
@@ -306,12 +328,14 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         found = _selected(dtype)
         if found is None:
             return None
-        fn = found[1]
+        isa, fn = found
     else:
         forced = _function(isa, dtype)
         if forced is None:
             return None
         fn = forced
+    if rows > _row_limit(isa, dtype):
+        return None
     x = x.contiguous()
     n = weight.shape[0]
     out = torch.empty((*x.shape[:-1], n), dtype=dtype)

@@ -1,5 +1,5 @@
-/* Linear for few rows on AVX2 + FMA CPUs: y[M,N] = x[M,K] @ w[N,K]^T (+ bias), M = 1 or 2,
- * in bf16 and float32. The AVX-512 twin is linear_few_rows.c; this file serves CPUs without it
+/* Linear for few rows on AVX2 + FMA CPUs: y[M,N] = x[M,K] @ w[N,K]^T (+ bias), M = 1..16 in
+ * bf16 and 1..2 in float32. The AVX-512 twin is linear_few_rows.c; this file serves CPUs without it
  * (AMD Zen 1-3, older Intel), where decode is bound by streaming the weights just the same.
  *
  * AVX2 has no bf16 arithmetic, but a bf16 value is the upper half of a float32, so a 256-bit
@@ -104,12 +104,45 @@ static inline float hsum(__m256 v) {
 
 FK_BLOCK_BF16(1, 8)
 FK_BLOCK_BF16(2, 4)
+FK_BLOCK_BF16(3, 2)
+FK_BLOCK_BF16(4, 2)
 
-/* Returns 0 on success, -1 when M is outside 1..2 or memory is short (the caller then uses
- * another path). */
+/* bf16 rows beyond 2 (batched decode, 3..FK_MAX_ROWS_BF16): without native bf16 arithmetic
+ * oneDNN widens the whole weight on every call, so streaming it here wins as long as the FMAs
+ * keep up. A block of 8 weight rows is taken by one thread; the activation rows go through it
+ * in groups of up to 4 (the block stays in L1/L2 between groups), each group against
+ * sub-blocks of 2 weight rows (4 x 2 accumulators plus the widened weights fit the 16
+ * registers). */
+#define FK_MAX_ROWS_BF16 16
+
+static void fkb_group(const float* xe, const float* xo, long H, const uint16_t* x,
+                      const uint16_t* w, const uint16_t* bias, uint16_t* y, long n0, long nr,
+                      long N, long K, long M) {
+  for (long r0 = 0; r0 < M; r0 += 4) {
+    const long g = M - r0 < 4 ? M - r0 : 4;
+    const float* ge = xe + r0 * H;
+    const float* go = xo + r0 * H;
+    const uint16_t* gx = x + r0 * K;
+    uint16_t* gy = y + r0 * N;
+    for (long s = 0; s < nr; s += 2) {
+      const long sr = nr - s < 2 ? nr - s : 2;
+      switch (g) {
+        case 1: fkb_1_8(ge, go, H, gx, w, bias, gy, n0 + s, sr, N, K); break;
+        case 2: fkb_2_4(ge, go, H, gx, w, bias, gy, n0 + s, sr, N, K); break;
+        case 3: fkb_3_2(ge, go, H, gx, w, bias, gy, n0 + s, sr, N, K); break;
+        default: fkb_4_2(ge, go, H, gx, w, bias, gy, n0 + s, sr, N, K); break;
+      }
+    }
+  }
+}
+
+int fk_max_rows_bf16(void) { return FK_MAX_ROWS_BF16; }
+
+/* Returns 0 on success, -1 when M is outside 1..FK_MAX_ROWS_BF16 or memory is short (the
+ * caller then uses another path). */
 int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                    long M, long N, long K) {
-  if (M < 1 || M > 2 || N < 1 || K < 1) return -1;
+  if (M < 1 || M > FK_MAX_ROWS_BF16 || N < 1 || K < 1) return -1;
   const long H = K / 32 * 16; /* the even/odd halves of the part the vector loop covers */
   float* buf = (float*)malloc(sizeof(float) * (size_t)(2 * M * H + 1));
   if (!buf) return -1;
@@ -120,14 +153,15 @@ int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
       xe[i * H + h] = from_bf16(x[i * K + 2 * h]);
       xo[i * H + h] = from_bf16(x[i * K + 2 * h + 1]);
     }
-  const long R = M == 1 ? 8 : 4;
+  const long R = M == 1 ? 8 : M == 2 ? 4 : 8;
   const long nblocks = (N + R - 1) / R;
-#pragma omp parallel for schedule(static) if (N * K >= FK_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (N * K * (M > 2 ? M : 1) >= FK_PARALLEL_MIN)
   for (long b = 0; b < nblocks; b++) {
     const long n0 = b * R;
     const long nr = N - n0 < R ? N - n0 : R;
     if (M == 1) fkb_1_8(xe, xo, H, x, w, bias, y, n0, nr, N, K);
-    else fkb_2_4(xe, xo, H, x, w, bias, y, n0, nr, N, K);
+    else if (M == 2) fkb_2_4(xe, xo, H, x, w, bias, y, n0, nr, N, K);
+    else fkb_group(xe, xo, H, x, w, bias, y, n0, nr, N, K, M);
   }
   free(buf);
   return 0;
