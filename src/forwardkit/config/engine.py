@@ -210,7 +210,7 @@ class EngineConfig(FreezableConfig):
             cc.mode = mode
         if "all" not in cc.custom_ops and "none" not in cc.custom_ops:  # step 11
             cc.custom_ops.append(custom_ops_default(cc.mode, cc.backend))
-        apply_level_defaults(self)  # step 12
+        apply_level_defaults(cc, self.optimization_level)  # step 12
         if (cc.resolved_cudagraph_mode().requires_piecewise_compilation()
                 and cc.mode != CompilationMode.VLLM_COMPILE):
             logger.info("Cudagraph mode %s is not compatible with compilation mode %s; "
@@ -224,8 +224,9 @@ class EngineConfig(FreezableConfig):
                 logger.warning("RMS norm force disabled, sequence parallelism might break")
             elif "+rms_norm" not in cc.custom_ops:  # NOTE: the reference appends it again
                 cc.custom_ops.append("+rms_norm")
-        resolve_static_graphs(self)  # step 15
-        set_compile_ranges(self)  # step 17
+        resolve_static_graphs(cc, model, sched, parallel, self.platform,
+                              self.uniform_decode_query_len)  # step 15
+        set_compile_ranges(cc, model, sched, parallel)  # step 17
         hook = getattr(self.platform, "check_and_update_config", None)  # step 19
         if callable(hook):
             hook(self)
