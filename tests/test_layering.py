@@ -101,8 +101,11 @@ def _import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_import_cycles_between_modules():
-    graph, done, path_stack, cycles = _import_graph(), set(), [], []
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import cycles found by a depth-first walk of ``graph`` (each as a closed path)."""
+    done: set[str] = set()
+    path_stack: list[str] = []
+    cycles: list[list[str]] = []
 
     def visit(module: str) -> None:
         path_stack.append(module)
@@ -117,4 +120,65 @@ def test_no_import_cycles_between_modules():
     for module in sorted(graph):
         if module not in done:
             visit(module)
+    return cycles
+
+
+def test_no_import_cycles_between_modules():
+    cycles = _cycles(_import_graph())
     assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def _static_import_graph(src: pathlib.Path = SRC) -> dict[str, set[str]]:
+    """forwardkit module -> the forwardkit modules it names in any import: at module level,
+    inside functions and under ``if TYPE_CHECKING:`` (what the type checker follows too).
+    ``from package import name`` counts as importing ``package.name`` when that is a module,
+    else ``package``; relative imports are resolved against the importing module."""
+    files = {}
+    for path in sorted(src.rglob("*.py")):
+        parts = path.relative_to(src.parent).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_package else parts)
+        files[name] = (path, is_package)
+    graph: dict[str, set[str]] = {}
+    for module, (path, is_package) in files.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in files)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in files:
+                        deps.add(f"{base}.{alias.name}")
+                    elif base in files:
+                        deps.add(base)
+        graph[module] = deps - {module}
+    return graph
+
+
+def test_no_import_cycles_even_for_the_type_checker():
+    """Imports point one way across the whole package, counting ``if TYPE_CHECKING:`` and
+    function-level imports: a module an annotation needs sits above the module that uses it
+    (config/ used to be one such circle, closed by annotations and a bottom-of-file import)."""
+    cycles = _cycles(_static_import_graph())
+    assert cycles == [], "import cycles (type-checking imports included): " + "; ".join(
+        " -> ".join(c) for c in cycles)
+
+
+def test_static_import_graph_sees_typing_function_and_relative_imports(tmp_path):
+    pkg = tmp_path / "forwardkit"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from .a import A\n")
+    (pkg / "sub" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from forwardkit.sub.b import B\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from . import a\n")
+    (pkg / "c.py").write_text("from forwardkit import sub\nimport forwardkit.sub.b\n")
+    graph = _static_import_graph(pkg)
+    assert graph == {"forwardkit": set(), "forwardkit.sub": {"forwardkit.sub.a"},
+                     "forwardkit.sub.a": {"forwardkit.sub.b"}, "forwardkit.sub.b": {"forwardkit.sub.a"},
+                     "forwardkit.c": {"forwardkit.sub", "forwardkit.sub.b"}}
+    assert _cycles(graph) == [["forwardkit.sub.a", "forwardkit.sub.b", "forwardkit.sub.a"]]

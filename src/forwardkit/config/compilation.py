@@ -22,15 +22,15 @@ with these deliberate fixes of reference defects:
 Checks that the reference writes as ``assert`` raise :class:`ConfigAssertionError`, which is
 both a ``ValueError`` and an ``AssertionError``. The enums and ``Range`` are defined in
 :mod:`.compilation_enums`, ``PassConfig``/``DynamicShapesConfig`` in :mod:`.pass_config`,
-the methods in :mod:`.compilation_methods`, ``to_dict``/``repr`` in
-:mod:`.compilation_serde`; all are importable from here.
+the methods in :mod:`.compilation_methods`; all are importable from here. ``to_dict`` and
+``repr`` walk the fields with the functions at the end of this module.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import field
+from dataclasses import field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -46,7 +46,6 @@ from forwardkit.config.compilation_enums import (
     Range,
 )
 from forwardkit.config.compilation_methods import CompilationMethods
-from forwardkit.config.compilation_serde import compilation_config_repr, compilation_config_to_dict
 from forwardkit.config.compilation_sizes import MAX_CAPTURE_SIZE
 from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.pass_config import DynamicShapesConfig, PassConfig, resolve_inductor_pass
@@ -386,3 +385,61 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
 
 # Validates dicts and JSON into CompilationConfig with pydantic (``.validate_json(s)``).
 compilation_config_adapter: TypeAdapter[CompilationConfig] = TypeAdapter(CompilationConfig)
+
+
+# ------------------------------------------------------------------ as plain data
+# The dict behind ``to_dict``/``to_json`` and the dict-style string behind ``repr``. Both walk
+# the dataclass fields in declaration order; ``to_dict`` keeps the user-settable ones (so
+# ``CompilationConfig(**d)`` rebuilds an equal config), ``repr`` leaves out runtime state.
+
+_REPR_EXCLUDED = frozenset(
+    {
+        "static_forward_context",
+        "enabled_custom_ops",
+        "disabled_custom_ops",
+        "compilation_time",
+        "bs_to_padded_graph_size",
+        "traced_files",
+    }
+)
+
+
+def compilation_config_to_dict(config: CompilationConfig) -> dict[str, Any]:
+    """The user-settable fields as plain JSON-able values (see ``CompilationConfig.to_dict``)."""
+    out: dict[str, Any] = {}
+    for f in fields(config):
+        if not f.init:
+            continue
+        value = getattr(config, f.name)  # every field, by name
+        if f.name == "mode":
+            value = None if value is None else int(value)
+        elif f.name == "cudagraph_mode":
+            value = None if value is None else value.name
+        elif f.name == "debug_dump_path":
+            value = None if value is None else str(value)
+        elif f.name == "inductor_compile_config":
+            value = {k: v for k, v in value.items()
+                     if k not in config.inductor_passes and _is_plain_json(v)}
+        elif f.name in ("pass_config", "dynamic_shapes_config"):
+            value = value.to_dict()
+        elif isinstance(value, (list, dict)):
+            value = type(value)(value)
+        out[f.name] = value
+    return out
+
+
+def compilation_config_repr(config: CompilationConfig) -> str:
+    """A dict-style string of the fields in declaration order (runtime state left out)."""
+    shown: dict[str, Any] = {}
+    for f in fields(config):
+        if f.name in _REPR_EXCLUDED:
+            continue
+        value = getattr(config, f.name)  # every field, by name
+        if f.name == "pass_config":
+            value = value.non_default_items()
+        elif f.name == "dynamic_shapes_config":
+            value = {g.name: getattr(value, g.name) for g in fields(value)}
+        elif f.name == "inductor_compile_config":
+            value = {k: v for k, v in value.items() if k != "post_grad_custom_post_pass"}
+        shown[f.name] = value
+    return repr(shown)

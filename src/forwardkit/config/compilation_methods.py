@@ -29,7 +29,6 @@ from forwardkit.config.utils import (
 from forwardkit.logger import init_logger
 
 if TYPE_CHECKING:
-    from forwardkit.config.engine import EngineConfig
     from forwardkit.config.pass_config import DynamicShapesConfig, PassConfig
 
 __all__ = ["CompilationMethods"]
@@ -55,11 +54,14 @@ _HASH_IGNORED = frozenset(
 
 
 # The mode-3 backend factory (``ForwardkitBackend``). The compilation layer registers it when it
-# is imported (``register_piecewise_backend``), so this layer never imports that one.
-_piecewise_backend: Callable[[EngineConfig], Any] | None = None
+# is imported (``register_piecewise_backend``), so this layer never imports that one. It takes
+# the ``EngineConfig``, which this module only passes through: typed ``Any`` here, because
+# naming ``EngineConfig`` would make this module (a base of ``CompilationConfig``, which
+# ``EngineConfig`` holds) import :mod:`.engine`, a cycle even at type-check time.
+_piecewise_backend: Callable[[Any], Any] | None = None
 
 
-def register_piecewise_backend(factory: Callable[[EngineConfig], Any]) -> None:
+def register_piecewise_backend(factory: Callable[[Any], Any]) -> None:
     """Install the factory ``init_backend`` uses for VLLM_COMPILE (called by
     ``forwardkit.compilation.backend`` at import)."""
     global _piecewise_backend
@@ -91,8 +93,9 @@ class CompilationMethods:
 
     # ------------------------------------------------------------------ backend
 
-    def init_backend(self, vllm_config: EngineConfig) -> str | Any:
-        """The ``torch.compile`` backend for this config, given the engine config.
+    def init_backend(self, vllm_config: Any) -> str | Any:
+        """The ``torch.compile`` backend for this config, given the engine config
+        (an ``EngineConfig``, passed as-is to the VLLM_COMPILE backend factory).
 
         Modes STOCK_TORCH_COMPILE/DYNAMO_TRACE_ONCE return a registered Dynamo backend name
         as-is, or the object a dotted name points to. VLLM_COMPILE returns a new

@@ -26,15 +26,19 @@ Resolution runs under ``use_platform(self.platform)`` because ``CompilationConfi
 ``current_platform``; that briefly swaps the process-wide platform, so build engine configs
 for different platforms from one thread at a time.
 
-The current config lives in a ``contextvars.ContextVar`` (:mod:`.current`, not a process global), so
-threads and asyncio tasks building models concurrently each see their own.
+The current config (``set_current_engine_config``; also importable from :mod:`.current`) lives
+in a ``contextvars.ContextVar``, not a process global, so threads and asyncio tasks building
+models concurrently each see their own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import hashlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -206,7 +210,7 @@ class EngineConfig(FreezableConfig):
             cc.mode = mode
         if "all" not in cc.custom_ops and "none" not in cc.custom_ops:  # step 11
             cc.custom_ops.append(custom_ops_default(cc.mode, cc.backend))
-        apply_level_defaults(self)  # step 12
+        apply_level_defaults(cc, self.optimization_level)  # step 12
         if (cc.resolved_cudagraph_mode().requires_piecewise_compilation()
                 and cc.mode != CompilationMode.VLLM_COMPILE):
             logger.info("Cudagraph mode %s is not compatible with compilation mode %s; "
@@ -220,8 +224,9 @@ class EngineConfig(FreezableConfig):
                 logger.warning("RMS norm force disabled, sequence parallelism might break")
             elif "+rms_norm" not in cc.custom_ops:  # NOTE: the reference appends it again
                 cc.custom_ops.append("+rms_norm")
-        resolve_static_graphs(self)  # step 15
-        set_compile_ranges(self)  # step 17
+        resolve_static_graphs(cc, model, sched, parallel, self.platform,
+                              self.uniform_decode_query_len)  # step 15
+        set_compile_ranges(cc, model, sched, parallel)  # step 17
         hook = getattr(self.platform, "check_and_update_config", None)  # step 19
         if callable(hook):
             hook(self)
@@ -399,13 +404,56 @@ def _to_compilation_config(value: Any) -> CompilationConfig:
     return value
 
 
-# The current-config context lives in its own module; re-exported here (its historical home).
-import forwardkit.config.current as _current  # noqa: E402
-from forwardkit.config.current import (  # noqa: E402
-    get_current_engine_config,
-    get_current_engine_config_or_none,
-    get_layers_from_engine_config,
-    set_current_engine_config,
+# ------------------------------------------------------------------ the current config
+# A ``contextvars.ContextVar``, so threads and asyncio tasks building models concurrently each
+# see their own. It lives here, next to ``EngineConfig`` (the fallback outside a context is a
+# default ``EngineConfig()``); :mod:`.current` re-exports it.
+
+_CURRENT: contextvars.ContextVar[EngineConfig | None] = contextvars.ContextVar(
+    "forwardkit_current_engine_config", default=None
 )
 
-_current._default_factory = EngineConfig  # the fallback of get_current_engine_config()
+
+@contextlib.contextmanager
+def set_current_engine_config(config: EngineConfig, check_compile: bool = False) -> Iterator[EngineConfig]:
+    """Make ``config`` current while a model is built; restores the previous one on exit.
+
+    With ``check_compile``, a normal exit runs ``custom_op_log_check()`` (warns about
+    ``custom_ops`` entries that named no op of the model).
+    """
+    token = _CURRENT.set(config)
+    try:
+        yield config
+    finally:
+        _CURRENT.reset(token)
+    if check_compile:
+        config.compilation_config.custom_op_log_check()
+
+
+def get_current_engine_config_or_none() -> EngineConfig | None:
+    """The current engine config, or None outside :func:`set_current_engine_config`."""
+    return _CURRENT.get()
+
+
+def get_current_engine_config() -> EngineConfig:
+    """The current engine config; outside a context, a fresh default ``EngineConfig()``.
+
+    The fallback is built anew on each call (like vLLM), so layers registered into it
+    are not shared between models; a warning is logged once.
+    """
+    config = _CURRENT.get()
+    if config is None:
+        logger.warning_once(
+            "get_current_engine_config() called outside set_current_engine_config(); "
+            "using a default EngineConfig()."
+        )
+        return EngineConfig()
+    return config
+
+
+def get_layers_from_engine_config(config: EngineConfig, layer_type: type,
+                                  layer_names: list[str] | None = None) -> dict[str, Any]:
+    """Layers of ``static_forward_context`` that are instances of ``layer_type``."""
+    ctx = config.compilation_config.static_forward_context
+    names = list(ctx) if layer_names is None else layer_names
+    return {name: ctx[name] for name in names if isinstance(ctx[name], layer_type)}

@@ -1,9 +1,10 @@
 """Steps 15 and 17 of ``EngineConfig``'s resolution: CUDA-graph capture sizes and the padding
 table, and the Inductor compile ranges.
 
-The functions take the ``EngineConfig`` being resolved and change its compilation config in
-place, in vLLM 0.14.0's order (see :mod:`.engine` for the whole sequence and the deliberate
-differences from the reference).
+The functions take the sub-configs of the ``EngineConfig`` being resolved (never the engine
+config itself, so this module does not import :mod:`.engine`) and change its compilation
+config in place, in vLLM 0.14.0's order (see :mod:`.engine` for the whole sequence and the
+deliberate differences from the reference).
 """
 
 from __future__ import annotations
@@ -16,20 +17,27 @@ from forwardkit.config.utils import ConfigAssertionError
 from forwardkit.logger import init_logger
 
 if TYPE_CHECKING:
-    from forwardkit.config.engine import EngineConfig
+    from forwardkit.config.compilation import CompilationConfig
+    from forwardkit.config.model import ModelConfig
+    from forwardkit.config.parallel import ParallelConfig
+    from forwardkit.config.scheduler import SchedulerConfig
+    from forwardkit.platforms import Platform
 
 __all__ = ["resolve_static_graphs", "set_compile_ranges", "sizes_for_sequence_parallelism"]
 
 logger = init_logger(__name__)
 
 
-def resolve_static_graphs(cfg: EngineConfig) -> None:
-    """Step 15: the cudagraph mode the platform and model allow, then the capture sizes."""
-    cc, model = cfg.compilation_config, cfg.model_config
-    if not cfg.platform.supports_static_graph():
+def resolve_static_graphs(cc: CompilationConfig, model: ModelConfig | None, sched: SchedulerConfig,
+                          parallel: ParallelConfig, platform: Platform,
+                          uniform_decode_query_len: int) -> None:
+    """Step 15: the cudagraph mode the platform and model allow, then the capture sizes
+    (``uniform_decode_query_len``: tokens per request in a decode step, 1 + speculative
+    tokens)."""
+    if not platform.supports_static_graph():
         if cc.cudagraph_mode not in (None, CUDAGraphMode.NONE):
             logger.info_once("CUDA graphs are off: platform %s cannot capture them; steps run "
-                             "eagerly (runtime mode NONE).", cfg.platform.name)
+                             "eagerly (runtime mode NONE).", platform.name)
         cc.cudagraph_mode = CUDAGraphMode.NONE  # sizes untouched, no padding table
         return
     if model is not None:
@@ -47,12 +55,12 @@ def resolve_static_graphs(cfg: EngineConfig) -> None:
         cc.cudagraph_capture_sizes = []
     else:
         cc.cudagraph_num_of_warmups = 1
-    _set_cudagraph_sizes(cfg)
+    _set_cudagraph_sizes(cc, model, sched, parallel.tensor_parallel_size, uniform_decode_query_len)
 
 
-def _set_cudagraph_sizes(cfg: EngineConfig) -> None:
+def _set_cudagraph_sizes(cc: CompilationConfig, model: ModelConfig | None, sched: SchedulerConfig,
+                         tp: int, uniform_decode_query_len: int) -> None:
     """Capture sizes and their maximum, then the padding table."""
-    cc, model, sched = cfg.compilation_config, cfg.model_config, cfg.scheduler_config
     if model is None or model.enforce_eager or cc.cudagraph_mode == CUDAGraphMode.NONE:
         cc.max_cudagraph_capture_size = 0
         cc.cudagraph_capture_sizes = []
@@ -62,7 +70,7 @@ def _set_cudagraph_sizes(cfg: EngineConfig) -> None:
     user_max, user_sizes = cc.max_cudagraph_capture_size, cc.cudagraph_capture_sizes
     limit = user_max
     if limit is None:
-        limit = min(sched.max_num_seqs * cfg.uniform_decode_query_len * 2, 512)
+        limit = min(sched.max_num_seqs * uniform_decode_query_len * 2, 512)
     limit = min(tokens, limit)
     if limit < 1:
         raise ConfigAssertionError(
@@ -81,9 +89,8 @@ def _set_cudagraph_sizes(cfg: EngineConfig) -> None:
                 "sizes <= max_num_batched_tokens or set cudagraph_mode NONE")
     else:
         sizes = default_capture_sizes(limit)
-    tp = cfg.parallel_config.tensor_parallel_size
     if tp > 1 and cc.pass_config.enable_sp:
-        sizes = cfg.update_sizes_for_sequence_parallelism(sizes)
+        sizes = sizes_for_sequence_parallelism(sizes, tp)
     valid_max = sizes[-1] if sizes else 0
     if user_max is not None and user_max != valid_max:
         if user_sizes is not None:
@@ -110,16 +117,16 @@ def sizes_for_sequence_parallelism(sizes: list[int], tp: int) -> list[int]:
     return kept
 
 
-def set_compile_ranges(cfg: EngineConfig) -> None:
+def set_compile_ranges(cc: CompilationConfig, model: ModelConfig | None, sched: SchedulerConfig,
+                       parallel: ParallelConfig) -> None:
     """Step 17: split points of the Inductor compile ranges: the token budget, the all-reduce
     fusion limit when that fusion is on, and the user's points strictly between 1 and the
     budget."""
-    cc, tokens = cfg.compilation_config, cfg.scheduler_config.max_num_batched_tokens
+    tokens = sched.max_num_batched_tokens
     points: list[int] = [tokens] if tokens is not None else []
-    if cc.pass_config.fuse_allreduce_rms and cfg.model_config is not None:
-        size = cc.pass_config.flashinfer_max_size(cfg.parallel_config.tensor_parallel_size)
+    if cc.pass_config.fuse_allreduce_rms and model is not None:
+        size = cc.pass_config.flashinfer_max_size(parallel.tensor_parallel_size)
         if size is not None:
-            model = cfg.model_config
             n = size // (model.get_hidden_size() * model.dtype.itemsize)
             if tokens is not None and n < tokens:
                 points.append(n)

@@ -1,8 +1,9 @@
 """Optimisation levels O0-O3 and the defaults each one fills in (vLLM 0.14.0's table).
 
-The table is walked against the engine config: a dict whose target is a dataclass is walked
-recursively, every leaf goes through :func:`set_default`, so values the user set (not None)
-always win. Also holds the default cudagraph capture-size pattern.
+The table is walked against the compilation config (every default vLLM's table sets lies
+under its ``compilation_config``): a dict whose target is a dataclass is walked recursively,
+every leaf goes through :func:`set_default`, so values the user set (not None) always win.
+Nothing here takes the ``EngineConfig``, so this module does not import :mod:`.engine`. Also holds the default cudagraph capture-size pattern.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING, Any
 
-from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.config.compilation_enums import CUDAGraphMode
 
 if TYPE_CHECKING:
-    from forwardkit.config.engine import EngineConfig
+    from forwardkit.config.compilation import CompilationConfig
 
 __all__ = ["OptimizationLevel", "apply_level_defaults", "default_capture_sizes", "set_default"]
 
@@ -31,13 +32,11 @@ class OptimizationLevel(enum.IntEnum):
         return self.name
 
 
-def _norm_fusion(cfg: EngineConfig) -> bool:
-    cc = cfg.compilation_config
+def _norm_fusion(cc: CompilationConfig) -> bool:
     return cc.is_custom_op_enabled("rms_norm") or cc.is_custom_op_enabled("quant_fp8")
 
 
-def _act_fusion(cfg: EngineConfig) -> bool:
-    cc = cfg.compilation_config
+def _act_fusion(cc: CompilationConfig) -> bool:
     return cc.is_custom_op_enabled("silu_and_mul") or cc.is_custom_op_enabled("quant_fp8")
 
 
@@ -47,7 +46,8 @@ _IS_DENSE = False
 
 
 def _level_defaults(level: OptimizationLevel) -> dict[str, Any]:
-    """The defaults table for one level; leaves are values or ``fn(engine_config)``."""
+    """The defaults table for one level, relative to the compilation config (vLLM's table
+    nests it under ``compilation_config``); leaves are values or ``fn(compilation_config)``."""
     if level == OptimizationLevel.O0:
         flags: dict[str, Any] = dict.fromkeys(
             ("eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "fuse_allreduce_rms",
@@ -69,28 +69,27 @@ def _level_defaults(level: OptimizationLevel) -> dict[str, Any]:
             "fuse_silu_and_mul": True,
         }
         mode = CUDAGraphMode.FULL_AND_PIECEWISE if late else CUDAGraphMode.PIECEWISE
-    return {"compilation_config": {"pass_config": flags, "cudagraph_mode": mode,
-                                   "use_inductor_graph_partition": False}}
+    return {"pass_config": flags, "cudagraph_mode": mode, "use_inductor_graph_partition": False}
 
 
-def set_default(cfg: EngineConfig, obj: Any, key: str, value: Any) -> None:
-    """Set ``obj.key`` only when it is None: to ``value(cfg)`` if callable, else ``value``."""
+def set_default(cc: CompilationConfig, obj: Any, key: str, value: Any) -> None:
+    """Set ``obj.key`` only when it is None: to ``value(cc)`` if callable, else ``value``."""
     if getattr(obj, key) is None:
-        setattr(obj, key, value(cfg) if callable(value) else value)
+        setattr(obj, key, value(cc) if callable(value) else value)
 
 
-def apply_level_defaults(cfg: EngineConfig) -> None:
-    """Fill the None fields of ``cfg`` (an EngineConfig) from its optimisation level's table."""
-    _apply_table(cfg, cfg, _level_defaults(OptimizationLevel(cfg.optimization_level)))
+def apply_level_defaults(cc: CompilationConfig, level: OptimizationLevel) -> None:
+    """Fill the None fields of ``cc`` (and its pass config) from ``level``'s table."""
+    _apply_table(cc, cc, _level_defaults(OptimizationLevel(level)))
 
 
-def _apply_table(cfg: EngineConfig, obj: Any, table: dict[str, Any]) -> None:
+def _apply_table(cc: CompilationConfig, obj: Any, table: dict[str, Any]) -> None:
     for key, value in table.items():
         current = getattr(obj, key)
         if isinstance(value, dict) and dataclasses.is_dataclass(current):
-            _apply_table(cfg, current, value)
+            _apply_table(cc, current, value)
         else:
-            set_default(cfg, obj, key, value)
+            set_default(cc, obj, key, value)
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
