@@ -99,8 +99,10 @@ class CompilationMethods:
 
         Modes STOCK_TORCH_COMPILE/DYNAMO_TRACE_ONCE return a registered Dynamo backend name
         as-is, or the object a dotted name points to. VLLM_COMPILE returns a new
-        ``forwardkit.compilation.backend.ForwardkitBackend(vllm_config)`` (imported lazily:
-        the config layer does not import the compilation layer at import time).
+        ``forwardkit.compilation.backend.ForwardkitBackend(vllm_config)``: the config layer never
+        imports the compilation layer; that module registers the class here
+        (``register_piecewise_backend``) when it is imported, which any forwardkit model or
+        ``support_torch_compile`` does; before that this raises ``RuntimeError``.
         """
         if self.mode is None:
             raise ValueError(
