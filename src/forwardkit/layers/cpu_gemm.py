@@ -1,11 +1,12 @@
-"""Fast bf16 linear layers on the CPU: a native kernel for 1-2 rows, oneDNN-packed weights for more.
+"""Fast bf16 linear layers on the CPU: a native kernel for few rows, oneDNN-packed weights for more.
 
 A bf16 ``F.linear`` on the CPU reorders its weight into oneDNN's blocked layout on every call;
 for the few-row products of decoding that reorder is most of the cost. Three paths, chosen per
 call by the number of rows of the input:
 
-- 1-2 rows (batch-1/2 decode): the native kernel of :mod:`native_linear` streams the plain
-  weight (memory-bound; no packed copy needed);
+- 1-2 rows (batch-1/2 decode), and 3-16 rows in bf16 where the AVX2 build serves it (no
+  native bf16 arithmetic on the CPU: ``native_linear.max_rows``): the native kernel of
+  :mod:`native_linear` streams the plain weight (memory-bound; no packed copy needed);
 - 3..``LAZY_PACK_MAX_ROWS`` rows (batched decode): oneDNN's matmul on a packed copy of the
   weight, made at the first such call (compute-bound; the packing pays for itself);
 - more rows (prompts): the packed copy if it exists, else plain ``F.linear``.
@@ -311,7 +312,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                entry: list[Any]) -> torch.Tensor:
-    out = native_linear.linear_rows(x, weight, bias)  # 1-2 rows: the plain weight streams faster
+    out = native_linear.linear_rows(x, weight, bias)  # the rows the native kernel serves
     if out is not None:
         return out
     packed = entry[1]

@@ -6,7 +6,11 @@ core on such products here (packed or not); the native kernel reads the plain ro
 in blocks of rows with VDPBF16PS and reaches 20-28 GB/s a core with the weight on huge pages
 (AVX2 build on a 2-core EPYC without AVX-512: 1.3-2.7x ``F.linear`` in bf16, see the README).
 For float32 it saves MKL's per-call overhead on the small matrices of small models. For more
-rows oneDNN's packed matmul is faster (it is compute-bound there) and stays in use.
+rows oneDNN's packed matmul is faster (it is compute-bound there) and stays in use, except on a
+CPU without native bf16 arithmetic: there oneDNN widens the whole bf16 weight on every call, so
+the AVX2 build also serves bf16 products of 3-16 rows (batched decode, short prompts) by
+running groups of up to 4 activation rows through each block of weight rows (2.5-3.9x
+``F.linear`` at 3-16 rows on the 2-core EPYC); :func:`max_rows` says how many rows a build takes.
 
 There are two builds, chosen per dtype by the CPU's flags: ``csrc/linear_few_rows.c`` for
 AVX-512 (bf16 with VDPBF16PS, needs AVX-512-BF16; float32 needs AVX-512F/BW/VL) and
