@@ -387,7 +387,7 @@ def _format(report: dict[str, Any]) -> str:
         head += f"{f'B={b} tok/s':>13}{'BW use':>8}"
     has_ref = any("decode_speedup_vs_transformers" in c for c in report["contenders"].values())
     if has_ref:
-        head += f"{'vs transformers':>17}"
+        head += f"  {'vs transformers':>15}"
     lines = [
         f"\nforwardkit bench --generation: model {report['model']} ({report['dtype']}), "
         f"prompts of {report['prompt_len']} tokens, {report['new_tokens']} decode tokens timed, "
@@ -406,7 +406,7 @@ def _format(report: dict[str, Any]) -> str:
             row += f"{c['decode_tok_s'][b]:>13.1f}{c['bandwidth_use'][b]:>8.0%}"
         if has_ref:
             ratio = c.get("decode_speedup_vs_transformers", {})
-            row += f"{' / '.join(f'{ratio[b]:.2f}x' for b in sizes):>17}"
+            row += f"  {' / '.join(f'{ratio[b]:.2f}x' for b in sizes):>15}"
         lines.append(row)
     lines.extend(_tp_lines(report))
     lines.append("\nBW use = weight bytes one decode step reads / step time / the streaming bandwidth "
