@@ -207,7 +207,8 @@ def test_switched_off_by_environment(fresh_kernel):
 
 
 @needs_kernel
-def test_missing_compiler_disables_with_a_reason(fresh_kernel, tmp_path, fk_log_records):
+def test_missing_compiler_disables_with_a_reason(fresh_kernel, tmp_path, fk_log_records,
+                                                 assert_linear_falls_back):
     """Without a compiler (and no verified build cached) the kernel is off with one log line
     and a registered weight's 1-2-row products still equal F.linear (another path serves
     them), so such a machine works."""
@@ -220,19 +221,7 @@ def test_missing_compiler_disables_with_a_reason(fresh_kernel, tmp_path, fk_log_
         assert not native_linear.available(dtype)  # the engine falls back instead of failing
     said = [r.getMessage() for r in fk_log_records if r.name == native_linear.__name__]
     assert len(said) == 1 and "no C compiler 'no-such-compiler-xyz'" in said[0], said
-    gen = torch.Generator().manual_seed(5)
-    w = torch.randn(24, 70, generator=gen)
-    b = torch.randn(24, generator=gen)
-    cpu_gemm.register_weight(w)
-    try:
-        for rows in (1, 2):
-            x = torch.randn(rows, 70, generator=gen)
-            assert native_linear.linear_rows(x, w, b) is None
-            # another kernel than MKL's may serve it: the same products summed in another order
-            torch.testing.assert_close(cpu_gemm.linear(x, w, b), F.linear(x, w, b),
-                                       rtol=1e-5, atol=1e-5)
-    finally:
-        cpu_gemm.unpack_weight(w)
+    assert_linear_falls_back(5)
     assert not list((tmp_path / "native").glob("*.so"))  # nothing was built
 
 
