@@ -1,10 +1,12 @@
-"""Decode-shaped products (1-2 activation rows) on the CPU: the native few-row kernel against
-``F.linear``, in bf16 and float32, interleaved in one process.
+"""Decode-shaped products (1-2 activation rows by default; ``--rows`` for batched decode) on
+the CPU: the native few-row kernel against ``F.linear``, in bf16 and float32, interleaved in
+one process. A row count a build does not serve prints "-" (the AVX2 build takes 1-16 rows in
+bf16, every build 1-2 in float32).
 
 Prints, per weight shape and row count, the median time and the weight bytes streamed per
 second for each path, and which build of the native kernel ran ("avx512", "avx2").
 
-Usage: ``python benchmarks/native_linear_gemv.py [--repeats 15] [--rounds 3]``
+Usage: ``python benchmarks/native_linear_gemv.py [--repeats 15] [--rounds 3] [--rows 1,2,4,16]``
 """
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=15, help="timed calls per measurement")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median taken)")
+    parser.add_argument("--rows", default="1,2", help="comma-separated activation row counts")
     args = parser.parse_args(argv)
+    row_counts = [int(r) for r in args.rows.split(",") if r.strip()]
+    if not row_counts or min(row_counts) < 1:
+        parser.error(f"--rows must be positive ints, got {args.rows!r}")
     torch.manual_seed(0)
     builds = {str(d).removeprefix("torch."): native_linear.kernel_isa(d)
               for d in (torch.bfloat16, torch.float32)}
@@ -49,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     for n, k in SHAPES:
         wb = torch.randn(n, k).to(torch.bfloat16)
         wf = wb.float()
-        for rows in (1, 2):
+        for rows in row_counts:
             xb = torch.randn(rows, k).to(torch.bfloat16)
             xf = xb.float()
             paths: dict[str, tuple[Callable[[], Any], int]] = {
