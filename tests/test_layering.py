@@ -75,32 +75,6 @@ def test_no_import_reaches_a_lower_layer(module, path):
         )
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """forwardkit module -> the forwardkit modules it imports at run time (module level or in
-    functions)."""
-    names = {m.removesuffix(".__init__") for m, _ in _modules()}
-    graph: dict[str, set[str]] = {}
-    for module, path in _modules():
-        deps = set()
-        tree = ast.parse(path.read_text())
-        # imports under ``if TYPE_CHECKING:`` never run, so they cannot form a runtime cycle
-        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                       and getattr(block.test, "id", None) == "TYPE_CHECKING"
-                       for stmt in block.body for n in ast.walk(stmt)}
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            found: list[str] = []
-            if isinstance(node, ast.Import):
-                found = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            deps.update(n for n in found if n in names)
-        name = module.removesuffix(".__init__")
-        graph[name] = deps - {name}
-    return graph
-
-
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Import cycles found by a depth-first walk of ``graph`` (each as a closed path)."""
     done: set[str] = set()
@@ -121,11 +95,6 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if module not in done:
             visit(module)
     return cycles
-
-
-def test_no_import_cycles_between_modules():
-    cycles = _cycles(_import_graph())
-    assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
 def _static_import_graph(src: pathlib.Path = SRC) -> dict[str, set[str]]:

@@ -438,3 +438,4 @@ def test_dbo_microbatched_full_graphs_dp2(make_checkpoint):
         fb = results[rank]["fallback"]
         assert fb["ubatched"] and fb["calls"] == [2] and sum(fb["full_replays"].values()) == 0, fb
         assert fb["ub_replays"] == {4: 0, 8: 0}, fb
+        assert fb["mode"] == "NONE", fb  # the step record says it ran eagerly

@@ -152,6 +152,20 @@ def test_static_metadata_pool_rejects_shape_change():
     with pytest.raises(RuntimeError, match="changed shape"):
         pool.update(4, MD(torch.ones(5), 2))
 
+    @dataclass
+    class Other:
+        t: torch.Tensor
+        n: int
+
+    with pytest.raises(TypeError, match="changed type MD -> Other"):
+        pool.update(4, Other(torch.ones(3), 2))
+
+    class Plain:  # not a dataclass: its fields could not be refilled in place
+        t = torch.zeros(1)
+
+    with pytest.raises(TypeError, match="must be a dataclass"):
+        pool.update(8, Plain())  # rejected at its first size too, not only on refill
+
 
 @pytest.mark.parametrize(
     "kwargs, match",

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from forwardkit.cudagraph import monitor
 from forwardkit.cudagraph.wrapper import GraphBackend
 from forwardkit.logger import init_logger
 
@@ -89,21 +88,19 @@ class UBatchGraphs:
             entry.replays += 1
             self.graph_backend.replay(entry.graph)
             return entry.output
-        monitor.validate_cudagraph_capturing_enabled()
         logger.debug("Capturing a micro-batched FULL cudagraph for %d tokens", num_tokens)
-        backend = self.graph_backend
         if self.graph_pool is None:
-            self.graph_pool = backend.graph_pool()
-        graph = backend.new_graph()
-        with backend.capture(graph, self.graph_pool):
+            self.graph_pool = self.graph_backend.graph_pool()
+
+        def run_checked() -> torch.Tensor:
             output = run_ubatches()
             if not isinstance(output, torch.Tensor):
                 raise TypeError("a micro-batched graph must produce one tensor (the micro-batch "
                                 f"outputs concatenated), got {type(output).__name__}")
-            # Back to the pool at once (the runner consumes it before the next replay).
-            output = backend.weak_ref(output)
-        output = backend.weak_ref(output)
-        self._entries[num_tokens] = _Entry(graph, output)
-        backend.on_captured(graph, run_ubatches, output)
-        monitor.record_capture(MICROBATCHED_FULL)
+            return output
+
+        # The output goes back to the pool at once (the runner consumes it before the next replay).
+        graph, output, replay_output = self.graph_backend.capture_call(
+            self.graph_pool, run_checked, MICROBATCHED_FULL, release_output=True)
+        self._entries[num_tokens] = _Entry(graph, replay_output)
         return output

@@ -160,6 +160,32 @@ class GraphBackend:
         re-running (tests on CPU) keeps both; the default does nothing.
         """
 
+    def capture_call(self, pool: Any, run: Callable[[], Any], label: object, *,
+                     release_output: bool = False, gc_disable: bool = False) -> tuple[Any, Any, Any]:
+        """Capture ``run()`` into a new graph on ``pool``: the one capture sequence of every
+        wrapper (checks that capture is allowed, tells :meth:`on_captured`, counts the capture
+        under ``label`` in ``monitor``).
+
+        Returns ``(graph, output, replay_output)``: ``output`` is what ``run()`` returned (a
+        weak reference already when ``release_output``: its memory goes back to the pool
+        inside the capture, safe only when no later graph reads it) and ``replay_output`` the
+        weak references that replays of ``graph`` refill. ``gc_disable`` turns the capture
+        context's ``gc.collect`` / ``empty_cache`` into no-ops (slow once per piece).
+        """
+        monitor.validate_cudagraph_capturing_enabled()
+        graph = self.new_graph()
+        with contextlib.ExitStack() as stack:
+            if gc_disable:
+                stack.enter_context(_gc_and_empty_cache_disabled())
+            with self.capture(graph, pool):
+                output = run()
+                if release_output:
+                    output = self.weak_ref(output)
+        replay_output = self.weak_ref(output)
+        self.on_captured(graph, run, replay_output)
+        monitor.record_capture(label)
+        return graph, output, replay_output
+
 
 @contextlib.contextmanager
 def _gc_and_empty_cache_disabled() -> Iterator[None]:
@@ -267,25 +293,15 @@ class CUDAGraphWrapper:
     def _capture(self, entry: CUDAGraphEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.cudagraph_options.debug_log_enable:
             logger.debug("Capturing a cudagraph on (%s, %s)", self.runtime_mode.name, entry.batch_descriptor)
-        monitor.validate_cudagraph_capturing_enabled()
+        monitor.validate_cudagraph_capturing_enabled()  # before the entry records anything
         entry.input_addresses = _tensor_addresses(args)
-        backend = self.graph_backend
         if self.graph_pool is None:
-            self.graph_pool = backend.graph_pool()
-        graph = backend.new_graph()
-        with contextlib.ExitStack() as stack:
-            if self.cudagraph_options.gc_disable:
-                stack.enter_context(_gc_and_empty_cache_disabled())
-            with backend.capture(graph, self.graph_pool):
-                output = self.runnable(*args, **kwargs)
-                if self.cudagraph_options.weak_ref_output:
-                    # Drop the strong reference inside the capture so its memory goes back to
-                    # the pool at once; only safe for the last piece (no later graph reads it).
-                    output = backend.weak_ref(output)
-        entry.output = backend.weak_ref(output)
+            self.graph_pool = self.graph_backend.graph_pool()
+        graph, output, entry.output = self.graph_backend.capture_call(
+            self.graph_pool, lambda: self.runnable(*args, **kwargs), self.runtime_mode,
+            release_output=self.cudagraph_options.weak_ref_output,
+            gc_disable=self.cudagraph_options.gc_disable)
         entry.cudagraph = graph
-        backend.on_captured(graph, lambda: self.runnable(*args, **kwargs), entry.output)
-        monitor.record_capture(self.runtime_mode)
         return output
 
     def _replay(self, entry: CUDAGraphEntry, args: tuple[Any, ...]) -> Any:

@@ -29,7 +29,7 @@ plus one ``register_attention_backend`` call.
 from __future__ import annotations
 
 import enum
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -305,6 +305,5 @@ class TorchNativeAttentionBackend(AttentionBackend):
         metadata: StepAttentionMetadata,
         output: torch.Tensor,
     ) -> None:
-        # the attention op checked the type against metadata_cls already
-        assert isinstance(metadata, AttentionMetadata)
-        paged_attention(query, key, value, kv_cache, metadata, layer.scale, output)
+        # the attention op checked the type against metadata_cls already (no per-layer check)
+        paged_attention(query, key, value, kv_cache, cast(AttentionMetadata, metadata), layer.scale, output)

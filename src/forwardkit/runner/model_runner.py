@@ -291,9 +291,9 @@ class ModelRunner:
         input_ids, positions = self.buffers.fill(batch, padded)
         slices = None
         if plan.should_ubatch:  # every DP rank agreed: dual-batch overlap
-            hidden, slices = self._forward_ubatched(batch.query_lens, batch.seq_lens,
-                                                    batch.block_tables, input_ids, positions,
-                                                    mode, desc, across_dp)
+            hidden, slices, mode = self._forward_ubatched(batch.query_lens, batch.seq_lens,
+                                                          batch.block_tables, input_ids, positions,
+                                                          mode, desc, across_dp)
         else:
             attn_md = self._metadata(batch.query_lens, batch.seq_lens, batch.block_tables,
                                      padded, mode)
@@ -317,15 +317,15 @@ class ModelRunner:
     def _forward_ubatched(self, query_lens: list[int], seq_lens: list[int],
                           block_tables: list[list[int]], input_ids: torch.Tensor,
                           positions: torch.Tensor, mode: CUDAGraphMode, desc: BatchDescriptor,
-                          across_dp: torch.Tensor | None) -> tuple[torch.Tensor, UBatchSlices]:
+                          across_dp: torch.Tensor | None) -> tuple[torch.Tensor, UBatchSlices, CUDAGraphMode]:
         """Run the step as ``num_ubatches`` micro-batches that take turns (dual-batch overlap).
 
         Each micro-batch gets its own forward context: attention metadata of its requests
         (a request split by a boundary is trimmed to its tokens on each side), ``DPMetadata``
         of its token count on every rank (all ranks split the same padded total), runtime
         mode NONE. The outer context carries the padded ``ubatch_slices`` and the list of
-        per-micro-batch metadata, as in vLLM. Returns the concatenated hidden states and the
-        padded slices.
+        per-micro-batch metadata, as in vLLM. Returns the concatenated hidden states, the
+        padded slices and the mode the step ran in (NONE when a FULL step found no graph).
 
         With ``mode`` FULL (a uniform decode step of a captured size) the step is one
         micro-batched graph (:class:`~forwardkit.cudagraph.ubatch_graphs.UBatchGraphs`):
@@ -376,7 +376,7 @@ class ModelRunner:
                 hidden = graphs.run(padded, lambda: torch.cat(run_ubatches(fns, contexts)))
             else:
                 hidden = torch.cat(run_ubatches(fns, contexts))
-        return hidden, slices
+        return hidden, slices, mode
 
     def _metadata(self, query_lens: list[int], seq_lens: list[int],
                   block_tables: list[list[int]], padded: int, mode: CUDAGraphMode) -> AttnMetadataDict:
@@ -443,22 +443,25 @@ class ModelRunner:
                 f"dispatched {mode} for {num_tokens} tokens"
             )
         padded = desc.num_tokens
-        tables = [[self.scratch_block] * math.ceil(q / self.block_size) for q in lens]
         input_ids, positions = self.buffers.dummy(padded)
         slices = None
         if plan.should_ubatch:
-            _, slices = self._forward_ubatched(lens, lens, tables, input_ids, positions, mode,
-                                               desc, across_dp)
+            _, slices, mode = self._forward_ubatched(lens, lens, self._scratch_tables(lens), input_ids,
+                                                     positions, mode, desc, across_dp)
         else:
             attn_md = None
             if force_attention or mode == CUDAGraphMode.FULL:
-                attn_md = self._metadata(lens, lens, tables, padded, mode)
+                attn_md = self._metadata(lens, lens, self._scratch_tables(lens), padded, mode)
             with set_forward_context(attn_md, self.engine_config, num_tokens=padded,
                                      num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
                                      batch_descriptor=desc):
                 self.model(input_ids, positions)
         self._model_ran = True
         self.last_step = StepInfo(mode, desc, 0, across_dp, slices)
+
+    def _scratch_tables(self, query_lens: list[int]) -> list[list[int]]:
+        """Block tables of dummy requests: every block is the scratch block."""
+        return [[self.scratch_block] * math.ceil(q / self.block_size) for q in query_lens]
 
     def warm_up_compile_ranges(self) -> list[int]:
         """Compile at start-up instead of on the first real step (vLLM's profile run): one

@@ -25,29 +25,41 @@ class StaticMetadataPool:
 
     def __init__(self) -> None:
         self._by_size: dict[Hashable, StepAttentionMetadata] = {}
+        # metadata class -> its field names, checked to be a dataclass once (not per step)
+        self._fields: dict[type, tuple[str, ...]] = {}
 
     def __len__(self) -> int:
         return len(self._by_size)
 
+    def _field_names(self, cls: type) -> tuple[str, ...]:
+        names = self._fields.get(cls)
+        if names is None:
+            if not dataclasses.is_dataclass(cls):
+                raise TypeError(f"FULL-graph attention metadata must be a dataclass (its tensor "
+                                f"fields are refilled in place), got {cls.__name__}")
+            names = self._fields[cls] = tuple(f.name for f in dataclasses.fields(cls))
+        return names
+
     def update(self, num_tokens: Hashable, metadata: StepAttentionMetadata) -> StepAttentionMetadata:
         """Return the persistent metadata for key ``num_tokens`` holding ``metadata``'s values."""
-        if not dataclasses.is_dataclass(metadata):
-            raise TypeError(f"FULL-graph attention metadata must be a dataclass (its tensor "
-                            f"fields are refilled in place), got {type(metadata).__name__}")
+        names = self._field_names(type(metadata))
         kept = self._by_size.get(num_tokens)
         if kept is None:
             self._by_size[num_tokens] = metadata
             return metadata
-        for f in dataclasses.fields(metadata):
-            new = getattr(metadata, f.name)
-            old = getattr(kept, f.name)
+        if type(kept) is not type(metadata):
+            raise TypeError(f"FULL-graph attention metadata at {num_tokens} tokens changed type "
+                            f"{type(kept).__name__} -> {type(metadata).__name__}")
+        for name in names:
+            new = getattr(metadata, name)
             if isinstance(new, torch.Tensor):
+                old = getattr(kept, name)
                 if new.shape != old.shape:
                     raise RuntimeError(
-                        f"FULL-graph attention metadata field {f.name!r} changed shape "
+                        f"FULL-graph attention metadata field {name!r} changed shape "
                         f"{tuple(old.shape)} -> {tuple(new.shape)} at {num_tokens} tokens"
                     )
                 old.copy_(new, non_blocking=True)
             else:
-                setattr(kept, f.name, new)
+                setattr(kept, name, new)
         return kept
