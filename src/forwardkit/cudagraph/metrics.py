@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import astuple, dataclass
-from typing import Any
 
 from forwardkit.logger import init_logger
 
@@ -32,7 +31,7 @@ class CUDAGraphStat:
 class CUDAGraphLogging:
     """Collects ``CUDAGraphStat`` objects and renders them as a counted Markdown table."""
 
-    def __init__(self, cg_mode: Any, cg_capture_sizes: Iterable[int] | None) -> None:
+    def __init__(self, cg_mode: object, cg_capture_sizes: Iterable[int] | None) -> None:
         self.cg_mode = cg_mode
         self.cg_capture_sizes = list(cg_capture_sizes) if cg_capture_sizes else []
         self.stats: list[CUDAGraphStat] = []
@@ -69,7 +68,7 @@ class CUDAGraphLogging:
         lines += [line(r) for r in rows]
         return header + "\n".join(lines) + "\n"
 
-    def log(self, log_fn: Callable[[str], Any] = logger.info) -> None:
+    def log(self, log_fn: Callable[[str], object] = logger.info) -> None:
         """Emit the table through ``log_fn`` and reset, if anything was observed."""
         if not self.stats:
             return

@@ -13,10 +13,10 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import gc
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
 
 from forwardkit import envs
 from forwardkit.compilation.counters import compilation_counter
@@ -53,11 +53,12 @@ def validate_cudagraph_capturing_enabled() -> None:
 captured_by_mode: Counter[str] = Counter()
 
 
-def record_capture(runtime_mode: Any = None) -> int:
-    """Count one finished capture (per ``runtime_mode`` too); returns the process total."""
+def record_capture(runtime_mode: enum.Enum | str | None = None) -> int:
+    """Count one finished capture (per ``runtime_mode`` too: an enum by its name); returns the
+    process total."""
     compilation_counter.num_cudagraph_captured += 1
     if runtime_mode is not None:
-        captured_by_mode[getattr(runtime_mode, "name", str(runtime_mode))] += 1
+        captured_by_mode[runtime_mode.name if isinstance(runtime_mode, enum.Enum) else runtime_mode] += 1
     return compilation_counter.num_cudagraph_captured
 
 

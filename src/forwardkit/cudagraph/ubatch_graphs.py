@@ -21,11 +21,10 @@ below the threshold); here that step replays the ordinary graph instead.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from forwardkit.cudagraph.wrapper import GraphBackend
+from forwardkit.cudagraph.wrapper import Graph, GraphBackend
 from forwardkit.logger import init_logger
 
 __all__ = ["MICROBATCHED_FULL", "UBatchGraphs"]
@@ -40,7 +39,7 @@ MICROBATCHED_FULL = "FULL_MICROBATCHED"
 class _Entry:
     __slots__ = ("graph", "output", "replays")
 
-    def __init__(self, graph: Any, output: torch.Tensor) -> None:
+    def __init__(self, graph: Graph, output: torch.Tensor) -> None:
         self.graph = graph
         self.output = output
         self.replays = 0
@@ -56,7 +55,7 @@ class UBatchGraphs:
 
     def __init__(self, graph_backend: GraphBackend) -> None:
         self.graph_backend = graph_backend
-        self.graph_pool: Any = None  # fetched at the first capture, like CUDAGraphWrapper's
+        self.graph_pool: object = None  # fetched at the first capture, like CUDAGraphWrapper's
         self._entries: dict[int, _Entry] = {}
 
     def __contains__(self, num_tokens: object) -> bool:

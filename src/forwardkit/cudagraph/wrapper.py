@@ -20,10 +20,11 @@ Differences from the reference, on purpose:
 from __future__ import annotations
 
 import contextlib
+import enum
 import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from forwardkit.config.engine import EngineConfig
 
 __all__ = [
+    "Graph",
     "CUDAGraphEntry",
     "CUDAGraphOptions",
     "CUDAGraphWrapper",
@@ -59,12 +61,19 @@ class CUDAGraphOptions:
     weak_ref_output: bool = True  # turn the output into weak refs inside the capture
 
 
+class Graph(Protocol):
+    """A captured graph as the wrappers use it (``torch.cuda.CUDAGraph`` or a test stand-in)."""
+
+    def replay(self) -> None:
+        """Launch the captured work again."""
+
+
 @dataclass
 class CUDAGraphEntry:
     """One captured graph: its key, the graph, its (weak) outputs and recorded input pointers."""
 
     batch_descriptor: BatchDescriptor
-    cudagraph: Any | None = None
+    cudagraph: Graph | None = None
     output: Any | None = None
     input_addresses: list[int] | None = None
 
@@ -125,15 +134,15 @@ class GraphBackend:
     Tests substitute a subclass with fake graphs to exercise the wrapper's decisions on CPU.
     """
 
-    def graph_pool(self) -> Any:
+    def graph_pool(self) -> object:
         """The memory pool every capture shares (the platform's global pool)."""
         return current_platform.get_global_graph_pool()
 
-    def new_graph(self) -> Any:
+    def new_graph(self) -> Graph:
         """A fresh, empty graph object."""
         return torch.cuda.CUDAGraph()
 
-    def capture(self, graph: Any, pool: Any) -> contextlib.AbstractContextManager[Any]:
+    def capture(self, graph: Graph, pool: object) -> contextlib.AbstractContextManager[object]:
         """Context manager capturing the enclosed work into ``graph`` using ``pool``.
 
         Captures on the current stream unless it is the default stream (which cannot be
@@ -142,9 +151,10 @@ class GraphBackend:
         stream: torch.cuda.Stream | None = torch.cuda.current_stream()
         if stream == torch.cuda.default_stream():
             stream = None
-        return torch.cuda.graph(graph, pool=pool, stream=stream)
+        # this default backend's graphs and pools are torch's own (new_graph, graph_pool)
+        return torch.cuda.graph(cast(torch.cuda.CUDAGraph, graph), pool=cast(Any, pool), stream=stream)
 
-    def replay(self, graph: Any) -> None:
+    def replay(self, graph: Graph) -> None:
         """Launch a captured graph."""
         graph.replay()
 
@@ -152,7 +162,7 @@ class GraphBackend:
         """Weak references to ``output`` (see :func:`weak_ref_tensors`)."""
         return weak_ref_tensors(output)
 
-    def on_captured(self, graph: Any, rerun: Callable[[], Any], output: Any) -> None:
+    def on_captured(self, graph: Graph, rerun: Callable[[], object], output: object) -> None:
         """Told after each capture what it ran; a real graph recorded its kernels already.
 
         ``rerun`` calls the runnable again with the captured arguments (the same tensors) and
@@ -160,8 +170,8 @@ class GraphBackend:
         re-running (tests on CPU) keeps both; the default does nothing.
         """
 
-    def capture_call(self, pool: Any, run: Callable[[], Any], label: object, *,
-                     release_output: bool = False, gc_disable: bool = False) -> tuple[Any, Any, Any]:
+    def capture_call(self, pool: object, run: Callable[[], Any], label: enum.Enum | str, *,
+                     release_output: bool = False, gc_disable: bool = False) -> tuple[Graph, Any, Any]:
         """Capture ``run()`` into a new graph on ``pool``: the one capture sequence of every
         wrapper (checks that capture is allowed, tells :meth:`on_captured`, counts the capture
         under ``label`` in ``monitor``).
@@ -203,7 +213,7 @@ def _gc_and_empty_cache_disabled() -> Iterator[None]:
         gc.collect, torch.cuda.empty_cache = saved_collect, saved_empty
 
 
-def _tensor_addresses(args: tuple[Any, ...]) -> list[int]:
+def _tensor_addresses(args: tuple[object, ...]) -> list[int]:
     return [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
 
 
@@ -250,7 +260,7 @@ class CUDAGraphWrapper:
         self.cudagraph_options = cudagraph_options or CUDAGraphOptions()
         self.graph_backend = graph_backend or GraphBackend()
         self.eager_warmups = eager_warmups
-        self.graph_pool: Any = None  # fetched at the first capture (see module docstring)
+        self.graph_pool: object = None  # fetched at the first capture (see module docstring)
         self.is_debugging_mode = envs.FORWARDKIT_LOGGING_LEVEL == "DEBUG"
         self.concrete_cudagraph_entries: dict[BatchDescriptor, CUDAGraphEntry] = {}
         self._warmups_done: dict[BatchDescriptor, int] = {}
@@ -313,5 +323,5 @@ class CUDAGraphWrapper:
                 f"(descriptor {entry.batch_descriptor}); pass slices of the same persistent "
                 "buffers on every step"
             )
-        self.graph_backend.replay(entry.cudagraph)
+        self.graph_backend.replay(cast(Graph, entry.cudagraph))  # set: the entry was captured
         return entry.output
