@@ -37,6 +37,7 @@ class RecordingGraph:
     """One 'captured graph': what ran, under which context, and how often it was replayed."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.context: Any = None
         self.rerun: Any = None
         self.output: Any = None

@@ -44,6 +44,7 @@ class FakeBackend(GraphBackend):
     """Records capture/replay events; 'captures' by running the body once."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.events: list = []
         self.pools: list = []
         self.in_capture = False
@@ -114,6 +115,24 @@ def make(mode=M.FULL, options=None, **kw):
     runnable = Doubler(backend)
     wrapper = CUDAGraphWrapper(runnable, CFG, mode, options, graph_backend=backend, **kw)
     return wrapper, runnable, backend
+
+
+def test_captures_are_counted_per_backend(fake_cuda):
+    """Each graph backend (one per runner) counts its own captures per runtime mode; the
+    process-wide total (vLLM's counter) counts all of them."""
+    full, _, backend_a = make(M.FULL)
+    piece, _, backend_b = make(M.PIECEWISE)
+    before = compilation_counter.num_cudagraph_captured
+    for n in (4, 8):
+        with ctx(M.FULL, d(n)):
+            full(torch.ones(n))
+    with ctx(M.PIECEWISE, d(4)):
+        piece(torch.ones(4))
+    with ctx(M.FULL, d(4)):
+        full(torch.ones(4))  # a replay counts nothing
+    assert backend_a.captured == {"FULL": 2}
+    assert backend_b.captured == {"PIECEWISE": 1}
+    assert compilation_counter.num_cudagraph_captured - before == 3
 
 
 def test_capture_replay_and_fallthrough_sequence(fake_cuda):

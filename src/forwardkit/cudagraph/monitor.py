@@ -13,9 +13,7 @@
 from __future__ import annotations
 
 import contextlib
-import enum
 import gc
-from collections import Counter
 from collections.abc import Iterator
 
 from forwardkit import envs
@@ -23,7 +21,6 @@ from forwardkit.compilation.counters import compilation_counter
 
 __all__ = [
     "capture_session",
-    "captured_by_mode",
     "cudagraph_capturing_enabled",
     "freeze_gc_for_capture",
     "record_capture",
@@ -49,16 +46,11 @@ def validate_cudagraph_capturing_enabled() -> None:
         )
 
 
-# Finished captures per runtime mode name ("FULL", "PIECEWISE"), for the capture log line.
-captured_by_mode: Counter[str] = Counter()
 
-
-def record_capture(runtime_mode: enum.Enum | str | None = None) -> int:
-    """Count one finished capture (per ``runtime_mode`` too: an enum by its name); returns the
-    process total."""
+def record_capture() -> int:
+    """Count one finished capture; returns the process total (per-mode counts are kept by
+    each runner's ``GraphBackend.captured``)."""
     compilation_counter.num_cudagraph_captured += 1
-    if runtime_mode is not None:
-        captured_by_mode[runtime_mode.name if isinstance(runtime_mode, enum.Enum) else runtime_mode] += 1
     return compilation_counter.num_cudagraph_captured
 
 

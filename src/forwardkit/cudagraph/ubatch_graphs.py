@@ -31,7 +31,7 @@ __all__ = ["MICROBATCHED_FULL", "UBatchGraphs"]
 
 logger = init_logger(__name__)
 
-# The label these captures are counted under in ``monitor.captured_by_mode`` (and so in the
+# The label these captures are counted under in ``GraphBackend.captured`` (and so in the
 # runner's ``capture_stats`` and capture log line), beside "FULL" and "PIECEWISE".
 MICROBATCHED_FULL = "FULL_MICROBATCHED"
 

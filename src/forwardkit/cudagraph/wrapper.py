@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import gc
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -134,6 +135,11 @@ class GraphBackend:
     Tests substitute a subclass with fake graphs to exercise the wrapper's decisions on CPU.
     """
 
+    def __init__(self) -> None:
+        # Captures made through this backend, per label (runtime-mode name): the owner (one
+        # runner, whose wrappers all share this backend) reads its own counts here.
+        self.captured: Counter[str] = Counter()
+
     def graph_pool(self) -> object:
         """The memory pool every capture shares (the platform's global pool)."""
         return current_platform.get_global_graph_pool()
@@ -193,7 +199,8 @@ class GraphBackend:
                     output = self.weak_ref(output)
         replay_output = self.weak_ref(output)
         self.on_captured(graph, run, replay_output)
-        monitor.record_capture(label)
+        monitor.record_capture()  # the process-wide total (vLLM's compilation_counter)
+        self.captured[label.name if isinstance(label, enum.Enum) else label] += 1
         return graph, output, replay_output
 
 

@@ -523,7 +523,7 @@ class ModelRunner:
             logger.info_once("Skipping CUDA graph capture: cudagraph mode is NONE.")
             return 0.0
         start = time.perf_counter()
-        before = dict(monitor.captured_by_mode)
+        before = dict(self.graph_backend.captured)
         free_before = self._free_device_memory()
         warmups = self.compilation_config.cudagraph_num_of_warmups
         keys: dict[str, int] = {}
@@ -552,7 +552,7 @@ class ModelRunner:
         elapsed = time.perf_counter() - start
         free_after = self._free_device_memory()
         graph_bytes = None if free_before is None or free_after is None else free_before - free_after
-        captured = {m: n - before.get(m, 0) for m, n in monitor.captured_by_mode.items()
+        captured = {m: n - before.get(m, 0) for m, n in self.graph_backend.captured.items()
                     if n - before.get(m, 0) > 0}
         self.capture_stats = {"mode": self.cudagraph_mode.name, "keys": keys, "graphs": captured,
                               "seconds": elapsed, "graph_memory_bytes": graph_bytes}
