@@ -37,7 +37,6 @@ class RecordingGraph:
     """One 'captured graph': what ran, under which context, and how often it was replayed."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.context: Any = None
         self.rerun: Any = None
         self.output: Any = None
@@ -67,6 +66,7 @@ class RecordingGraphs(GraphBackend):
     """Graph primitives that record instead of calling CUDA; one pool sentinel for everything."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.pool = object()
         self.graphs: list[RecordingGraph] = []
         self._capturing: RecordingGraph | None = None
