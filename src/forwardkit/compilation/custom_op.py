@@ -9,8 +9,8 @@ the current engine config's ``compilation_config.custom_ops`` (vLLM semantics):
 * with neither ``"all"`` nor ``"none"`` present (an un-normalised config) the normalisation
   default is used: ``none`` when the mode compiles with the ``inductor`` backend, else ``all``
   (the reference asserts instead);
-* the decision is counted into ``enabled_custom_ops`` / ``disabled_custom_ops`` under the op's
-  registered name. Changing ``custom_ops`` after construction has no effect.
+* the decision is counted into ``enabled_custom_ops`` / ``disabled_custom_ops`` of the config's
+  run-time state (``compilation_config.compile_state``) under the op's registered name. Changing ``custom_ops`` after construction has no effect.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ class CustomOp(nn.Module):
         config = _current_compilation_config()
         enabled = self._enforce_enable or type(self).enabled()
         op_name = getattr(type(self), "name", type(self).__name__)
-        counter = config.enabled_custom_ops if enabled else config.disabled_custom_ops
+        state = config.compile_state
+        counter = state.enabled_custom_ops if enabled else state.disabled_custom_ops
         counter.update([op_name])
         if not enabled:
             return self.forward_native

@@ -29,7 +29,7 @@ the methods in :mod:`.compilation_methods`; all are importable from here. ``to_d
 from __future__ import annotations
 
 import json
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -45,8 +45,9 @@ from forwardkit.config.compilation_enums import (
     DynamicShapesType,
     Range,
 )
-from forwardkit.config.compilation_methods import CompilationMethods
+from forwardkit.config.compilation_methods import STATE_ATTR, CompilationMethods
 from forwardkit.config.compilation_sizes import MAX_CAPTURE_SIZE
+from forwardkit.config.compile_state import CompileRuntimeState
 from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.pass_config import DynamicShapesConfig, PassConfig, resolve_inductor_pass
 from forwardkit.config.utils import ConfigAssertionError, check_nesting, short_repr
@@ -118,12 +119,8 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
     )
     """Attention ops used as default splitting ops (callers get a list copy)."""
 
-    RUNTIME_FIELDS: ClassVar[frozenset[str]] = frozenset({
-        "local_cache_dir", "enabled_custom_ops", "disabled_custom_ops", "traced_files",
-        "compilation_time", "static_forward_context",
-    })
-    """Run-time state (vLLM's ``init=False`` fields) the model build and the compile backend
-    write; writable after resolution (see ``config/frozen.py``) and never hashed."""
+    RUNTIME_STATE: ClassVar[dict[str, Callable[[], Any]]] = {STATE_ATTR: CompileRuntimeState}
+    """The run-time state linked to each config (``compile_state``; config/compile_state.py)."""
 
     level: int | None = None
     """Deprecated alias of ``mode`` (0-3)."""
@@ -172,21 +169,10 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
     dynamic_shapes_config: DynamicShapesConfig = field(default_factory=DynamicShapesConfig)
     """Dynamic-shape options for Dynamo."""
 
-    # Runtime state, not constructor arguments.
-    local_cache_dir: str | None = field(default=None, init=False)
-    """Per-rank cache dir, set by the compile backend."""
+    # A resolution result, not a constructor argument (run-time state lives in
+    # ``compile_state``, see config/compile_state.py).
     bs_to_padded_graph_size: list[int] | None = field(default=None, init=False)
     """Batch size -> padded capture size (see compute_bs_to_padded_graph_size)."""
-    enabled_custom_ops: Counter[str] = field(default_factory=Counter, init=False)
-    """Custom ops seen enabled while the model was built."""
-    disabled_custom_ops: Counter[str] = field(default_factory=Counter, init=False)
-    """Custom ops seen disabled while the model was built."""
-    traced_files: set[str] = field(default_factory=set, init=False)
-    """Source files traced by Dynamo."""
-    compilation_time: float = field(default=0.0, init=False)
-    """Seconds spent compiling."""
-    static_forward_context: dict[str, Any] = field(default_factory=dict, init=False)
-    """Layer name -> layer object that the forward context exposes (attention, MoE, ...)."""
 
     # ------------------------------------------------------------------ validators
 
@@ -304,6 +290,9 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
 
     def __post_init__(self) -> None:
         """Normalise fields. Raises ``ValueError`` on bad input."""
+        # the run-time state this config's vLLM-named properties forward to (a fresh one per
+        # construction, as vLLM's init=False fields)
+        object.__setattr__(self, STATE_ATTR, CompileRuntimeState())
         if self.level is not None:
             logger.warning("Level is deprecated and will be removed in a future release; use mode.")
             if self.mode is None:
@@ -392,16 +381,9 @@ compilation_config_adapter: TypeAdapter[CompilationConfig] = TypeAdapter(Compila
 # the dataclass fields in declaration order; ``to_dict`` keeps the user-settable ones (so
 # ``CompilationConfig(**d)`` rebuilds an equal config), ``repr`` leaves out runtime state.
 
-_REPR_EXCLUDED = frozenset(
-    {
-        "static_forward_context",
-        "enabled_custom_ops",
-        "disabled_custom_ops",
-        "compilation_time",
-        "bs_to_padded_graph_size",
-        "traced_files",
-    }
-)
+# Fields left out of ``repr``: the padding table is a resolution result vLLM does not print.
+# The run-time state is no field; of it vLLM prints ``local_cache_dir`` only, last.
+_REPR_EXCLUDED = frozenset({"bs_to_padded_graph_size"})
 
 
 def compilation_config_to_dict(config: CompilationConfig) -> dict[str, Any]:
@@ -442,4 +424,5 @@ def compilation_config_repr(config: CompilationConfig) -> str:
         elif f.name == "inductor_compile_config":
             value = {k: v for k, v in value.items() if k != "post_grad_custom_post_pass"}
         shown[f.name] = value
+    shown["local_cache_dir"] = config.local_cache_dir
     return repr(shown)

@@ -150,7 +150,8 @@ class EngineConfig(FreezableConfig):
             # back, so a rejected config changes nothing the caller passed in.
             parts = [self.compilation_config, self.compilation_config.pass_config, self.model_config,
                      self.parallel_config, self.scheduler_config]
-            saved = [(obj, {k: copy.copy(v) for k, v in vars(obj).items()})
+            saved = [(obj, {k: copy.copy(v) for k, v in vars(obj).items()
+                            if k not in type(obj).RUNTIME_STATE})  # not touched by resolution
                      for obj in parts if obj is not None]
             try:
                 self._resolve()
@@ -454,6 +455,6 @@ def get_current_engine_config() -> EngineConfig:
 def get_layers_from_engine_config(config: EngineConfig, layer_type: type,
                                   layer_names: list[str] | None = None) -> dict[str, Any]:
     """Layers of ``static_forward_context`` that are instances of ``layer_type``."""
-    ctx = config.compilation_config.static_forward_context
+    ctx = config.compilation_config.compile_state.static_forward_context
     names = list(ctx) if layer_names is None else layer_names
     return {name: ctx[name] for name in names if isinstance(ctx[name], layer_type)}

@@ -179,7 +179,7 @@ class Attention(nn.Module):
         self.kv_cache: list[torch.Tensor] = [torch.tensor([])]
         self.backend = get_attention_backend() if backend is None else backend
 
-        context = get_current_engine_config().compilation_config.static_forward_context
+        context = get_current_engine_config().compilation_config.compile_state.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
         context[prefix] = self

@@ -117,8 +117,9 @@ class ModelRunner:
     """Owns the model, its KV cache and static inputs; runs steps given a :class:`StepBatch`.
 
     Args:
-        engine_config: the engine's config; its ``compilation_config.static_forward_context``
-            is where the model's layers register.
+        engine_config: the engine's config; its run-time compile state
+            (``compilation_config.compile_state``, exposed as :attr:`compile_state`) is where
+            the model's layers register.
         model: an already built model (built under ``set_current_engine_config(engine_config)``);
             None = ``load_model(engine_config)``.
         device: where to run; default the platform's device.
@@ -130,6 +131,10 @@ class ModelRunner:
         platform = cfg.platform or current_platform
         self.device = torch.device(device) if device is not None else platform.device()
         self.compilation_config = cfg.compilation_config
+        # The run-time compile state of this engine config (layers registered by the model
+        # build, custom-op counters, traced files, compile time, per-rank cache dir); the
+        # model build and the compile backend write it, the runner reads its layers.
+        self.compile_state = cfg.compilation_config.compile_state
         self.parallel_config = cfg.parallel_config
         self.dp_size = int(self.parallel_config.data_parallel_size)
         self.dp_rank = int(self.parallel_config.data_parallel_rank)
@@ -184,7 +189,7 @@ class ModelRunner:
         return model.eval()
 
     def _init_kv_cache(self) -> None:
-        sfc = self.compilation_config.static_forward_context
+        sfc = self.compile_state.static_forward_context
         layers = attention_layers(sfc)
         if not layers:
             raise ValueError(
