@@ -46,11 +46,13 @@ from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
 
 from forwardkit import envs
+from forwardkit.config.attention import selected_attention_backend
 from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
 from forwardkit.config.custom_ops import custom_ops_default
 from forwardkit.config.engine_graphs import (
     resolve_static_graphs,
+    served_graph_mode,
     set_compile_ranges,
     sizes_for_sequence_parallelism,
 )
@@ -120,6 +122,9 @@ class EngineConfig(FreezableConfig):
     """A ``Platform`` or its name; None = ``forwardkit.platforms.current_platform``."""
     instance_id: str = ""
     """Unique id of this engine instance (``time_ns`` when empty)."""
+    attention_backend: str | None = None
+    """Registered attention backend name the model's attention layers use; None =
+    ``FORWARDKIT_ATTENTION_BACKEND``, else ``TORCH_NATIVE`` (resolved to the name)."""
 
     @field_validator("platform", mode="before")
     @classmethod
@@ -179,6 +184,7 @@ class EngineConfig(FreezableConfig):
         model, parallel, sched = self.model_config, self.parallel_config, self.scheduler_config
         if not self.instance_id:  # step 1
             self.instance_id = str(time.time_ns())
+        self.attention_backend = selected_attention_backend(self.attention_backend)
         if model is not None:  # step 3
             parallel.is_moe_model = model.is_moe
             if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < model.get_max_model_len():
@@ -345,6 +351,18 @@ class EngineConfig(FreezableConfig):
         """Tokens per request in a decode step: 1 + speculative tokens."""
         spec = self.speculative_config
         return 1 + spec.num_speculative_tokens if spec is not None and spec.num_speculative_tokens else 1
+
+    @property
+    def served_cudagraph_mode(self) -> CUDAGraphMode:
+        """The CUDA-graph mode a runner of this config serves, decided here once for the
+        planner, dispatcher and runner: ``compilation_config.cudagraph_mode`` (vLLM's
+        configured value, left as vLLM's resolution leaves it) lowered to NONE with
+        ``enforce_eager`` or when :attr:`platform` cannot capture graphs now, else to what
+        the :attr:`attention_backend` supports (``config.engine_graphs.served_graph_mode``).
+        Reading it needs that backend registered when graphs are on (a ``ValueError`` names
+        it otherwise); a FULL mode the backend cannot run at all is a ``ValueError``."""
+        return served_graph_mode(self.compilation_config, self.model_config, self.platform,
+                                 selected_attention_backend(self.attention_backend))
 
     @property
     def compiles_model(self) -> bool:
