@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import field, fields
+from dataclasses import InitVar, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import ConfigDict, TypeAdapter, field_validator
+from pydantic import ConfigDict, TypeAdapter, field_validator, model_validator
 from pydantic.dataclasses import dataclass
+from pydantic_core import ArgsKwargs
 
 from forwardkit import envs
 from forwardkit.config.compilation_enums import (
@@ -54,7 +55,7 @@ from forwardkit.config.utils import ConfigAssertionError, check_nesting, short_r
 from forwardkit.config.utils import is_plain_json as _is_plain_json
 from forwardkit.config.utils import json_object as _json_object
 from forwardkit.logger import init_logger
-from forwardkit.platforms import current_platform
+from forwardkit.platforms import Platform, current_platform
 
 __all__ = [
     "CUDAGraphMode",
@@ -168,6 +169,11 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
     """Largest capture size; None -> derived."""
     dynamic_shapes_config: DynamicShapesConfig = field(default_factory=DynamicShapesConfig)
     """Dynamic-shape options for Dynamo."""
+    platform: InitVar[Any] = None
+    """Construction only (not a field, not kept): the ``Platform`` whose defaults apply (the
+    default backend, combo kernels, the pass flags a dict ``pass_config`` is checked
+    against); None = ``current_platform``, as in vLLM. An engine config passes its own, so
+    resolving for another platform swaps nothing process-wide."""
 
     # A resolution result, not a constructor argument (run-time state lives in
     # ``compile_state``, see config/compile_state.py).
@@ -175,6 +181,22 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
     """Batch size -> padded capture size (see compute_bs_to_padded_graph_size)."""
 
     # ------------------------------------------------------------------ validators
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pass_platform_to_pass_config(cls, data: Any) -> Any:
+        """With an explicit ``platform``, a ``pass_config`` given as a dict or JSON object is
+        checked against that platform too (``PassConfig(platform=...)``)."""
+        kwargs = data.kwargs if isinstance(data, ArgsKwargs) else data
+        if not isinstance(kwargs, dict) or kwargs.get("platform") is None:
+            return data
+        value = kwargs.get("pass_config")
+        if isinstance(value, str):
+            value = _json_object(value, "pass_config")
+        if not isinstance(value, dict) or "platform" in value:
+            return data
+        kwargs = {**kwargs, "pass_config": {**value, "platform": kwargs["platform"]}}
+        return ArgsKwargs(data.args, kwargs) if isinstance(data, ArgsKwargs) else kwargs
 
     @field_validator(*_DELAYED_FIELDS, mode="wrap")
     @classmethod
@@ -288,8 +310,10 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
 
     # ------------------------------------------------------------------ construction
 
-    def __post_init__(self) -> None:
-        """Normalise fields. Raises ``ValueError`` on bad input."""
+    def __post_init__(self, platform: Platform | None = None) -> None:
+        """Normalise fields for ``platform`` (None: ``current_platform``). Raises
+        ``ValueError`` on bad input."""
+        target = current_platform if platform is None else platform
         # the run-time state this config's vLLM-named properties forward to (a fresh one per
         # construction, as vLLM's init=False fields)
         object.__setattr__(self, STATE_ATTR, CompileRuntimeState())
@@ -325,7 +349,7 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
         if (
             _torch_at_least("2.9.0.dev")
             and not any(k in self.inductor_compile_config for k in combo_keys)
-            and not current_platform.is_cpu()
+            and not target.is_cpu()
         ):
             for key in combo_keys:
                 self.inductor_compile_config[key] = True
@@ -342,17 +366,19 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
                 "VLLM_COMPILE, backend must be '', 'eager' or 'inductor'."
             )
         if self.backend == "":
-            self.backend = current_platform.default_compile_backend()
+            self.backend = target.default_compile_backend()
 
     # ------------------------------------------------------------------ (de)serialisation
 
     @classmethod
-    def from_cli(cls, cli_value: str) -> CompilationConfig:
-        """Build from a CLI string: a JSON object, or a bare mode (``"3"``, ``"VLLM_COMPILE"``)."""
+    def from_cli(cls, cli_value: str, platform: Platform | None = None) -> CompilationConfig:
+        """Build from a CLI string: a JSON object, or a bare mode (``"3"``, ``"VLLM_COMPILE"``);
+        ``platform`` as for the constructor."""
         text = cli_value.strip()
         if text.isdigit() or (text.isidentifier() and text.upper() in CompilationMode.__members__):
-            return cls(mode=CompilationMode.parse(int(text) if text.isdigit() else text))
-        return cls(**_json_object(text, "compilation config"))
+            return cls(mode=CompilationMode.parse(int(text) if text.isdigit() else text),
+                       platform=platform)
+        return cls(**_json_object(text, "compilation config"), platform=platform)
 
     def to_dict(self) -> dict[str, Any]:
         """The user-settable fields as plain JSON-able values; ``CompilationConfig(**d)``

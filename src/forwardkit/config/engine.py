@@ -22,9 +22,12 @@ mode), so it is kept exactly. Deliberate differences from the reference:
   (forwardkit's CPU platform does not, so CPU keeps VLLM_COMPILE instead of the reference
   CPU platform's DYNAMO_TRACE_ONCE).
 
-Resolution runs under ``use_platform(self.platform)`` because ``CompilationConfig`` reads
-``current_platform``; that briefly swaps the process-wide platform, so build engine configs
-for different platforms from one thread at a time.
+Resolution reads device facts from ``self.platform`` only: the compilation config built from a
+dict, JSON or None gets it explicitly (``CompilationConfig(platform=...)``, passed on to a dict
+``pass_config``), and so do the steps that ask the device (capture, FlashInfer cut-offs). No
+process-wide platform swap happens, so engine configs for different platforms can be built
+from several threads at once. (A ``CompilationConfig`` or ``ParallelConfig`` object built
+before keeps what its own construction read from ``current_platform``, as in vLLM.)
 
 The current config (``set_current_engine_config``; also importable from :mod:`.current`) lives
 in a ``contextvars.ContextVar``, not a process global, so threads and asyncio tasks building
@@ -68,7 +71,7 @@ from forwardkit.config.parallel import ParallelConfig, check_parallel_fits_model
 from forwardkit.config.scheduler import SchedulerConfig, SpeculativeConfig
 from forwardkit.config.utils import ConfigAssertionError, short_repr
 from forwardkit.logger import init_logger
-from forwardkit.platforms import Platform, current_platform, platform_by_name, use_platform
+from forwardkit.platforms import Platform, current_platform, platform_by_name
 
 __all__ = [
     "EngineConfig",
@@ -148,22 +151,22 @@ class EngineConfig(FreezableConfig):
                 setattr(self, name, thawed_copy(value))
         if self.platform is None:
             self.platform = current_platform._get()
-        # NOTE: CompilationConfig/PassConfig consult current_platform, so resolve under ours.
-        with use_platform(self.platform):
-            self.compilation_config = _to_compilation_config(self.compilation_config)
-            # Resolution mutates the sub-configs in place (as vLLM does); a failure puts them
-            # back, so a rejected config changes nothing the caller passed in.
-            parts = [self.compilation_config, self.compilation_config.pass_config, self.model_config,
-                     self.parallel_config, self.scheduler_config]
-            saved = [(obj, {k: copy.copy(v) for k, v in vars(obj).items()
-                            if k not in type(obj).RUNTIME_STATE})  # not touched by resolution
-                     for obj in parts if obj is not None]
-            try:
-                self._resolve()
-            except BaseException:
-                for obj, state in saved:
-                    vars(obj).update(state)
-                raise
+        # Everything resolution builds or checks is given self.platform explicitly (the
+        # compilation config's platform defaults included): no process-wide platform swap.
+        self.compilation_config = _to_compilation_config(self.compilation_config, self.platform)
+        # Resolution mutates the sub-configs in place (as vLLM does); a failure puts them
+        # back, so a rejected config changes nothing the caller passed in.
+        parts = [self.compilation_config, self.compilation_config.pass_config, self.model_config,
+                 self.parallel_config, self.scheduler_config]
+        saved = [(obj, {k: copy.copy(v) for k, v in vars(obj).items()
+                        if k not in type(obj).RUNTIME_STATE})  # not touched by resolution
+                 for obj in parts if obj is not None]
+        try:
+            self._resolve()
+        except BaseException:
+            for obj, state in saved:
+                vars(obj).update(state)
+            raise
         freeze(self)  # resolved: this config and its sub-configs are read-only from here on
 
     def require_model_config(self) -> ModelConfig:
@@ -180,7 +183,7 @@ class EngineConfig(FreezableConfig):
 
     # ------------------------------------------------------------------ resolution
     def _resolve(self) -> None:
-        cc = self.compilation_config = _to_compilation_config(self.compilation_config)
+        cc = self.compilation_config = _to_compilation_config(self.compilation_config, self.platform)
         model, parallel, sched = self.model_config, self.parallel_config, self.scheduler_config
         if not self.instance_id:  # step 1
             self.instance_id = str(time.time_ns())
@@ -233,7 +236,7 @@ class EngineConfig(FreezableConfig):
                 cc.custom_ops.append("+rms_norm")
         resolve_static_graphs(cc, model, sched, parallel, self.platform,
                               self.uniform_decode_query_len)  # step 15
-        set_compile_ranges(cc, model, sched, parallel)  # step 17
+        set_compile_ranges(cc, model, sched, parallel, self.platform)  # step 17
         hook = getattr(self.platform, "check_and_update_config", None)  # step 19
         if callable(hook):
             hook(self)
@@ -410,13 +413,15 @@ class EngineConfig(FreezableConfig):
         return hashlib.sha256(str(parts).encode()).hexdigest()[:10]
 
 
-def _to_compilation_config(value: Any) -> CompilationConfig:
+def _to_compilation_config(value: Any, platform: Platform) -> CompilationConfig:
+    """``value`` as a ``CompilationConfig``; one built here gets ``platform``'s defaults (a
+    given ``CompilationConfig`` keeps those of the platform it was built for)."""
     if value is None:
-        return CompilationConfig()
+        return CompilationConfig(platform=platform)
     if isinstance(value, str):
-        return CompilationConfig.from_cli(value)
+        return CompilationConfig.from_cli(value, platform=platform)
     if isinstance(value, dict):
-        return CompilationConfig(**value)
+        return CompilationConfig(**value, platform=platform)
     if not isinstance(value, CompilationConfig):
         raise ValueError(f"compilation_config must be a CompilationConfig, dict or JSON object "
                          f"string, got {type(value).__name__}")

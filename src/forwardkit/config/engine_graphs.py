@@ -133,14 +133,14 @@ def sizes_for_sequence_parallelism(sizes: list[int], tp: int) -> list[int]:
 
 
 def set_compile_ranges(cc: CompilationConfig, model: ModelConfig | None, sched: SchedulerConfig,
-                       parallel: ParallelConfig) -> None:
+                       parallel: ParallelConfig, platform: Platform | None = None) -> None:
     """Step 17: split points of the Inductor compile ranges: the token budget, the all-reduce
-    fusion limit when that fusion is on, and the user's points strictly between 1 and the
-    budget."""
+    fusion limit when that fusion is on (for ``platform``'s device; None: the current
+    platform), and the user's points strictly between 1 and the budget."""
     tokens = sched.max_num_batched_tokens
     points: list[int] = [tokens] if tokens is not None else []
     if cc.pass_config.fuse_allreduce_rms and model is not None:
-        size = cc.pass_config.flashinfer_max_size(parallel.tensor_parallel_size)
+        size = cc.pass_config.flashinfer_max_size(parallel.tensor_parallel_size, platform)
         if size is not None:
             n = size // (model.get_hidden_size() * model.dtype.itemsize)
             if tokens is not None and n < tokens:
