@@ -236,6 +236,5 @@ def test_the_runner_exposes_the_compile_state_its_model_registered_into():
     runner = _runner(LLAMA)
     state = runner.engine_config.compilation_config.compile_state
     assert runner.compile_state is state
-    assert list(state.static_forward_context) == runner.attn_layer_names + [
-        n for n in state.static_forward_context if n not in runner.attn_layer_names]
-    assert runner.attn_layer_names  # the attention layers were found in the state object
+    assert runner.attn_layer_names  # found in the state object the model registered into
+    assert set(runner.attn_layer_names) <= set(state.static_forward_context)
