@@ -52,8 +52,15 @@ class Platform:
         return self.device_type == "cuda"
 
     def supports_static_graph(self) -> bool:
-        """Whether CUDA graphs (static graphs) can be captured here."""
+        """Whether this kind of device has CUDA graphs (static graphs) at all."""
         return False
+
+    def can_capture_graphs(self) -> bool:
+        """Whether CUDA graphs can really be captured now: the platform has them and, for a
+        CUDA platform, a GPU is visible (a CUDA platform emulated on a CPU machine cannot)."""
+        if not self.supports_static_graph():
+            return False
+        return torch.cuda.is_available() if self.is_cuda_alike() else True
 
     def default_compile_backend(self) -> str:
         """The Inductor backend name used when ``CompilationConfig.backend`` is empty."""

@@ -172,3 +172,11 @@ def test_registry_duplicate_and_oot(cpu_platform):
     finally:
         CustomOp.op_registry_oot.pop("ToyScale", None)
         CustomOp.op_registry.pop("toy_scale", None)
+
+
+def test_the_engine_configs_platform_picks_the_optimised_form(cuda_platform):
+    # the process says CUDA; the config the model is built under says CPU: the config wins
+    config = EngineConfig(compilation_config={"custom_ops": ["all"]}, platform="cpu")
+    with set_current_engine_config(config):
+        norm = RMSNorm(8)
+    assert norm._forward_method.__name__ == "forward_cpu"

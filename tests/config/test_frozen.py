@@ -42,13 +42,19 @@ def test_writing_a_field_of_a_resolved_engine_config_raises(cfg, path, value):
     assert getattr(owner, name) == before
 
 
-def test_runtime_state_stays_writable(cfg):
+def test_runtime_state_is_written_through_the_vllm_names_into_the_state_object(cfg):
     cc = cfg.compilation_config
+    fields_before = dict(vars(cc))
+    hash_before = cc.compute_hash()
     cc.compilation_time = 1.5
     cc.local_cache_dir = "/tmp/x"
     cc.traced_files = {"a.py"}
-    cc.static_forward_context["layer"] = object()
-    assert cc.compilation_time == 1.5 and cc.compute_hash() == cfg.compilation_config.compute_hash()
+    cc.static_forward_context["layer"] = layer = object()
+    state = cc.compile_state
+    assert (state.compilation_time, state.local_cache_dir, state.traced_files) == (1.5, "/tmp/x", {"a.py"})
+    assert state.static_forward_context == {"layer": layer}
+    assert vars(cc) == fields_before  # nothing of the config itself changed
+    assert cc.compute_hash() == hash_before
 
 
 def test_configs_are_mutable_until_resolved():

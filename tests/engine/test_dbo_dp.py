@@ -325,7 +325,9 @@ def _graphs_rank_main(rank: int, nprocs: int, port: int, path: str) -> dict:
     from forwardkit.runner import model_runner
 
     model_runner.GraphBackend = RecordingGraphs  # type: ignore[misc]
-    model_runner.ModelRunner._graphs_supported = lambda self: True  # type: ignore[method-assign]
+    from forwardkit.platforms import Platform
+
+    Platform.can_capture_graphs = lambda self: True  # type: ignore[method-assign]
     init_dp_group(world_size=nprocs, rank=rank, master_port=port, backend="gloo", timeout_s=60)
     try:
         plain = model_runner.ModelRunner(_config(path, False, rank))

@@ -15,8 +15,10 @@ def recording_graphs(monkeypatch):
     """Runners built in the test capture and replay through ``RecordingGraphs`` on CPU."""
     from recording import RecordingGraphs
 
+    from forwardkit.platforms import Platform
     from forwardkit.runner import model_runner
 
     monkeypatch.setattr(model_runner, "GraphBackend", RecordingGraphs)
-    monkeypatch.setattr(model_runner.ModelRunner, "_graphs_supported", lambda self: True)
+    # every platform "can capture" (the engine config's served graph mode reads this)
+    monkeypatch.setattr(Platform, "can_capture_graphs", lambda self: True)
     return RecordingGraphs

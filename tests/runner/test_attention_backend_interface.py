@@ -186,3 +186,40 @@ def test_layers_with_different_backends_are_refused():
     assert attention_backend_of({"a": a}) is TorchNativeAttentionBackend
     with pytest.raises(ValueError, match=r"share one attention backend, found \['COUNTING', 'TORCH_NATIVE'\]"):
         attention_backend_of({"a": a, "b": b})
+
+
+def test_the_runner_serves_the_mode_the_config_decided(counting, recording_graphs, monkeypatch):
+    cfg = _config(cuda=True, cudagraph_mode="FULL")
+    assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.FULL  # vLLM's value, as is
+    assert cfg.served_cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY  # lowered by the config
+    runner = ModelRunner(cfg, device="cpu")
+    assert runner.cudagraph_mode == runner.planner.cudagraph_mode == cfg.served_cudagraph_mode
+    assert runner.dispatcher.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+
+
+def test_the_runner_refuses_layers_built_with_another_backend(counting, monkeypatch):
+    from forwardkit.models.loader import load_model
+
+    cfg = _config()
+    assert cfg.attention_backend == "COUNTING"
+    with set_current_engine_config(cfg):
+        model = load_model(cfg)
+    with unfrozen(cfg):  # as if the model had been built under another selection
+        cfg.attention_backend = "TORCH_NATIVE"
+    with pytest.raises(ValueError, match=r"attention layers use backend 'COUNTING' but the engine "
+                                         r"config selected 'TORCH_NATIVE'"):
+        ModelRunner(cfg, model=model, device="cpu")
+
+
+def test_the_runner_refuses_graphs_on_a_device_the_platform_does_not_run(recording_graphs):
+    cfg = EngineConfig(
+        model_config=ModelConfig(hf_config=dict(LLAMA), max_model_len=64),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
+        cache_config=CacheConfig(block_size=BLOCK, num_gpu_blocks=16),
+        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+        platform=CudaPlatform(device_capability=90),
+    )
+    assert cfg.served_cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    with pytest.raises(ValueError, match="serves CUDA graphs .* on platform 'cuda', but this "
+                                         "runner's device is cpu"):
+        ModelRunner(cfg, device="cpu")

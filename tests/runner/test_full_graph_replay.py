@@ -25,8 +25,8 @@ from forwardkit.config.model import ModelConfig
 from forwardkit.config.scheduler import SchedulerConfig
 from forwardkit.cudagraph.wrapper import GraphBackend
 from forwardkit.forward_context import get_forward_context, override_forward_context
+from forwardkit.platforms import Platform
 from forwardkit.runner import ModelRunner, StepBatch
-from forwardkit.runner.model_runner import ModelRunner as RunnerClass
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -153,7 +153,7 @@ PADDED = [14, 4, 4, 2, 1]
 def replaying_backend(monkeypatch):
     for name in ("graph_pool", "new_graph", "capture", "replay", "weak_ref"):
         monkeypatch.setattr(GraphBackend, name, getattr(ReplayingBackend, name))
-    monkeypatch.setattr(RunnerClass, "_graphs_supported", lambda self: True)
+    monkeypatch.setattr(Platform, "can_capture_graphs", lambda self: True)
     monkeypatch.setitem(globals(), "_POOL", torch.empty(0))  # a fresh pool per test
 
 

@@ -228,14 +228,15 @@ def _graph_config(cudagraph_mode: str, split: bool) -> CompilationConfig:
     ("PIECEWISE", 0, True, CUDAGraphMode.PIECEWISE),
 ])
 def test_resolve_cudagraph_mode(configured, support, split, expected):
-    """Lower the configured mode to what the attention backend supports."""
-    from forwardkit.runner.planner import resolve_graph_mode
+    """Lower the configured mode to what the attention backend supports (the engine config's
+    decision, config/engine_graphs.py)."""
+    from forwardkit.config.engine_graphs import resolve_graph_mode
 
     assert resolve_graph_mode(_graph_config(configured, split), support) == expected
 
 
 def test_resolve_full_without_any_support_is_an_error():
-    from forwardkit.runner.planner import resolve_graph_mode
+    from forwardkit.config.engine_graphs import resolve_graph_mode
 
     cc = _graph_config("FULL", True)
     with pytest.raises(ValueError, match="supports none"):
@@ -243,3 +244,11 @@ def test_resolve_full_without_any_support_is_an_error():
     # off whatever the config says: enforce_eager, or a device that cannot capture
     assert resolve_graph_mode(cc, 3, enforce_eager=True) == CUDAGraphMode.NONE
     assert resolve_graph_mode(cc, 3, can_capture=False) == CUDAGraphMode.NONE
+
+
+def test_the_runner_exposes_the_compile_state_its_model_registered_into():
+    runner = _runner(LLAMA)
+    state = runner.engine_config.compilation_config.compile_state
+    assert runner.compile_state is state
+    assert runner.attn_layer_names  # found in the state object the model registered into
+    assert set(runner.attn_layer_names) <= set(state.static_forward_context)

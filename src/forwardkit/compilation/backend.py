@@ -13,7 +13,6 @@ piece is then replaced by ``factory(piece, index, num_pieces)`` instead of the b
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -204,8 +203,7 @@ class ForwardkitBackend:
         local = os.path.join(key_dir, rank_dir_name(pc), self.prefix)
         cache = CompileCache(root, local, cc.compile_cache_save_format, source)
         cache.write_metadata("cache_key_factors.json", json.dumps(factors, indent=2, sort_keys=True))
-        with contextlib.suppress(AttributeError, TypeError, ValueError):  # a frozen config keeps None
-            cc.local_cache_dir = local
+        cc.compile_state.local_cache_dir = local  # run-time state, writable on a resolved config
         return cache
 
     # ------------------------------------------------------------------ call

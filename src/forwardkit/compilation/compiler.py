@@ -100,10 +100,11 @@ class PieceCompiler:
             logger.warning_once("vector-ISA priming failed (%s); Inductor will probe", str(e))
 
     def add_compilation_time(self, seconds: float) -> None:
-        """Accumulate into ``compilation_config.compilation_time`` when there is a config."""
+        """Accumulate into the config's run-time ``compilation_time`` (``compile_state``) when
+        there is a config."""
         cfg = self.compilation_config
         if cfg is not None:
-            cfg.compilation_time = (cfg.compilation_time or 0.0) + seconds
+            cfg.compile_state.compilation_time += seconds
 
     def compile_or_load(
         self,

@@ -3,14 +3,15 @@
 A subclass implements :meth:`CustomOp.forward_native` (plain torch, what Inductor can trace and
 fuse) and may implement ``forward_cuda`` / ``forward_cpu`` (optimised forms; in forwardkit they
 call opaque ``torch.ops.forwardkit.*`` kernels). Which one runs is decided at construction from
-the current engine config's ``compilation_config.custom_ops`` (vLLM semantics):
+the current engine config's ``compilation_config.custom_ops`` (vLLM semantics) and, for the
+optimised form, its ``platform`` (``current_platform`` outside an engine config):
 
 * ``"all"`` / ``"none"`` set the default; ``"+name"`` forces an op on, ``"-name"`` off;
 * with neither ``"all"`` nor ``"none"`` present (an un-normalised config) the normalisation
   default is used: ``none`` when the mode compiles with the ``inductor`` backend, else ``all``
   (the reference asserts instead);
-* the decision is counted into ``enabled_custom_ops`` / ``disabled_custom_ops`` under the op's
-  registered name. Changing ``custom_ops`` after construction has no effect.
+* the decision is counted into ``enabled_custom_ops`` / ``disabled_custom_ops`` of the config's
+  run-time state (``compilation_config.compile_state``) under the op's registered name. Changing ``custom_ops`` after construction has no effect.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from forwardkit.config.custom_ops import (
     custom_ops_default_on,
     is_custom_op_enabled,
 )
-from forwardkit.config.engine import get_current_engine_config
+from forwardkit.config.engine import get_current_engine_config, get_current_engine_config_or_none
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
 
@@ -36,6 +37,14 @@ logger = init_logger(__name__)
 
 def _current_compilation_config() -> Any:
     return get_current_engine_config().compilation_config
+
+
+def _current_platform() -> Any:
+    """The platform of the engine config the model is built under (its one owner of device
+    facts), else ``current_platform``."""
+    config = get_current_engine_config_or_none()
+    platform = getattr(config, "platform", None) if config is not None else None
+    return current_platform if platform is None else platform
 
 
 class CustomOp(nn.Module):
@@ -94,13 +103,15 @@ class CustomOp(nn.Module):
         config = _current_compilation_config()
         enabled = self._enforce_enable or type(self).enabled()
         op_name = getattr(type(self), "name", type(self).__name__)
-        counter = config.enabled_custom_ops if enabled else config.disabled_custom_ops
+        state = config.compile_state
+        counter = state.enabled_custom_ops if enabled else state.disabled_custom_ops
         counter.update([op_name])
         if not enabled:
             return self.forward_native
-        if current_platform.is_cpu():
+        platform = _current_platform()
+        if platform.is_cpu():
             return self.forward_cpu
-        if current_platform.is_cuda_alike():
+        if platform.is_cuda_alike():
             return self.forward_cuda
         return self.forward_oot
 

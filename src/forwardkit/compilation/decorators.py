@@ -302,8 +302,7 @@ def _trace(module: Any, forward: Any, args: tuple[Any, ...], kwargs: dict[str, A
             out = compiler.aot_first_call(entry, *args, **kwargs)
         else:
             out = compiler.first_call(*args, **kwargs)
-    with contextlib.suppress(AttributeError, TypeError, ValueError):
-        cc.traced_files = set(traced)
+    cc.compile_state.traced_files = set(traced)
     module._fk_compiler = compiler
     if entry is not None:
         entry.save_after_first_call(traced)
@@ -346,8 +345,7 @@ def _first_call_aot(module: Any, forward: Any, args: tuple[Any, ...], kwargs: di
             logger.warning("the AOT-compiled %s failed on its first call (%s: %s); tracing again",
                            type(module).__name__, type(e).__name__, e)
         else:
-            with contextlib.suppress(AttributeError, TypeError, ValueError):
-                cfg.compilation_config.traced_files = set(files)
+            cfg.compilation_config.compile_state.traced_files = set(files)
             module._fk_compiler = lambda *a, **k: fn(module, *a, **k)
             return out
     try:

@@ -48,7 +48,7 @@ from forwardkit.config.scheduler import (
 )
 from forwardkit.config.utils import short_repr
 from forwardkit.logger import init_logger
-from forwardkit.platforms import Platform, current_platform, platform_by_name, use_platform
+from forwardkit.platforms import Platform, current_platform, platform_by_name
 
 logger = init_logger(__name__)
 
@@ -108,14 +108,13 @@ def _compilation(value: Any, platform: Platform, label: str) -> CompilationConfi
     """``value`` (None, dict, JSON/mode string or CompilationConfig) as a CompilationConfig."""
     if isinstance(value, CompilationConfig):
         return value
-    try:
-        with use_platform(platform):  # CompilationConfig reads the platform while it is built
-            if value is None:
-                return CompilationConfig()
-            if isinstance(value, Mapping):
-                return CompilationConfig(**value)
-            if isinstance(value, str):
-                return CompilationConfig.from_cli(value)
+    try:  # the platform's defaults apply (passed explicitly; nothing process-wide swapped)
+        if value is None:
+            return CompilationConfig(platform=platform)
+        if isinstance(value, Mapping):
+            return CompilationConfig(**value, platform=platform)
+        if isinstance(value, str):
+            return CompilationConfig.from_cli(value, platform=platform)
     except ValidationError as exc:  # name the bad key relative to the compilation config
         raise ValueError(one_line_error(exc, prefix=label)) from None
     raise ValueError(f"{label} must be a CompilationConfig, a dict of its fields, a JSON object "

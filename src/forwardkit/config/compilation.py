@@ -29,14 +29,15 @@ the methods in :mod:`.compilation_methods`; all are importable from here. ``to_d
 from __future__ import annotations
 
 import json
-from collections import Counter
-from dataclasses import field, fields
+from collections.abc import Callable
+from dataclasses import InitVar, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import ConfigDict, TypeAdapter, field_validator
+from pydantic import ConfigDict, TypeAdapter, field_validator, model_validator
 from pydantic.dataclasses import dataclass
+from pydantic_core import ArgsKwargs
 
 from forwardkit import envs
 from forwardkit.config.compilation_enums import (
@@ -45,15 +46,16 @@ from forwardkit.config.compilation_enums import (
     DynamicShapesType,
     Range,
 )
-from forwardkit.config.compilation_methods import CompilationMethods
+from forwardkit.config.compilation_methods import STATE_ATTR, CompilationMethods
 from forwardkit.config.compilation_sizes import MAX_CAPTURE_SIZE
+from forwardkit.config.compile_state import CompileRuntimeState
 from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.pass_config import DynamicShapesConfig, PassConfig, resolve_inductor_pass
 from forwardkit.config.utils import ConfigAssertionError, check_nesting, short_repr
 from forwardkit.config.utils import is_plain_json as _is_plain_json
 from forwardkit.config.utils import json_object as _json_object
 from forwardkit.logger import init_logger
-from forwardkit.platforms import current_platform
+from forwardkit.platforms import Platform, current_platform
 
 __all__ = [
     "CUDAGraphMode",
@@ -118,12 +120,8 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
     )
     """Attention ops used as default splitting ops (callers get a list copy)."""
 
-    RUNTIME_FIELDS: ClassVar[frozenset[str]] = frozenset({
-        "local_cache_dir", "enabled_custom_ops", "disabled_custom_ops", "traced_files",
-        "compilation_time", "static_forward_context",
-    })
-    """Run-time state (vLLM's ``init=False`` fields) the model build and the compile backend
-    write; writable after resolution (see ``config/frozen.py``) and never hashed."""
+    RUNTIME_STATE: ClassVar[dict[str, Callable[[], Any]]] = {STATE_ATTR: CompileRuntimeState}
+    """The run-time state linked to each config (``compile_state``; config/compile_state.py)."""
 
     level: int | None = None
     """Deprecated alias of ``mode`` (0-3)."""
@@ -171,24 +169,34 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
     """Largest capture size; None -> derived."""
     dynamic_shapes_config: DynamicShapesConfig = field(default_factory=DynamicShapesConfig)
     """Dynamic-shape options for Dynamo."""
+    platform: InitVar[Any] = None
+    """Construction only (not a field, not kept): the ``Platform`` whose defaults apply (the
+    default backend, combo kernels, the pass flags a dict ``pass_config`` is checked
+    against); None = ``current_platform``, as in vLLM. An engine config passes its own, so
+    resolving for another platform swaps nothing process-wide."""
 
-    # Runtime state, not constructor arguments.
-    local_cache_dir: str | None = field(default=None, init=False)
-    """Per-rank cache dir, set by the compile backend."""
+    # A resolution result, not a constructor argument (run-time state lives in
+    # ``compile_state``, see config/compile_state.py).
     bs_to_padded_graph_size: list[int] | None = field(default=None, init=False)
     """Batch size -> padded capture size (see compute_bs_to_padded_graph_size)."""
-    enabled_custom_ops: Counter[str] = field(default_factory=Counter, init=False)
-    """Custom ops seen enabled while the model was built."""
-    disabled_custom_ops: Counter[str] = field(default_factory=Counter, init=False)
-    """Custom ops seen disabled while the model was built."""
-    traced_files: set[str] = field(default_factory=set, init=False)
-    """Source files traced by Dynamo."""
-    compilation_time: float = field(default=0.0, init=False)
-    """Seconds spent compiling."""
-    static_forward_context: dict[str, Any] = field(default_factory=dict, init=False)
-    """Layer name -> layer object that the forward context exposes (attention, MoE, ...)."""
 
     # ------------------------------------------------------------------ validators
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pass_platform_to_pass_config(cls, data: Any) -> Any:
+        """With an explicit ``platform``, a ``pass_config`` given as a dict or JSON object is
+        checked against that platform too (``PassConfig(platform=...)``)."""
+        kwargs = data.kwargs if isinstance(data, ArgsKwargs) else data
+        if not isinstance(kwargs, dict) or kwargs.get("platform") is None:
+            return data
+        value = kwargs.get("pass_config")
+        if isinstance(value, str):
+            value = _json_object(value, "pass_config")
+        if not isinstance(value, dict) or "platform" in value:
+            return data
+        kwargs = {**kwargs, "pass_config": {**value, "platform": kwargs["platform"]}}
+        return ArgsKwargs(data.args, kwargs) if isinstance(data, ArgsKwargs) else kwargs
 
     @field_validator(*_DELAYED_FIELDS, mode="wrap")
     @classmethod
@@ -302,8 +310,13 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
 
     # ------------------------------------------------------------------ construction
 
-    def __post_init__(self) -> None:
-        """Normalise fields. Raises ``ValueError`` on bad input."""
+    def __post_init__(self, platform: Platform | None = None) -> None:
+        """Normalise fields for ``platform`` (None: ``current_platform``). Raises
+        ``ValueError`` on bad input."""
+        target = current_platform if platform is None else platform
+        # the run-time state this config's vLLM-named properties forward to (a fresh one per
+        # construction, as vLLM's init=False fields)
+        object.__setattr__(self, STATE_ATTR, CompileRuntimeState())
         if self.level is not None:
             logger.warning("Level is deprecated and will be removed in a future release; use mode.")
             if self.mode is None:
@@ -336,7 +349,7 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
         if (
             _torch_at_least("2.9.0.dev")
             and not any(k in self.inductor_compile_config for k in combo_keys)
-            and not current_platform.is_cpu()
+            and not target.is_cpu()
         ):
             for key in combo_keys:
                 self.inductor_compile_config[key] = True
@@ -353,17 +366,19 @@ class CompilationConfig(CompilationMethods, FreezableConfig):
                 "VLLM_COMPILE, backend must be '', 'eager' or 'inductor'."
             )
         if self.backend == "":
-            self.backend = current_platform.default_compile_backend()
+            self.backend = target.default_compile_backend()
 
     # ------------------------------------------------------------------ (de)serialisation
 
     @classmethod
-    def from_cli(cls, cli_value: str) -> CompilationConfig:
-        """Build from a CLI string: a JSON object, or a bare mode (``"3"``, ``"VLLM_COMPILE"``)."""
+    def from_cli(cls, cli_value: str, platform: Platform | None = None) -> CompilationConfig:
+        """Build from a CLI string: a JSON object, or a bare mode (``"3"``, ``"VLLM_COMPILE"``);
+        ``platform`` as for the constructor."""
         text = cli_value.strip()
         if text.isdigit() or (text.isidentifier() and text.upper() in CompilationMode.__members__):
-            return cls(mode=CompilationMode.parse(int(text) if text.isdigit() else text))
-        return cls(**_json_object(text, "compilation config"))
+            return cls(mode=CompilationMode.parse(int(text) if text.isdigit() else text),
+                       platform=platform)
+        return cls(**_json_object(text, "compilation config"), platform=platform)
 
     def to_dict(self) -> dict[str, Any]:
         """The user-settable fields as plain JSON-able values; ``CompilationConfig(**d)``
@@ -392,16 +407,9 @@ compilation_config_adapter: TypeAdapter[CompilationConfig] = TypeAdapter(Compila
 # the dataclass fields in declaration order; ``to_dict`` keeps the user-settable ones (so
 # ``CompilationConfig(**d)`` rebuilds an equal config), ``repr`` leaves out runtime state.
 
-_REPR_EXCLUDED = frozenset(
-    {
-        "static_forward_context",
-        "enabled_custom_ops",
-        "disabled_custom_ops",
-        "compilation_time",
-        "bs_to_padded_graph_size",
-        "traced_files",
-    }
-)
+# Fields left out of ``repr``: the padding table is a resolution result vLLM does not print.
+# The run-time state is no field; of it vLLM prints ``local_cache_dir`` only, last.
+_REPR_EXCLUDED = frozenset({"bs_to_padded_graph_size"})
 
 
 def compilation_config_to_dict(config: CompilationConfig) -> dict[str, Any]:
@@ -442,4 +450,5 @@ def compilation_config_repr(config: CompilationConfig) -> str:
         elif f.name == "inductor_compile_config":
             value = {k: v for k, v in value.items() if k != "post_grad_custom_post_pass"}
         shown[f.name] = value
+    shown["local_cache_dir"] = config.local_cache_dir
     return repr(shown)

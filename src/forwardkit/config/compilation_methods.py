@@ -29,6 +29,7 @@ from forwardkit.config.utils import (
 from forwardkit.logger import init_logger
 
 if TYPE_CHECKING:
+    from forwardkit.config.compile_state import CompileRuntimeState
     from forwardkit.config.pass_config import DynamicShapesConfig, PassConfig
 
 __all__ = ["CompilationMethods"]
@@ -39,18 +40,15 @@ _HASH_IGNORED = frozenset(
     {
         "debug_dump_path",
         "cache_dir",
-        "local_cache_dir",
         "bs_to_padded_graph_size",
-        "traced_files",
-        "compilation_time",
-        "static_forward_context",
         "pass_config",
         "dynamic_shapes_config",
-        # Counters filled while the model is built: run-time state, not configuration.
-        "enabled_custom_ops",
-        "disabled_custom_ops",
     }
 )
+# (The run-time state, vLLM's hash-ignored init=False fields, is no field: see compile_state.)
+
+STATE_ATTR = "_fk_compile_state"
+"""Instance attribute holding a config's ``CompileRuntimeState`` (set at construction)."""
 
 
 # The mode-3 backend factory (``ForwardkitBackend``). The compilation layer registers it when it
@@ -88,8 +86,71 @@ class CompilationMethods:
         max_cudagraph_capture_size: int | None
         dynamic_shapes_config: DynamicShapesConfig
         bs_to_padded_graph_size: list[int] | None
-        enabled_custom_ops: Counter[str]
-        disabled_custom_ops: Counter[str]
+
+    # ------------------------------------------------------------------ run-time state
+    # vLLM's init=False fields, forwarded to the config's CompileRuntimeState: the config's own
+    # fields hold configuration only, and stay read-only once resolved.
+
+    @property
+    def compile_state(self) -> CompileRuntimeState:
+        """The mutable run-time state linked to this config (layers, custom-op counters,
+        traced files, compile time, per-rank cache dir)."""
+        state: CompileRuntimeState = self.__dict__[STATE_ATTR]
+        return state
+
+    @property
+    def static_forward_context(self) -> dict[str, Any]:
+        """Layer name -> layer registered while the model was built (``compile_state``)."""
+        return self.compile_state.static_forward_context
+
+    @static_forward_context.setter
+    def static_forward_context(self, value: dict[str, Any]) -> None:
+        self.compile_state.static_forward_context = value
+
+    @property
+    def enabled_custom_ops(self) -> Counter[str]:
+        """Custom ops seen enabled while the model was built (``compile_state``)."""
+        return self.compile_state.enabled_custom_ops
+
+    @enabled_custom_ops.setter
+    def enabled_custom_ops(self, value: Counter[str]) -> None:
+        self.compile_state.enabled_custom_ops = value
+
+    @property
+    def disabled_custom_ops(self) -> Counter[str]:
+        """Custom ops seen disabled while the model was built (``compile_state``)."""
+        return self.compile_state.disabled_custom_ops
+
+    @disabled_custom_ops.setter
+    def disabled_custom_ops(self, value: Counter[str]) -> None:
+        self.compile_state.disabled_custom_ops = value
+
+    @property
+    def traced_files(self) -> set[str]:
+        """Source files traced by Dynamo (``compile_state``)."""
+        return self.compile_state.traced_files
+
+    @traced_files.setter
+    def traced_files(self, value: set[str]) -> None:
+        self.compile_state.traced_files = value
+
+    @property
+    def compilation_time(self) -> float:
+        """Seconds spent compiling (``compile_state``)."""
+        return self.compile_state.compilation_time
+
+    @compilation_time.setter
+    def compilation_time(self, value: float) -> None:
+        self.compile_state.compilation_time = value
+
+    @property
+    def local_cache_dir(self) -> str | None:
+        """Per-rank compile-cache dir set by the compile backend (``compile_state``)."""
+        return self.compile_state.local_cache_dir
+
+    @local_cache_dir.setter
+    def local_cache_dir(self, value: str | None) -> None:
+        self.compile_state.local_cache_dir = value
 
     # ------------------------------------------------------------------ backend
 

@@ -22,9 +22,12 @@ mode), so it is kept exactly. Deliberate differences from the reference:
   (forwardkit's CPU platform does not, so CPU keeps VLLM_COMPILE instead of the reference
   CPU platform's DYNAMO_TRACE_ONCE).
 
-Resolution runs under ``use_platform(self.platform)`` because ``CompilationConfig`` reads
-``current_platform``; that briefly swaps the process-wide platform, so build engine configs
-for different platforms from one thread at a time.
+Resolution reads device facts from ``self.platform`` only: the compilation config built from a
+dict, JSON or None gets it explicitly (``CompilationConfig(platform=...)``, passed on to a dict
+``pass_config``), and so do the steps that ask the device (capture, FlashInfer cut-offs). No
+process-wide platform swap happens, so engine configs for different platforms can be built
+from several threads at once. (A ``CompilationConfig`` or ``ParallelConfig`` object built
+before keeps what its own construction read from ``current_platform``, as in vLLM.)
 
 The current config (``set_current_engine_config``; also importable from :mod:`.current`) lives
 in a ``contextvars.ContextVar``, not a process global, so threads and asyncio tasks building
@@ -46,11 +49,13 @@ from pydantic import ConfigDict, Field, field_validator
 from pydantic.dataclasses import dataclass
 
 from forwardkit import envs
+from forwardkit.config.attention import selected_attention_backend
 from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
 from forwardkit.config.custom_ops import custom_ops_default
 from forwardkit.config.engine_graphs import (
     resolve_static_graphs,
+    served_graph_mode,
     set_compile_ranges,
     sizes_for_sequence_parallelism,
 )
@@ -66,7 +71,7 @@ from forwardkit.config.parallel import ParallelConfig, check_parallel_fits_model
 from forwardkit.config.scheduler import SchedulerConfig, SpeculativeConfig
 from forwardkit.config.utils import ConfigAssertionError, short_repr
 from forwardkit.logger import init_logger
-from forwardkit.platforms import Platform, current_platform, platform_by_name, use_platform
+from forwardkit.platforms import Platform, current_platform, platform_by_name
 
 __all__ = [
     "EngineConfig",
@@ -120,6 +125,9 @@ class EngineConfig(FreezableConfig):
     """A ``Platform`` or its name; None = ``forwardkit.platforms.current_platform``."""
     instance_id: str = ""
     """Unique id of this engine instance (``time_ns`` when empty)."""
+    attention_backend: str | None = None
+    """Registered attention backend name the model's attention layers use; None =
+    ``FORWARDKIT_ATTENTION_BACKEND``, else ``TORCH_NATIVE`` (resolved to the name)."""
 
     @field_validator("platform", mode="before")
     @classmethod
@@ -143,21 +151,22 @@ class EngineConfig(FreezableConfig):
                 setattr(self, name, thawed_copy(value))
         if self.platform is None:
             self.platform = current_platform._get()
-        # NOTE: CompilationConfig/PassConfig consult current_platform, so resolve under ours.
-        with use_platform(self.platform):
-            self.compilation_config = _to_compilation_config(self.compilation_config)
-            # Resolution mutates the sub-configs in place (as vLLM does); a failure puts them
-            # back, so a rejected config changes nothing the caller passed in.
-            parts = [self.compilation_config, self.compilation_config.pass_config, self.model_config,
-                     self.parallel_config, self.scheduler_config]
-            saved = [(obj, {k: copy.copy(v) for k, v in vars(obj).items()})
-                     for obj in parts if obj is not None]
-            try:
-                self._resolve()
-            except BaseException:
-                for obj, state in saved:
-                    vars(obj).update(state)
-                raise
+        # Everything resolution builds or checks is given self.platform explicitly (the
+        # compilation config's platform defaults included): no process-wide platform swap.
+        self.compilation_config = _to_compilation_config(self.compilation_config, self.platform)
+        # Resolution mutates the sub-configs in place (as vLLM does); a failure puts them
+        # back, so a rejected config changes nothing the caller passed in.
+        parts = [self.compilation_config, self.compilation_config.pass_config, self.model_config,
+                 self.parallel_config, self.scheduler_config]
+        saved = [(obj, {k: copy.copy(v) for k, v in vars(obj).items()
+                        if k not in type(obj).RUNTIME_STATE})  # not touched by resolution
+                 for obj in parts if obj is not None]
+        try:
+            self._resolve()
+        except BaseException:
+            for obj, state in saved:
+                vars(obj).update(state)
+            raise
         freeze(self)  # resolved: this config and its sub-configs are read-only from here on
 
     def require_model_config(self) -> ModelConfig:
@@ -174,10 +183,11 @@ class EngineConfig(FreezableConfig):
 
     # ------------------------------------------------------------------ resolution
     def _resolve(self) -> None:
-        cc = self.compilation_config = _to_compilation_config(self.compilation_config)
+        cc = self.compilation_config = _to_compilation_config(self.compilation_config, self.platform)
         model, parallel, sched = self.model_config, self.parallel_config, self.scheduler_config
         if not self.instance_id:  # step 1
             self.instance_id = str(time.time_ns())
+        self.attention_backend = selected_attention_backend(self.attention_backend)
         if model is not None:  # step 3
             parallel.is_moe_model = model.is_moe
             if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < model.get_max_model_len():
@@ -226,7 +236,7 @@ class EngineConfig(FreezableConfig):
                 cc.custom_ops.append("+rms_norm")
         resolve_static_graphs(cc, model, sched, parallel, self.platform,
                               self.uniform_decode_query_len)  # step 15
-        set_compile_ranges(cc, model, sched, parallel)  # step 17
+        set_compile_ranges(cc, model, sched, parallel, self.platform)  # step 17
         hook = getattr(self.platform, "check_and_update_config", None)  # step 19
         if callable(hook):
             hook(self)
@@ -346,6 +356,18 @@ class EngineConfig(FreezableConfig):
         return 1 + spec.num_speculative_tokens if spec is not None and spec.num_speculative_tokens else 1
 
     @property
+    def served_cudagraph_mode(self) -> CUDAGraphMode:
+        """The CUDA-graph mode a runner of this config serves, decided here once for the
+        planner, dispatcher and runner: ``compilation_config.cudagraph_mode`` (vLLM's
+        configured value, left as vLLM's resolution leaves it) lowered to NONE with
+        ``enforce_eager`` or when :attr:`platform` cannot capture graphs now, else to what
+        the :attr:`attention_backend` supports (``config.engine_graphs.served_graph_mode``).
+        Reading it needs that backend registered when graphs are on (a ``ValueError`` names
+        it otherwise); a FULL mode the backend cannot run at all is a ``ValueError``."""
+        return served_graph_mode(self.compilation_config, self.model_config, self.platform,
+                                 selected_attention_backend(self.attention_backend))
+
+    @property
     def compiles_model(self) -> bool:
         """Whether models built under this config compile their ``support_torch_compile``
         modules: compilation mode is not NONE and ``enforce_eager`` is off. The one answer the
@@ -391,13 +413,15 @@ class EngineConfig(FreezableConfig):
         return hashlib.sha256(str(parts).encode()).hexdigest()[:10]
 
 
-def _to_compilation_config(value: Any) -> CompilationConfig:
+def _to_compilation_config(value: Any, platform: Platform) -> CompilationConfig:
+    """``value`` as a ``CompilationConfig``; one built here gets ``platform``'s defaults (a
+    given ``CompilationConfig`` keeps those of the platform it was built for)."""
     if value is None:
-        return CompilationConfig()
+        return CompilationConfig(platform=platform)
     if isinstance(value, str):
-        return CompilationConfig.from_cli(value)
+        return CompilationConfig.from_cli(value, platform=platform)
     if isinstance(value, dict):
-        return CompilationConfig(**value)
+        return CompilationConfig(**value, platform=platform)
     if not isinstance(value, CompilationConfig):
         raise ValueError(f"compilation_config must be a CompilationConfig, dict or JSON object "
                          f"string, got {type(value).__name__}")
@@ -454,6 +478,6 @@ def get_current_engine_config() -> EngineConfig:
 def get_layers_from_engine_config(config: EngineConfig, layer_type: type,
                                   layer_names: list[str] | None = None) -> dict[str, Any]:
     """Layers of ``static_forward_context`` that are instances of ``layer_type``."""
-    ctx = config.compilation_config.static_forward_context
+    ctx = config.compilation_config.compile_state.static_forward_context
     names = list(ctx) if layer_names is None else layer_names
     return {name: ctx[name] for name in names if isinstance(ctx[name], layer_type)}

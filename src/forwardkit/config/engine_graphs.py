@@ -1,5 +1,13 @@
 """Steps 15 and 17 of ``EngineConfig``'s resolution: CUDA-graph capture sizes and the padding
-table, and the Inductor compile ranges.
+table, and the Inductor compile ranges; and the graph mode the runner serves
+(:func:`served_graph_mode`, read through ``EngineConfig.served_cudagraph_mode``).
+
+Where the graph mode is decided: resolution sets vLLM's ``compilation_config.cudagraph_mode``
+(what vLLM's config holds; NONE when the platform has no static graphs, step 15). The mode
+the runner serves is that one lowered once more, also here: NONE with ``enforce_eager`` or
+when the config's platform cannot capture now, else lowered to what the selected attention
+backend supports (:func:`resolve_graph_mode`; vLLM does this step in its GPU runner). The
+planner, dispatcher and runner read the result; none of them decides again.
 
 The functions take the sub-configs of the ``EngineConfig`` being resolved (never the engine
 config itself, so this module does not import :mod:`.engine`) and change its compilation
@@ -11,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from forwardkit.config.attention import AttentionCGSupport, attention_cudagraph_support
 from forwardkit.config.compilation_enums import CUDAGraphMode
 from forwardkit.config.levels import default_capture_sizes
 from forwardkit.config.utils import ConfigAssertionError
@@ -23,7 +32,13 @@ if TYPE_CHECKING:
     from forwardkit.config.scheduler import SchedulerConfig
     from forwardkit.platforms import Platform
 
-__all__ = ["resolve_static_graphs", "set_compile_ranges", "sizes_for_sequence_parallelism"]
+__all__ = [
+    "resolve_graph_mode",
+    "resolve_static_graphs",
+    "served_graph_mode",
+    "set_compile_ranges",
+    "sizes_for_sequence_parallelism",
+]
 
 logger = init_logger(__name__)
 
@@ -118,14 +133,14 @@ def sizes_for_sequence_parallelism(sizes: list[int], tp: int) -> list[int]:
 
 
 def set_compile_ranges(cc: CompilationConfig, model: ModelConfig | None, sched: SchedulerConfig,
-                       parallel: ParallelConfig) -> None:
+                       parallel: ParallelConfig, platform: Platform | None = None) -> None:
     """Step 17: split points of the Inductor compile ranges: the token budget, the all-reduce
-    fusion limit when that fusion is on, and the user's points strictly between 1 and the
-    budget."""
+    fusion limit when that fusion is on (for ``platform``'s device; None: the current
+    platform), and the user's points strictly between 1 and the budget."""
     tokens = sched.max_num_batched_tokens
     points: list[int] = [tokens] if tokens is not None else []
     if cc.pass_config.fuse_allreduce_rms and model is not None:
-        size = cc.pass_config.flashinfer_max_size(parallel.tensor_parallel_size)
+        size = cc.pass_config.flashinfer_max_size(parallel.tensor_parallel_size, platform)
         if size is not None:
             n = size // (model.get_hidden_size() * model.dtype.itemsize)
             if tokens is not None and n < tokens:
@@ -140,3 +155,52 @@ def set_compile_ranges(cc: CompilationConfig, model: ModelConfig | None, sched: 
         if tokens is not None and 1 < x < tokens:
             points.append(x)
     cc.compile_ranges_split_points = sorted(set(points))  # NOTE: deduplicated (idempotence)
+
+
+def resolve_graph_mode(compilation_config: CompilationConfig, support: AttentionCGSupport | int, *,
+                       enforce_eager: bool = False, can_capture: bool = True) -> CUDAGraphMode:
+    """The configured graph mode lowered to what attention supports.
+
+    NONE when the config's mode is NONE, ``enforce_eager`` is set or the device cannot capture
+    graphs. Otherwise the configured mode lowered to ``support`` (the attention backend's
+    ``AttentionCGSupport``). No speculative decoding: the uniform decode query length is 1, so
+    every support level above NEVER can run uniform-decode FULL graphs. A FULL mixed mode with
+    a backend that supports no full graph is a ``ValueError``.
+    """
+    support = AttentionCGSupport(support)
+    mode = CUDAGraphMode.parse(compilation_config.cudagraph_mode or CUDAGraphMode.NONE)
+    if mode == CUDAGraphMode.NONE or enforce_eager or not can_capture:
+        return CUDAGraphMode.NONE
+    piecewise_attn = bool(compilation_config.is_attention_compiled_piecewise())
+    attn_split = bool(compilation_config.splitting_ops_contain_attention())
+    if mode.mixed_mode() == CUDAGraphMode.FULL and support < AttentionCGSupport.ALWAYS:
+        if support == AttentionCGSupport.NEVER:
+            raise ValueError(
+                f"cudagraph_mode={mode} needs full CUDA graphs but the attention backend "
+                "supports none; use PIECEWISE or NONE"
+            )
+        new = CUDAGraphMode.FULL_AND_PIECEWISE if attn_split else CUDAGraphMode.FULL_DECODE_ONLY
+        logger.warning_once(
+            "cudagraph_mode %s: attention supports full graphs for uniform decode batches only; "
+            "using %s", mode, new,
+        )
+        mode = new
+    if mode.decode_mode() == CUDAGraphMode.FULL and support == AttentionCGSupport.NEVER:
+        mode = CUDAGraphMode.PIECEWISE if piecewise_attn else CUDAGraphMode.NONE
+    return mode
+
+
+def served_graph_mode(cc: CompilationConfig, model: ModelConfig | None, platform: Platform,
+                      attention_backend: str) -> CUDAGraphMode:
+    """The graph mode a runner of this config serves (see the module docstring): NONE when
+    ``cc.cudagraph_mode`` is NONE, the model is ``enforce_eager`` or ``platform`` cannot capture
+    graphs now; else :func:`resolve_graph_mode` with ``attention_backend``'s support level (the
+    backend must be registered then)."""
+    configured = CUDAGraphMode.parse(cc.cudagraph_mode or CUDAGraphMode.NONE)
+    if configured == CUDAGraphMode.NONE or (model is not None and model.enforce_eager):
+        return CUDAGraphMode.NONE
+    if not platform.can_capture_graphs():
+        logger.info_once("CUDA graphs are off: platform %s cannot capture them here (no device); "
+                         "steps run eagerly (runtime mode NONE).", platform.name)
+        return CUDAGraphMode.NONE
+    return resolve_graph_mode(cc, attention_cudagraph_support(attention_backend))

@@ -6,14 +6,16 @@ attributes raises :class:`FrozenConfigError`, naming the class and field. Before
 (a ``CompilationConfig`` on its own, a ``ModelConfig`` being built) configs stay mutable, as in
 vLLM, so construction and resolution work as they always did.
 
-A few fields are run-time state rather than configuration and stay writable after resolution
-(``RUNTIME_FIELDS``; vLLM keeps them on ``CompilationConfig`` too, so code written against it
-reads them there): the layers registered while the model is built, the custom-op counters, the
-traced files, the compile time and the per-rank cache directory. They are excluded from the
-config hash.
+The guard covers every attribute; no field is exempt. Run-time state (the layers registered
+while the model is built, custom-op counters, traced files, compile time, the per-rank cache
+directory) is no config field: it lives in a separate mutable object linked to the config
+(``CompileRuntimeState``, :mod:`.compile_state`; a config names such attributes in
+``RUNTIME_STATE``). A property the config class defines with a setter (vLLM's names for that
+state, e.g. ``compilation_config.static_forward_context``) writes through to that object, so
+assigning it is not a write of the config.
 
 Passing an already resolved (frozen) sub-config to a new ``EngineConfig`` resolves a copy of it
-(:func:`thawed_copy`); the original is never changed. :func:`unfrozen` lifts the guard for a
+(:func:`thawed_copy`, which gives the copy fresh run-time state); the original is never changed. :func:`unfrozen` lifts the guard for a
 block, for tests that emulate a state resolution would not produce.
 """
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 __all__ = ["FreezableConfig", "FrozenConfigError", "freeze", "is_frozen", "thawed_copy", "unfrozen"]
@@ -40,18 +42,26 @@ class FrozenConfigError(AttributeError):
 class FreezableConfig:
     """Mixin of the config dataclasses: read-only once :func:`freeze` marks the instance."""
 
-    RUNTIME_FIELDS: ClassVar[frozenset[str]] = frozenset()
-    """Fields that hold run-time state and stay writable after resolution."""
+    RUNTIME_STATE: ClassVar[dict[str, Callable[[], Any]]] = {}
+    """Instance attributes (not fields) holding the mutable run-time state linked to the config,
+    each with the factory of a fresh one (:func:`thawed_copy` gives a copy fresh state)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if self.__dict__.get(_FLAG, False) and name not in type(self).RUNTIME_FIELDS:
+        if self.__dict__.get(_FLAG, False) and not _writes_through(type(self), name):
             raise FrozenConfigError(_message(self, name, "set"))
         super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
-        if self.__dict__.get(_FLAG, False) and name not in type(self).RUNTIME_FIELDS:
+        if self.__dict__.get(_FLAG, False):
             raise FrozenConfigError(_message(self, name, "delete"))
         super().__delattr__(name)
+
+
+def _writes_through(cls: type, name: str) -> bool:
+    """Whether ``name`` is a property of ``cls`` with a setter: it stores into the linked
+    run-time state, not into the config."""
+    attr = getattr(cls, name, None)
+    return isinstance(attr, property) and attr.fset is not None
 
 
 def _message(config: object, name: str, verb: str) -> str:
@@ -95,13 +105,16 @@ def is_frozen(config: object) -> bool:
 
 def thawed_copy(config: T) -> T:
     """A mutable copy of ``config`` for a new resolution: sub-configs are copied the same way,
-    lists, dicts and sets are copied one level deep (resolution edits them in place), other
-    values are shared."""
+    run-time state (``RUNTIME_STATE``) is fresh, lists, dicts and sets are copied one level
+    deep (resolution edits them in place), other values are shared."""
     new = copy.copy(config)
     state = new.__dict__
     state.pop(_FLAG, None)
+    fresh = getattr(type(config), "RUNTIME_STATE", {})
     for key, value in list(state.items()):
-        if isinstance(value, FreezableConfig):
+        if key in fresh:
+            state[key] = fresh[key]()
+        elif isinstance(value, FreezableConfig):
             state[key] = thawed_copy(value)
         elif isinstance(value, (list, dict, set)):
             state[key] = copy.copy(value)

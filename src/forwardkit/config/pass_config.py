@@ -20,7 +20,7 @@ from forwardkit.config.compilation_enums import DynamicShapesType
 from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.utils import get_hash_factors, hash_factors
 from forwardkit.logger import init_logger
-from forwardkit.platforms import current_platform
+from forwardkit.platforms import Platform, current_platform
 
 __all__ = ["CallablePass", "DynamicShapesConfig", "PassConfig", "resolve_inductor_pass"]
 
@@ -68,6 +68,9 @@ class PassConfig(FreezableConfig):
     """Size cut-off (MB) for the fused all-reduce; None -> per-device default table."""
     enable_qk_norm_rope_fusion: bool = False
     """Fused Q/K RMSNorm + RoPE pass (CUDA-alike platforms only)."""
+    platform: dataclasses.InitVar[Any] = None
+    """Construction only (not a field): the platform the flags are checked for; None =
+    ``current_platform``. An engine config passes its own (no process-wide platform swap)."""
 
     @field_validator("fi_allreduce_fusion_max_size_mb")
     @classmethod
@@ -79,7 +82,8 @@ class PassConfig(FreezableConfig):
             )
         return value
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, platform: Platform | None = None) -> None:
+        target = current_platform if platform is None else platform
         if not self.eliminate_noops:
             if self.fuse_norm_quant or self.fuse_act_quant:
                 logger.warning_once(
@@ -96,27 +100,32 @@ class PassConfig(FreezableConfig):
                     "Fusion enabled but reshape elimination disabled. "
                     "Allreduce + rms norm + quant (fp8) fusion might not work"
                 )
-        if self.enable_qk_norm_rope_fusion and not current_platform.is_cuda_alike():
+        if self.enable_qk_norm_rope_fusion and not target.is_cuda_alike():
             logger.warning_once(
                 "QK Norm + RoPE fusion is only supported on CUDA-alike platforms; disabling it."
             )
             self.enable_qk_norm_rope_fusion = False
 
     @staticmethod
-    def default_fi_allreduce_fusion_max_size_mb() -> dict[int, float]:
-        """World size -> MB cut-off for this device; ``{}`` off CUDA or on an unknown device."""
-        if not current_platform.is_cuda_alike():
+    def default_fi_allreduce_fusion_max_size_mb(platform: Platform | None = None) -> dict[int, float]:
+        """World size -> MB cut-off for ``platform``'s device (None: ``current_platform``);
+        ``{}`` off CUDA or on an unknown device."""
+        target = current_platform if platform is None else platform
+        if not target.is_cuda_alike():
             return {}
-        capability = current_platform.get_device_capability()
+        capability = target.get_device_capability()
+        if capability is None:
+            return {}
         return dict(_FI_ALLREDUCE_FUSION_MAX_SIZE_MB.get(capability, {}))
 
-    def flashinfer_max_size(self, world_size: int) -> int | None:
-        """Byte cut-off for the fused all-reduce at ``world_size`` ranks (None: unsupported)."""
+    def flashinfer_max_size(self, world_size: int, platform: Platform | None = None) -> int | None:
+        """Byte cut-off for the fused all-reduce at ``world_size`` ranks on ``platform``
+        (None: ``current_platform``); None when unsupported."""
         if world_size not in (2, 4, 8):
             return None
         mb = self.fi_allreduce_fusion_max_size_mb
         if mb is None:
-            mb = self.default_fi_allreduce_fusion_max_size_mb().get(world_size)
+            mb = self.default_fi_allreduce_fusion_max_size_mb(platform).get(world_size)
         return int(mb * 1024 * 1024) if mb is not None else None
 
     def compute_hash(self) -> str:

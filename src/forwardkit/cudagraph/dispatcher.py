@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.forward_context import BatchDescriptor
 from forwardkit.logger import init_logger
@@ -40,11 +38,7 @@ def cudagraphs_available(platform: Any = None) -> bool:
     run with mode NONE there.
     """
     platform = current_platform if platform is None else platform
-    if not platform.supports_static_graph():
-        return False
-    if platform.is_cuda_alike():
-        return torch.cuda.is_available()
-    return True
+    return bool(platform.can_capture_graphs())
 
 
 class CudagraphDispatcher:
@@ -127,14 +121,16 @@ class CudagraphDispatcher:
         )
         self.cudagraph_keys[runtime_mode].add(batch_descriptor)
 
-    def initialize_cudagraph_keys(self, cudagraph_mode: CUDAGraphMode | str) -> None:
-        """Fix the resolved ``cudagraph_mode`` and build its key sets; allowed once.
+    def initialize_cudagraph_keys(self, cudagraph_mode: CUDAGraphMode | str | None = None) -> None:
+        """Fix the served ``cudagraph_mode`` and build its key sets; allowed once.
 
-        Call after the attention backend's support is known (the runner's start-up). The
+        None = the engine config's ``served_cudagraph_mode`` (the mode is decided there). The
         uniform-decode query length is ``1 + num_speculative_tokens`` from the config, so keys
         and padding always use the same value. A second call raises ``RuntimeError``: the
         mode and keys are fixed for the dispatcher's life.
         """
+        if cudagraph_mode is None:
+            cudagraph_mode = self.engine_config.served_cudagraph_mode
         mode = CUDAGraphMode.parse(cudagraph_mode)
         if self.keys_initialized:
             raise RuntimeError(

@@ -82,14 +82,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def build_runner(engine_config: EngineConfig) -> ModelRunner:
     """The runner of one rank, compiled, warmed up and with its graphs captured (the same
     sequence on every TP rank, so the start-up steps' collectives line up)."""
-    from forwardkit.platforms import use_platform
     from forwardkit.runner.model_runner import ModelRunner
 
-    with use_platform(engine_config.platform):
-        runner = ModelRunner(engine_config)
-        runner.warm_up_compile_ranges()
-        runner.warm_up_compile_sizes()
-        runner.capture_model()
+    # The runner and the model build read the device facts from engine_config.platform.
+    runner = ModelRunner(engine_config)
+    runner.warm_up_compile_ranges()
+    runner.warm_up_compile_sizes()
+    runner.capture_model()
     return runner
 
 

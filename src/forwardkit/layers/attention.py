@@ -144,8 +144,8 @@ class Attention(nn.Module):
 
     ``forward(q[T, Hq*D], k[T, Hk*D], v[T, Hk*D]) -> [T, Hq*D]``. Rotary embedding is applied
     by the caller. ``kv_cache`` holds one placeholder until ``bind_kv_cache`` sets ``[tensor]``.
-    ``backend``: the attention backend class; None = ``get_attention_backend()`` (the
-    ``FORWARDKIT_ATTENTION_BACKEND`` name, else ``TORCH_NATIVE``).
+    ``backend``: the attention backend class; None = the one the current engine config selects
+    (``EngineConfig.attention_backend``: ``FORWARDKIT_ATTENTION_BACKEND``, else ``TORCH_NATIVE``).
     """
 
     backend: type[AttentionBackend]
@@ -177,9 +177,11 @@ class Attention(nn.Module):
         self.use_output = use_output
         self.attn_type = "decoder"
         self.kv_cache: list[torch.Tensor] = [torch.tensor([])]
-        self.backend = get_attention_backend() if backend is None else backend
+        config = get_current_engine_config()
+        # the backend the engine config selected (its support level decided the graph mode)
+        self.backend = get_attention_backend(config.attention_backend) if backend is None else backend
 
-        context = get_current_engine_config().compilation_config.static_forward_context
+        context = config.compilation_config.compile_state.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
         context[prefix] = self

@@ -23,18 +23,24 @@ runner calls it once per step), ``forward`` (the opaque attention op calls it pe
 KV-cache shape and the CUDA-graph support level. Backends are registered by name
 (:func:`register_attention_backend`); :func:`get_attention_backend` selects one by name, by
 default ``FORWARDKIT_ATTENTION_BACKEND`` or ``TORCH_NATIVE``. A second backend is one subclass
-plus one ``register_attention_backend`` call.
+plus one ``register_attention_backend`` call. The registry, :class:`AttentionCGSupport` and the
+selection rule live in ``config/attention.py`` (re-exported here): the engine config reads the
+selected backend's support level to decide the graph mode the runner serves.
 """
 
 from __future__ import annotations
 
-import enum
 from typing import ClassVar, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 
-from forwardkit import envs
+from forwardkit.config.attention import (
+    ATTENTION_BACKENDS,
+    DEFAULT_ATTENTION_BACKEND,
+    AttentionCGSupport,
+    selected_attention_backend,
+)
 from forwardkit.forward_context import StepAttentionMetadata
 from forwardkit.layers.attention_metadata import (
     AttentionMetadata,
@@ -59,15 +65,6 @@ __all__ = [
     "register_attention_backend",
     "write_kv_cache",
 ]
-
-
-class AttentionCGSupport(enum.IntEnum):
-    """How much of a batch an attention backend can run inside a full CUDA graph."""
-
-    NEVER = 0
-    UNIFORM_SINGLE_TOKEN_DECODE = 1
-    UNIFORM_BATCH = 2
-    ALWAYS = 3
 
 
 def write_kv_cache(
@@ -183,8 +180,8 @@ class AttentionBackend:
     A backend is a class (never instantiated) with:
 
     - ``name``: its registry key;
-    - ``cudagraph_support``: an :class:`AttentionCGSupport`; the runner lowers the configured
-      CUDA-graph mode to it once at start-up;
+    - ``cudagraph_support``: an :class:`AttentionCGSupport`; the engine config lowers the
+      configured CUDA-graph mode to it (``EngineConfig.served_cudagraph_mode``);
     - ``metadata_cls``: the type ``build_metadata`` returns (the op checks it);
     - ``get_kv_cache_shape``: the per-layer KV-cache tensor shape;
     - ``build_metadata``: the per-step metadata, built once per step by the runner and shared
@@ -239,9 +236,8 @@ class AttentionBackend:
 # What every registered backend must define itself (register_attention_backend checks).
 _REQUIRED_METHODS = ("get_kv_cache_shape", "build_metadata", "forward")
 
-# name -> backend class; filled by register_attention_backend.
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
-DEFAULT_ATTENTION_BACKEND = "TORCH_NATIVE"
+# name -> backend class: the registry lives in the config layer (config/attention.py), which
+# reads a selected backend's cudagraph_support to resolve the served graph mode.
 
 
 def register_attention_backend(backend: type[AttentionBackend]) -> type[AttentionBackend]:
@@ -265,11 +261,11 @@ def register_attention_backend(backend: type[AttentionBackend]) -> type[Attentio
 
 def get_attention_backend(name: str | None = None) -> type[AttentionBackend]:
     """The registered backend called ``name``; None: ``FORWARDKIT_ATTENTION_BACKEND`` if set,
-    else ``TORCH_NATIVE``."""
-    if name is None:
-        name = envs.FORWARDKIT_ATTENTION_BACKEND or DEFAULT_ATTENTION_BACKEND
+    else ``TORCH_NATIVE`` (``config.attention.selected_attention_backend``)."""
+    name = selected_attention_backend(name)
     try:
-        return ATTENTION_BACKENDS[name]
+        backend: type[AttentionBackend] = ATTENTION_BACKENDS[name]
+        return backend
     except KeyError:
         raise ValueError(
             f"unknown attention backend {name!r}; registered: {sorted(ATTENTION_BACKENDS)}"

@@ -136,7 +136,7 @@ class FusedMoE(nn.Module):
             set_shard_spec(self.w2_weight, ShardSpec(2, inter, ((start, 0, local_inter),)))
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        context = config.compilation_config.static_forward_context
+        context = config.compilation_config.compile_state.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
         context[prefix] = self

@@ -24,7 +24,7 @@ import torch.nn as nn
 from forwardkit.config.compilation import CUDAGraphMode
 from forwardkit.config.engine import EngineConfig, set_current_engine_config
 from forwardkit.cudagraph import monitor
-from forwardkit.cudagraph.dispatcher import CudagraphDispatcher, cudagraphs_available
+from forwardkit.cudagraph.dispatcher import CudagraphDispatcher
 from forwardkit.cudagraph.ubatch_graphs import MICROBATCHED_FULL, UBatchGraphs
 from forwardkit.cudagraph.wrapper import CUDAGraphWrapper, GraphBackend, piecewise_cudagraph_options
 from forwardkit.distributed.dp_utils import DPMetadata
@@ -44,10 +44,9 @@ from forwardkit.layers.kv_cache import (
     kv_cache_bytes_per_block,
 )
 from forwardkit.logger import init_logger
-from forwardkit.platforms import current_platform
 from forwardkit.runner.batch import StepBatch
 from forwardkit.runner.input_buffers import InputBuffers, int64_tensor
-from forwardkit.runner.planner import StepPlanner, resolve_graph_mode
+from forwardkit.runner.planner import StepPlanner
 from forwardkit.runner.setup import num_kv_blocks
 from forwardkit.runner.static_metadata import StaticMetadataPool
 from forwardkit.ubatch import (
@@ -117,8 +116,9 @@ class ModelRunner:
     """Owns the model, its KV cache and static inputs; runs steps given a :class:`StepBatch`.
 
     Args:
-        engine_config: the engine's config; its ``compilation_config.static_forward_context``
-            is where the model's layers register.
+        engine_config: the engine's config; its run-time compile state
+            (``compilation_config.compile_state``, exposed as :attr:`compile_state`) is where
+            the model's layers register.
         model: an already built model (built under ``set_current_engine_config(engine_config)``);
             None = ``load_model(engine_config)``.
         device: where to run; default the platform's device.
@@ -127,9 +127,15 @@ class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model: nn.Module | None = None,
                  device: torch.device | str | None = None) -> None:
         self.engine_config = cfg = engine_config
-        platform = cfg.platform or current_platform
-        self.device = torch.device(device) if device is not None else platform.device()
+        self.device = torch.device(device) if device is not None else cfg.platform.device()
+        # the graph mode to serve: decided by the config (read before the model is built, so
+        # a mode the device or the attention backend cannot serve fails fast)
+        self._served_mode = self._served_graph_mode()
         self.compilation_config = cfg.compilation_config
+        # The run-time compile state of this engine config (layers registered by the model
+        # build, custom-op counters, traced files, compile time, per-rank cache dir); the
+        # model build and the compile backend write it, the runner reads its layers.
+        self.compile_state = cfg.compilation_config.compile_state
         self.parallel_config = cfg.parallel_config
         self.dp_size = int(self.parallel_config.data_parallel_size)
         self.dp_rank = int(self.parallel_config.data_parallel_rank)
@@ -184,7 +190,7 @@ class ModelRunner:
         return model.eval()
 
     def _init_kv_cache(self) -> None:
-        sfc = self.compilation_config.static_forward_context
+        sfc = self.compile_state.static_forward_context
         layers = attention_layers(sfc)
         if not layers:
             raise ValueError(
@@ -192,10 +198,11 @@ class ModelRunner:
                 "static_forward_context; build it under set_current_engine_config(engine_config)"
             )
         self.attn_layer_names = list(layers)
-        # The attention backend every layer was built with: it builds the step metadata and
-        # its CUDA-graph support level bounds the graph mode.
+        # The attention backend every layer was built with: it builds the step metadata. The
+        # engine config selected it and decided the graph mode from its support level.
         self.attn_backend: type[AttentionBackend] = attention_backend_of(layers)
         self.attn_cg_support: AttentionCGSupport = self.attn_backend.cudagraph_support
+        self._check_attention_backend()
         self.num_blocks = num_kv_blocks(
             num_gpu_blocks=self.engine_config.cache_config.num_gpu_blocks,
             block_size=self.block_size,
@@ -209,16 +216,36 @@ class ModelRunner:
         self.scratch_block = self.num_blocks
         self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
 
+    def _served_graph_mode(self) -> CUDAGraphMode:
+        """The engine config's ``served_cudagraph_mode``; a ``ValueError`` when it has graphs
+        and this runner's device is not the config platform's (the config decided for that)."""
+        cfg = self.engine_config
+        mode = cfg.served_cudagraph_mode
+        if mode != CUDAGraphMode.NONE and self.device.type != cfg.platform.device_type:
+            raise ValueError(
+                f"the engine config serves CUDA graphs (mode {mode.name}) on platform "
+                f"{cfg.platform.name!r}, but this runner's device is {self.device}; run on the "
+                f"platform's device or build the config for platform {self.device.type!r}"
+            )
+        return mode
+
+    def _check_attention_backend(self) -> None:
+        """The layers must use the backend the engine config selected: its support level is
+        what the config's graph-mode decision assumed. A ``ValueError`` otherwise."""
+        selected = self.engine_config.attention_backend
+        if self.attn_backend.name != selected:
+            raise ValueError(
+                f"the model's attention layers use backend {self.attn_backend.name!r} but the "
+                f"engine config selected {selected!r} (EngineConfig.attention_backend), whose "
+                "CUDA-graph support decides the graph mode; build the model under "
+                "set_current_engine_config(engine_config) without a backend override, or "
+                f"build the config with attention_backend={self.attn_backend.name!r}"
+            )
+
     def _init_cudagraphs(self) -> None:
-        """Resolve the graph mode once, build the step planner and install the graph wrappers."""
-        eager = self.model_config.enforce_eager
-        can_capture = self._graphs_supported()
-        configured = CUDAGraphMode.parse(self.compilation_config.cudagraph_mode or CUDAGraphMode.NONE)
-        if configured != CUDAGraphMode.NONE and not eager and not can_capture:
-            logger.info_once("CUDA graphs are off on %s: every step runs eagerly (mode NONE).",
-                             self.device)
-        mode = resolve_graph_mode(self.compilation_config, self.attn_cg_support,
-                                  enforce_eager=eager, can_capture=can_capture)
+        """Build the step planner for the config's served graph mode and install the graph
+        wrappers."""
+        mode = self._served_mode
         self.planner = StepPlanner(self.engine_config, mode)
         self.static_metadata = StaticMetadataPool()
         # One backend for every wrapper: one graph memory pool for FULL and PIECEWISE captures.
@@ -259,10 +286,6 @@ class ModelRunner:
     def dispatcher(self) -> CudagraphDispatcher:
         """The planner's ``CudagraphDispatcher`` (graph keys)."""
         return self.planner.dispatcher
-
-    def _graphs_supported(self) -> bool:
-        """Whether this runner's device can capture CUDA graphs."""
-        return self.device.type == "cuda" and cudagraphs_available()
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -546,7 +569,7 @@ class ModelRunner:
                     f"the micro-batched capture of {desc.num_tokens} tokens was not micro-batched: "
                     "the DP ranks disagreed about micro-batching a start-up capture size"
                 )
-        sync = current_platform.synchronize
+        sync = self.engine_config.platform.synchronize
         if sync is not None:
             sync()
         elapsed = time.perf_counter() - start

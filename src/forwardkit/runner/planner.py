@@ -1,8 +1,9 @@
 """``StepPlanner``: the one owner of per-step batch planning (padding, DP agreement, graph mode).
 
-At start-up the runner resolves the CUDA-graph mode once (:func:`resolve_graph_mode`: what the
-config asks for, lowered to what the device and the attention backend can honour) and builds
-a planner with it; the mode is read-only from then on. Per step :meth:`StepPlanner.plan`
+The CUDA-graph mode the planner serves is the engine config's
+(``EngineConfig.served_cudagraph_mode``: what the config asks for, lowered to what the device
+and the attention backend can honour, decided in ``config/engine_graphs.py``); it is read once
+and fixed from then on. Per step :meth:`StepPlanner.plan`
 decides, in order (vLLM: ``GPUModelRunner._determine_batch_execution_and_padding``):
 
 1. whether the batch is a uniform decode (every request ``uniform_decode_query_len`` tokens);
@@ -26,14 +27,12 @@ from forwardkit.cudagraph.dispatcher import CudagraphDispatcher
 from forwardkit.cudagraph.metrics import CUDAGraphStat
 from forwardkit.distributed import coordinate_batch_across_dp
 from forwardkit.forward_context import BatchDescriptor
-from forwardkit.layers.attention_backend import AttentionCGSupport
 from forwardkit.logger import init_logger
 
 if TYPE_CHECKING:
-    from forwardkit.config.compilation import CompilationConfig
     from forwardkit.config.engine import EngineConfig
 
-__all__ = ["StepPlan", "StepPlanner", "is_uniform_decode", "resolve_graph_mode"]
+__all__ = ["StepPlan", "StepPlanner", "is_uniform_decode"]
 
 logger = init_logger(__name__)
 
@@ -47,38 +46,6 @@ class StepPlan(NamedTuple):
     num_tokens_across_dp: torch.Tensor | None
     cudagraph_stats: CUDAGraphStat | None
     should_ubatch: bool = False
-
-
-def resolve_graph_mode(compilation_config: CompilationConfig, support: AttentionCGSupport, *, enforce_eager: bool = False,
-                       can_capture: bool = True) -> CUDAGraphMode:
-    """The graph mode the runner will serve, decided once at start-up.
-
-    NONE when the config's mode is NONE, ``enforce_eager`` is set or the device cannot capture
-    graphs. Otherwise the configured mode lowered to what attention supports (``support`` is
-    the attention backend's ``AttentionCGSupport``). No speculative decoding: the uniform decode query
-    length is 1, so every support level above NEVER can run uniform-decode FULL graphs.
-    """
-    support = AttentionCGSupport(support)
-    mode = CUDAGraphMode.parse(compilation_config.cudagraph_mode or CUDAGraphMode.NONE)
-    if mode == CUDAGraphMode.NONE or enforce_eager or not can_capture:
-        return CUDAGraphMode.NONE
-    piecewise_attn = bool(compilation_config.is_attention_compiled_piecewise())
-    attn_split = bool(compilation_config.splitting_ops_contain_attention())
-    if mode.mixed_mode() == CUDAGraphMode.FULL and support < AttentionCGSupport.ALWAYS:
-        if support == AttentionCGSupport.NEVER:
-            raise ValueError(
-                f"cudagraph_mode={mode} needs full CUDA graphs but the attention backend "
-                "supports none; use PIECEWISE or NONE"
-            )
-        new = CUDAGraphMode.FULL_AND_PIECEWISE if attn_split else CUDAGraphMode.FULL_DECODE_ONLY
-        logger.warning(
-            "cudagraph_mode %s: attention supports full graphs for uniform decode batches only; "
-            "using %s", mode, new,
-        )
-        mode = new
-    if mode.decode_mode() == CUDAGraphMode.FULL and support == AttentionCGSupport.NEVER:
-        mode = CUDAGraphMode.PIECEWISE if piecewise_attn else CUDAGraphMode.NONE
-    return mode
 
 
 def is_uniform_decode(max_num_scheduled_tokens: int, uniform_decode_query_len: int,
@@ -106,15 +73,18 @@ class StepPlanner:
         engine_config: the engine config (``compilation_config``, ``scheduler_config``,
             ``parallel_config``, ``speculative_config``, ``lora_config``,
             ``observability_config``).
-        cudagraph_mode: the resolved mode (:func:`resolve_graph_mode`); fixed for the
-            planner's life and readable as :attr:`cudagraph_mode`.
+        cudagraph_mode: the mode to serve; None (the runner) = the config's
+            ``served_cudagraph_mode``. Tests pass a mode to plan states no device here can
+            serve. Fixed for the planner's life and readable as :attr:`cudagraph_mode`.
         coordinate_fn: the DP agreement collective (default
             ``forwardkit.distributed.coordinate_batch_across_dp``); every rank must call it.
     """
 
-    def __init__(self, engine_config: EngineConfig, cudagraph_mode: CUDAGraphMode,
+    def __init__(self, engine_config: EngineConfig, cudagraph_mode: CUDAGraphMode | None = None,
                  coordinate_fn: Callable[..., tuple[bool, Any, int]] | None = None) -> None:
         self.engine_config = engine_config
+        if cudagraph_mode is None:
+            cudagraph_mode = engine_config.served_cudagraph_mode
         self.dispatcher = CudagraphDispatcher(engine_config)
         self.dispatcher.initialize_cudagraph_keys(cudagraph_mode)
         self.coordinate_fn = coordinate_fn or coordinate_batch_across_dp

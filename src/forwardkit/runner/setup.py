@@ -1,5 +1,5 @@
 """Start-up decision of the model runner: the KV-cache size. The
-CUDA-graph mode is resolved by ``forwardkit.runner.planner.resolve_graph_mode``."""
+CUDA-graph mode is decided by the engine config (``EngineConfig.served_cudagraph_mode``)."""
 
 from __future__ import annotations
 
