@@ -269,10 +269,8 @@ def test_update_re_derives_packed_float32_copies(make_checkpoint, tmp_path, monk
     """float32 layers take oneDNN-packed copies for 3-32 rows on any CPU with oneDNN:
     ``update_weights`` binds the runner's router for its writes, so every packed copy is
     re-derived and the engine generates what a fresh one on the new weights does."""
-    from forwardkit.kernels.cpu.router import CpuLinearRouter, prepack_supported
+    from forwardkit.kernels.cpu.router import CpuLinearRouter
 
-    if not prepack_supported(torch.float32):
-        pytest.skip("no oneDNN: nothing is packed")
     monkeypatch.setattr(CpuLinearRouter, "timing_default", False)  # the fast paths, not timed away
 
     def engine(path: str) -> LLM:
