@@ -32,6 +32,7 @@ def child(tokens: int) -> None:
     from forwardkit.config.engine import EngineConfig
     from forwardkit.config.model import ModelConfig
     from forwardkit.forward_context import set_forward_context
+    from forwardkit.kernels.cpu.router import attached_router, bind
     from forwardkit.layers.attention import build_attention_metadata
     from forwardkit.layers.kv_cache import bind_kv_cache
     from forwardkit.models.default import default_hf_config
@@ -44,7 +45,8 @@ def child(tokens: int) -> None:
     ctx = cfg.compilation_config.static_forward_context
     bind_kv_cache(ctx, 64, 16, torch.float32, "cpu")
     md = build_attention_metadata([tokens], [tokens], [list(range(-(-tokens // 16)))], tokens, 16, "cpu")
-    with torch.no_grad(), set_forward_context({k: md for k in ctx}, cfg, num_tokens=tokens):
+    with torch.no_grad(), bind(attached_router(model)), \
+            set_forward_context({k: md for k in ctx}, cfg, num_tokens=tokens):  # as the runner does
         model(torch.arange(tokens), torch.arange(tokens))
     print(json.dumps({
         "first_step_s": time.perf_counter() - _START,

@@ -25,6 +25,7 @@ from forwardkit.compilation.counters import compilation_counter
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.model import ModelConfig
 from forwardkit.forward_context import set_forward_context
+from forwardkit.kernels.cpu.router import attached_router, bind
 from forwardkit.layers.attention import build_attention_metadata
 from forwardkit.layers.kv_cache import bind_kv_cache
 from forwardkit.models.default import default_hf_config
@@ -49,11 +50,13 @@ class Variant:
 
     def __init__(self, name: str, mode: int, stock: bool = False, native: bool = False) -> None:
         self.name = name
-        # the baselines run every op native (no custom-op wrappers), as a user's model does
-        extra = {"custom_ops": ["none"]} if native else {}
+        # the baselines run every op native (no custom-op wrappers, plain F.linear: "-cpu_linear"),
+        # as a user's model does
+        extra = {"custom_ops": ["none", "-cpu_linear"]} if native else {}
         self.cfg = EngineConfig(model_config=ModelConfig(hf_config=default_hf_config()),
                                 compilation_config={"mode": mode, "backend": "inductor", **extra})
-        self.model = load_model(self.cfg, prepack=not native)  # baselines: plain F.linear
+        self.model = load_model(self.cfg)
+        self.router = attached_router(self.model)  # None for the baselines
         self.ctx = self.cfg.compilation_config.static_forward_context
         self.caches = bind_kv_cache(self.ctx, 64 * 4 + 40, BLOCK, torch.float32, "cpu")
         self.traces = 0
@@ -82,7 +85,8 @@ class Variant:
 
     def step(self, kind: str, n: int) -> float:
         md, ids, pos, tokens = self.inputs(kind, n)
-        with torch.no_grad(), set_forward_context({k: md for k in self.ctx}, self.cfg, num_tokens=tokens):
+        with torch.no_grad(), bind(self.router), \
+                set_forward_context({k: md for k in self.ctx}, self.cfg, num_tokens=tokens):
             t0 = time.perf_counter()
             self.fn(ids, pos)
             return time.perf_counter() - t0

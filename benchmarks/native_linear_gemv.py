@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from forwardkit.layers import native_linear
+from forwardkit.kernels.cpu import native_linear
 
 # Llama-3.2-1B's projections (qkv, o, gate_up, down) and a 32k slice of its LM head
 SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (32768, 2048)]

@@ -8,7 +8,7 @@ the whole ``update_weights`` path an ``LLM`` runs: name mapping, the all-or-noth
 then the in-place copies into the merged ``qkv_proj`` / ``gate_up_proj`` parameters.
 
 Usage: ``python benchmarks/update_weights.py [--repeats 3] [--source-dtype bfloat16|float32]
-[--layers 16] [--packed | --no-prepack]``; prints the median seconds and the per-repeat times, and the floor: plain
+[--layers 16] [--packed | --no-route]``; prints the median seconds and the per-repeat times, and the floor: plain
 ``copy_`` of the same tensors into preallocated buffers.
 """
 
@@ -24,8 +24,8 @@ import torch
 from forwardkit.config.builder import build_engine_config
 from forwardkit.config.engine import set_current_engine_config
 from forwardkit.engine.weight_update import update_model_weights
-from forwardkit.layers import cpu_gemm
-from forwardkit.layers.linear import prepack_weights
+from forwardkit.kernels.cpu.router import CpuLinearRouter, attach_router
+from forwardkit.layers.linear import linear_op_weights
 from forwardkit.models.llama import LlamaForCausalLM
 
 
@@ -70,9 +70,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--source-dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--no-prepack", action="store_true",
+    parser.add_argument("--no-route", action="store_true",
                         help="do not route the linear layers through forwardkit's CPU paths (as an "
-                             "engine with FORWARDKIT_CPU_PREPACK_WEIGHTS=0)")
+                             "engine with custom_ops=['-cpu_linear'])")
     parser.add_argument("--packed", action="store_true",
                         help="give every linear weight its oneDNN-packed copy first, as an engine "
                              "has after its first batched decode step (an update re-derives them); "
@@ -85,12 +85,15 @@ def main() -> None:
     with set_current_engine_config(cfg), torch.device("cpu"):
         model = LlamaForCausalLM(cfg).eval()
     packed = 0
-    if not args.no_prepack:
-        prepack_weights(model)  # as load_model does: packed copies are made at first use
+    if not args.no_route:
+        routes = CpuLinearRouter(timing=False)  # as load_model does: packed copies made at first use
+        routed = linear_op_weights(model)
+        routes.route_weights(routed)
+        attach_router(model, routes)  # update_model_weights binds it for its writes
         if args.packed:
-            for module in model.modules():
-                if getattr(module, "packed", False):
-                    cpu_gemm.pack_weight(module.weight)
+            for weight, _ in routed:
+                if routes.is_routed(weight):
+                    routes.pack(weight)
                     packed += 1
     params = sum(p.numel() for p in model.parameters())
     weights = hf_weight_set(hf, getattr(torch, args.source_dtype))

@@ -94,13 +94,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FORWARDKIT_DEBUG_DUMP_PATH": _str("FORWARDKIT_DEBUG_DUMP_PATH", None),
     # save/load Dynamo's result (mode 3, Inductor, cache on) so a warm start skips the trace
     "FORWARDKIT_USE_AOT_COMPILE": _bool("FORWARDKIT_USE_AOT_COMPILE", True),
-    # CPU: give bf16 linear weights a oneDNN-packed copy after loading (faster decode matmuls)
-    "FORWARDKIT_CPU_PREPACK_WEIGHTS": _bool("FORWARDKIT_CPU_PREPACK_WEIGHTS", True),
-    # CPU: the native few-row bf16 linear for decode products of prepacked layers (AVX-512-BF16)
+    # CPU: the native few-row linear for the products of routed layers (kernels/cpu); which
+    # layers are routed is the "cpu_linear" custom op (compilation_config.custom_ops)
     "FORWARDKIT_CPU_NATIVE_LINEAR": _bool("FORWARDKIT_CPU_NATIVE_LINEAR", True),
-    # CPU: small weights (under 4 MiB) take plain F.linear or the fast path, per row count, by
-    # timing both at first use (off: always the fast path)
-    "FORWARDKIT_CPU_LINEAR_TUNE": _bool("FORWARDKIT_CPU_LINEAR_TUNE", True),
     # with AOT compile on: a missing or unusable saved entry is a FileNotFoundError instead of
     # a trace (vLLM: VLLM_FORCE_AOT_LOAD), for deployments that must never compile
     "FORWARDKIT_FORCE_AOT_LOAD": _bool("FORWARDKIT_FORCE_AOT_LOAD", False),

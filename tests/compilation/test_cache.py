@@ -207,3 +207,20 @@ def test_two_processes_on_a_cold_cache_both_succeed():
     after = _run("9", "1002")
     c = after["counters"]
     assert c["num_inductor_compiles"] == 0 and c["num_cache_hits"] == 2 and c["num_cache_errors"] == 0, c
+
+
+def test_disabling_cpu_linear_changes_the_cache_key(tmp_path):
+    """Whether linear layers call ``forwardkit::linear`` is decided by ``custom_ops`` (the
+    ``cpu_linear`` op) and changes the traced graph, so it must change the key under which
+    compiled pieces are stored: ``custom_ops`` is a hash factor of the compilation config."""
+    from forwardkit.compilation.backend import ForwardkitBackend
+    from forwardkit.config.engine import EngineConfig
+
+    def key_dir(custom_ops: list[str]) -> str:
+        config = EngineConfig(compilation_config={"mode": 3, "custom_ops": custom_ops})
+        backend = ForwardkitBackend(config)
+        return CompileCache.key_dir(str(tmp_path), backend._cache_factors())
+
+    on, off = key_dir([]), key_dir(["-cpu_linear"])
+    assert on != off
+    assert key_dir([]) == on  # the key is stable otherwise

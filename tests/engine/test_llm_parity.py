@@ -16,7 +16,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 def _untimed_linear_paths(monkeypatch):
     """The fixed linear paths: with timing on, which kernel a small weight uses (and so the
     rounding behind a near-tie argmax) would depend on this machine's speed."""
-    monkeypatch.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "0")
+    from forwardkit.kernels.cpu.router import CpuLinearRouter
+
+    monkeypatch.setattr(CpuLinearRouter, "timing_default", False)
 
 
 def _generate(llm: LLM) -> list[list[int]]:

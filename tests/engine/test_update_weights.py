@@ -237,11 +237,11 @@ def test_update_reaches_prepacked_bf16_weights(make_checkpoint, tmp_path, monkey
     """bf16 on a CPU with native bf16: linear layers run through oneDNN-packed copies of their
     weights; a full and a partial (one shard of qkv_proj) update re-derive them. On an AVX2 CPU
     the layers are routed for the native kernel alone, which reads the updated weight itself."""
-    from forwardkit.layers import cpu_gemm
+    from forwardkit.kernels.cpu.router import CpuLinearRouter, route_supported
 
-    monkeypatch.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "0")  # the fast paths, not timed away
+    monkeypatch.setattr(CpuLinearRouter, "timing_default", False)  # the fast paths, not timed away
 
-    if not cpu_gemm.route_supported(torch.bfloat16):
+    if not route_supported(torch.bfloat16):
         pytest.skip("this CPU has neither native bf16 matmuls nor the native few-row kernel, so "
                     "no bf16 weight is routed")
 
@@ -250,7 +250,8 @@ def test_update_reaches_prepacked_bf16_weights(make_checkpoint, tmp_path, monkey
                    max_num_batched_tokens=16, max_model_len=64)
 
     llm = bf16_engine(make_checkpoint("llama_gqa_tied"))
-    assert llm.runner.model.model.layers[0].self_attn.qkv_proj.packed
+    qkv = llm.runner.module.model.layers[0].self_attn.qkv_proj
+    assert qkv.calls_linear_op and llm.runner.cpu_linear_router.is_routed(qkv.weight)
     before = _greedy(llm)
     new_path, _ = _updated_checkpoint(make_checkpoint, tmp_path, "llama_gqa_tied", seed=4)
     llm.update_weights(_hf_model(new_path).state_dict().items())
@@ -262,3 +263,29 @@ def test_update_reaches_prepacked_bf16_weights(make_checkpoint, tmp_path, monkey
     original = _greedy(fresh)
     fresh.update_weights(changed.items())
     assert _greedy(fresh) != original and _greedy(fresh) == _greedy(bf16_engine(part_path))
+
+
+def test_update_re_derives_packed_float32_copies(make_checkpoint, tmp_path, monkeypatch):
+    """float32 layers take oneDNN-packed copies for 3-32 rows on any CPU with oneDNN:
+    ``update_weights`` binds the runner's router for its writes, so every packed copy is
+    re-derived and the engine generates what a fresh one on the new weights does."""
+    from forwardkit.kernels.cpu.router import CpuLinearRouter
+
+    monkeypatch.setattr(CpuLinearRouter, "timing_default", False)  # the fast paths, not timed away
+
+    def engine(path: str) -> LLM:
+        return LLM(path, dtype="float32", enforce_eager=True, max_num_seqs=4,
+                   max_num_batched_tokens=16, max_model_len=64)
+
+    llm = engine(make_checkpoint("llama_gqa_tied"))
+    routes = llm.runner.cpu_linear_router
+    assert routes is not None
+    before = _greedy(llm)  # several prompts decode together: products of 3+ rows pack
+    old = [e.packed for e in routes._entries.values() if e.packed is not None]
+    assert old
+    new_path, _ = _updated_checkpoint(make_checkpoint, tmp_path, "llama_gqa_tied", seed=4)
+    llm.update_weights(_hf_model(new_path).state_dict().items())
+    now = [e.packed for e in routes._entries.values() if e.packed is not None]
+    assert len(now) == len(old) and not any(a is b for a in now for b in old)  # all re-derived
+    after = _greedy(llm)
+    assert after != before and after == _greedy(engine(new_path))

@@ -136,7 +136,12 @@ class PagedDriver:
     next_block: int = 0
 
     def __post_init__(self) -> None:
+        from forwardkit.kernels.cpu.router import attached_router
         from forwardkit.layers.kv_cache import bind_kv_cache
+
+        # the model's CPU linear router (made by the loader), bound around each step as the
+        # runner does; None for a model built without the loader
+        self.router = attached_router(self.model)
 
         ctx = self.engine_config.compilation_config.static_forward_context
         dtype = next(self.model.parameters()).dtype  # the KV cache has the model's dtype
@@ -153,6 +158,7 @@ class PagedDriver:
     def step(self, chunks: dict[int, list[int]], pad_to: int | None = None) -> dict[int, torch.Tensor]:
         """Schedule ``chunks[rid]`` new tokens per request; returns each request's logits [q, V]."""
         from forwardkit.forward_context import set_forward_context
+        from forwardkit.kernels.cpu.router import bind
         from forwardkit.layers.attention import build_attention_metadata
 
         ids, pos, q_lens, s_lens, tables = [], [], [], [], []
@@ -172,9 +178,10 @@ class PagedDriver:
         md = build_attention_metadata(q_lens, s_lens, tables, total, self.block_size, "cpu")
         ctx = self.engine_config.compilation_config.static_forward_context
         attn_md = {name: md for name in ctx}
-        with torch.no_grad(), set_forward_context(attn_md, self.engine_config, num_tokens=total):
-            hidden = self.model(torch.tensor(ids), torch.tensor(pos))
-        logits = self.model.compute_logits(hidden[:n])
+        with torch.no_grad(), bind(self.router):
+            with set_forward_context(attn_md, self.engine_config, num_tokens=total):
+                hidden = self.model(torch.tensor(ids), torch.tensor(pos))
+            logits = self.model.compute_logits(hidden[:n])
         out, offset = {}, 0
         for rid, q in zip(chunks, q_lens):
             out[rid] = logits[offset : offset + q]

@@ -107,17 +107,20 @@ BF16_FIXTURES = ["llama_variant_bf16_dir", "qwen2_bf16_dir"]
 def _untimed_linear_paths(monkeypatch):
     """Every test here takes the fixed linear paths: with timing on, which kernel a small
     weight uses (and so the rounding) would depend on this machine's speed."""
-    monkeypatch.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "0")
+    from forwardkit.kernels.cpu.router import CpuLinearRouter
+
+    monkeypatch.setattr(CpuLinearRouter, "timing_default", False)
 
 
 def _bf16_errors(model_dir, load_fk) -> list[tuple[float, float, torch.Tensor, torch.Tensor]]:
     """Per request: (max abs error, tolerance bound, our logits, transformers' bf16 logits)."""
     driver = load_fk(model_dir, block_size=4, dtype="bfloat16")
     assert next(driver.model.parameters()).dtype == torch.bfloat16
-    from forwardkit.layers import cpu_gemm
+    from forwardkit.kernels.cpu import router
 
-    if cpu_gemm.route_supported(torch.bfloat16):  # oneDNN bf16 or the native kernel (AVX2)
-        assert driver.model.model.layers[0].self_attn.qkv_proj.packed  # the fast path is tested
+    if router.route_supported(torch.bfloat16):  # oneDNN bf16 or the native kernel (AVX2)
+        qkv = driver.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.calls_linear_op and driver.router.is_routed(qkv.weight)  # the fast path is tested
     vocab = driver.model.config["vocab_size"]
     sequences = _sequences(vocab, [9, 14], seed=4)
     ref = _hf_logits(model_dir, sequences, dtype=torch.bfloat16)
@@ -132,12 +135,12 @@ def _bf16_errors(model_dir, load_fk) -> list[tuple[float, float, torch.Tensor, t
 
 @pytest.mark.parametrize("fixture", BF16_FIXTURES)
 def test_bf16_logits_within_tolerance_of_transformers_bf16(fixture, request, load_fk):
-    from forwardkit.layers import cpu_gemm
+    from forwardkit.kernels.cpu import router
 
     model_dir = request.getfixturevalue(fixture)
-    if cpu_gemm.prepack_supported(torch.bfloat16):  # the fast path is the one tested
+    if router.prepack_supported(torch.bfloat16):  # the fast path is the one tested
         driver = load_fk(model_dir, block_size=4, dtype="bfloat16")
-        assert driver.model.model.layers[0].self_attn.qkv_proj.packed
+        assert driver.router.is_routed(driver.model.model.layers[0].self_attn.qkv_proj.weight)
     for rid, (err, bound, ours, ref) in enumerate(_bf16_errors(model_dir, load_fk)):
         print(f"{fixture} bf16 request {rid}: max abs error {err:.3g} (bound {bound:.3g})")
         assert err <= bound, f"{fixture} request {rid}: {err:.3g} > {bound:.3g}"

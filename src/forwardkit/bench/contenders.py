@@ -1,8 +1,8 @@
 """The contenders of ``forwardkit bench``: one :class:`ModelRunner` each, same model and weights.
 
 - ``eager``: the same model as plain PyTorch would run it: mode NONE, no CUDA graphs, every
-  op native (``custom_ops=["none"]``: no custom-op wrappers) and plain ``F.linear`` weights
-  (no oneDNN prepacking).
+  op native (``custom_ops=["none", "-cpu_linear"]``: no custom-op wrappers, plain ``F.linear``
+  for linear layers: no native kernel, no oneDNN packing, no huge pages).
 - ``torch.compile``: what a user would write by hand: that eager model wrapped in stock
   ``torch.compile(dynamic=True)`` (Inductor, guards kept), so Inductor sees every op.
 - ``forwardkit``: the configuration resolved from the command line (``-O`` / ``-cc``).
@@ -32,8 +32,9 @@ __all__ = ["CONTENDER_NAMES", "DBO_CONTENDER", "Contender", "build_contender"]
 
 CONTENDER_NAMES = ("eager", "torch.compile", "forwardkit")
 DBO_CONTENDER = "forwardkit+dbo"
-# The baselines' compilation config: plain PyTorch, every op native.
-NATIVE_EAGER = '{"mode": 0, "custom_ops": ["none"]}'
+# The baselines' compilation config: plain PyTorch, every op native ("cpu_linear" is on under
+# "none" too: it needs its own "-").
+NATIVE_EAGER = '{"mode": 0, "custom_ops": ["none", "-cpu_linear"]}'
 
 
 
@@ -90,14 +91,7 @@ def build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, An
                          f"{[*CONTENDER_NAMES, DBO_CONTENDER]}")
     start = time.perf_counter()
     cfg = engine_config_for(name, args, hf_config, num_blocks)
-    model = None
-    if name not in ("forwardkit", DBO_CONTENDER):  # plain F.linear weights, as a user's model has
-        from forwardkit.config.engine import set_current_engine_config
-        from forwardkit.models.loader import load_model
-
-        with set_current_engine_config(cfg):
-            model = load_model(cfg, prepack=False)
-    runner = ModelRunner(cfg, model=model)
+    runner = ModelRunner(cfg)  # the baselines' config has "-cpu_linear": plain F.linear weights
     contender = Contender(name, runner, cfg, 0.0)
     if name == "torch.compile":
         inner = runner.module.get_submodule("model")

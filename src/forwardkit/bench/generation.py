@@ -2,7 +2,7 @@
 
 Contenders, all on the same weights and dtype, in one process, taking turns:
 
-- ``forwardkit``: ``LLM`` with the resolved configuration (compiled, prepacked weights);
+- ``forwardkit``: ``LLM`` with the resolved configuration (compiled, CPU linear fast paths);
 - ``eager``: ``LLM`` running the same model as plain PyTorch (mode NONE, native ops, plain
   ``F.linear`` weights);
 - ``torch.compile``: that eager model under stock ``torch.compile(dynamic=True)``;
@@ -59,7 +59,7 @@ def measure_stream_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def _best_stream_rate(rows: int, cols: int, huge: bool, repeats: int) -> float:
-    from forwardkit.layers import cpu_gemm, hugepages
+    from forwardkit.kernels.cpu import hugepages, router
 
     matrix = torch.empty(rows, cols)
     if huge:
@@ -72,14 +72,15 @@ def _best_stream_rate(rows: int, cols: int, huge: bool, repeats: int) -> float:
     if huge:
         hugepages.collapse(halves)
     best = max(best, _rate(lambda: (halves.sum(), halves.sum()), halves.numel() * 4, repeats))
-    if cpu_gemm.prepack_supported(torch.bfloat16):
+    if router.prepack_supported(torch.bfloat16):
         bf = torch.cat([halves, halves]).view(2 * rows, cols)  # same bytes as the fp32 matrix
         if huge:
             hugepages.collapse(bf)
-        cpu_gemm.pack_weight(bf)
+        packed = router.CpuLinearRouter(timing=False)
+        packed.pack(bf)
         x = torch.randn(1, cols, dtype=torch.bfloat16)
-        best = max(best, _rate(lambda: cpu_gemm.linear(x, bf), bf.numel() * 2, repeats))
-        cpu_gemm.unpack_weight(bf)
+        with router.bind(packed):
+            best = max(best, _rate(lambda: router.linear(x, bf), bf.numel() * 2, repeats))
     return best
 
 
@@ -92,7 +93,7 @@ class StreamProbe:
     best of reading each and a GEMV over each (~0.3 s)."""
 
     def __init__(self, gib: float = 1.0) -> None:
-        from forwardkit.layers import hugepages
+        from forwardkit.kernels.cpu import hugepages
 
         cols = 4096
         rows = int(gib * 2**30) // (4 * cols)
@@ -106,7 +107,7 @@ class StreamProbe:
 
     def probe(self, repeats: int = 2) -> float:
         """Bytes/s: the best of the four streams."""
-        from forwardkit.layers import native_linear
+        from forwardkit.kernels.cpu import native_linear
 
         n = self.f32.numel() * 4
         best = max(_rate(lambda: torch.mv(self.f32, self.vec), n, repeats),

@@ -17,8 +17,6 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
@@ -69,19 +67,6 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         if out[key] < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {out[key]}")
     return out
-
-
-@contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
 
 
 def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
@@ -183,17 +168,13 @@ def _build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, A
                                              runner.module)
         return gen.transformers_generate(model), model
     cfg = _engine_config(name, args, hf_config, s)
-    if name.startswith("forwardkit"):
-        llm = LLM(engine_config=cfg, seed=args.seed)
-    else:
-        with _env("FORWARDKIT_CPU_PREPACK_WEIGHTS", "0"):  # plain F.linear weights
-            llm = LLM(engine_config=cfg, seed=args.seed)
-        if name == "torch.compile":
-            import torch
+    llm = LLM(engine_config=cfg, seed=args.seed)  # baselines: "-cpu_linear", plain F.linear
+    if name == "torch.compile":
+        import torch
 
-            module = llm.runner.module
-            compiled = torch.compile(module.get_submodule("model"), dynamic=True)
-            module.add_module("model", cast(torch.nn.Module, compiled))
+        module = llm.runner.module
+        compiled = torch.compile(module.get_submodule("model"), dynamic=True)
+        module.add_module("model", cast(torch.nn.Module, compiled))
     return gen.llm_generate(llm), llm
 
 

@@ -10,7 +10,7 @@ Layout (``root`` = ``cache_dir`` or ``FORWARDKIT_CACHE_ROOT``, default ``~/.cach
     <root>/inductor_cache/             # Inductor's own cache (C++ kernels), kept with ours,
                                        # checksummed too (see compilation/kernel_cache.py)
     <root>/native/                     # the native CPU kernels' shared libraries
-                                       # (layers/native_linear.py), checksummed the same way
+                                       # (kernels/cpu/native_linear.py), checksummed the same way
 
 ``<hash10>`` covers the engine config hash, the torch version, the traced source files and the
 compiler identity. Unlike the reference, a user-supplied ``cache_dir`` is also keyed by that
@@ -152,7 +152,7 @@ def _make_private_dirs(root: str, leaf: str, source: str = "cache root",
 
 def native_kernel_dir() -> str:
     """``<root>/native`` (``root`` from :func:`compile_cache_root` without a ``cache_dir``, i.e.
-    ``FORWARDKIT_CACHE_ROOT``): where ``layers/native_linear.py`` builds its shared libraries.
+    ``FORWARDKIT_CACHE_ROOT``): where ``kernels/cpu/native_linear.py`` builds its shared libraries.
     Created owner-only and checked level by level like the compile cache's directories:
     :class:`UnsafeCacheDirError` when another user could write to it or to the root,
     :class:`CacheDirError` when it cannot be created. The kernels are process-wide, built

@@ -11,6 +11,13 @@ has neither ``"all"`` nor ``"none"`` (it was not resolved by an ``EngineConfig``
 default the resolution would add decides: ``"none"`` for a compiling mode with the
 ``inductor`` backend (Inductor fuses the native forms), ``"all"`` otherwise.
 
+The ops in :data:`ON_UNLESS_DISABLED` ignore that default: they are on unless ``"-name"``
+disables them. ``cpu_linear`` (linear layers on the CPU calling ``forwardkit::linear``, a
+GEMM/GEMV kernel) is one: the ``"none"`` default exists so that Inductor can fuse the native
+forms of elementwise ops, but a matrix product gains nothing from Inductor's fusion (it calls
+an extern GEMM either way), while the kernel behind the op streams decode weights 1.5-6x
+faster. A forwardkit extension: in vLLM GEMMs are not custom ops at all.
+
 :data:`CUSTOM_OP_REGISTRY` maps each registered op name to its class. It lives here, in the
 config layer, so that ``CompilationConfig.custom_op_log_check`` can tell a misspelt name from an
 op that this model does not use without importing the compilation layer; ``CustomOp.register``
@@ -24,6 +31,7 @@ from typing import Any
 
 __all__ = [
     "CUSTOM_OP_REGISTRY",
+    "ON_UNLESS_DISABLED",
     "custom_ops_default",
     "custom_ops_default_on",
     "is_custom_op_enabled",
@@ -31,6 +39,9 @@ __all__ = [
 
 CUSTOM_OP_REGISTRY: dict[str, Any] = {}
 """Registered custom-op name -> class (filled by ``CustomOp.register``)."""
+
+ON_UNLESS_DISABLED: frozenset[str] = frozenset({"cpu_linear"})
+"""Custom ops on whatever ``"all"`` / ``"none"`` say, unless ``"-name"`` (module doc)."""
 
 
 def custom_ops_default(mode: Any, backend: str | None) -> str:
@@ -61,7 +72,8 @@ def custom_ops_default_on(custom_ops: Sequence[str], mode: Any = None,
 
 def is_custom_op_enabled(custom_ops: Sequence[str], name: str, mode: Any = None,
                          backend: str | None = "inductor") -> bool:
-    """``(default on or "+name") and not "-name"`` for the op registered as ``name``.
+    """``(default on or "+name") and not "-name"`` for the op registered as ``name``; for the
+    ops in :data:`ON_UNLESS_DISABLED` the default is on.
 
     ValueError when the list both enables and disables ``name`` (or has both ``"all"`` and
     ``"none"``): such a list has no meaning, so it is refused rather than read one way.
@@ -69,4 +81,5 @@ def is_custom_op_enabled(custom_ops: Sequence[str], name: str, mode: Any = None,
     plus, minus = f"+{name}" in custom_ops, f"-{name}" in custom_ops
     if plus and minus:
         raise ValueError(f"custom_ops={list(custom_ops)!r} both enables and disables {name!r}")
-    return (custom_ops_default_on(custom_ops, mode, backend) or plus) and not minus
+    default_on = custom_ops_default_on(custom_ops, mode, backend) or name in ON_UNLESS_DISABLED
+    return (default_on or plus) and not minus

@@ -15,6 +15,7 @@ zero bytes) and ``wake_up`` gives it back, zeroed.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,8 @@ import torch
 import torch.nn as nn
 
 from forwardkit.config.compilation_enums import CompilationMode, CUDAGraphMode
-from forwardkit.layers import cpu_gemm, hugepages
+from forwardkit.kernels.cpu import hugepages
+from forwardkit.kernels.cpu.router import attached_router
 from forwardkit.logger import init_logger
 from forwardkit.models.weights import WeightLoadError, check_named_weights, load_named_weights
 
@@ -133,7 +135,10 @@ def update_model_weights(engine_config: EngineConfig, model: nn.Module, named_te
     pairs = prepare_weight_update(engine_config, model, named_tensors)
     target = _unwrap(model)
     map_name: Any = target.map_weight_name
-    with cpu_gemm.batched_refresh():  # a packed weight is re-derived once, after all its shards
+    router = attached_router(target) or attached_router(model)
+    # the model's CPU router bound for the writes: a packed weight is re-derived once, after
+    # all its shards
+    with router.writes() if router is not None else contextlib.nullcontext():
         updated = load_named_weights(target, pairs, map_name)
     if target.parameters().__next__().device.type == "cuda":
         torch.cuda.synchronize()

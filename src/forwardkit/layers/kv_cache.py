@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from forwardkit.layers import hugepages
+from forwardkit.kernels.cpu import hugepages
 from forwardkit.layers.attention import Attention
 from forwardkit.layers.attention_backend import AttentionBackend
 
@@ -50,7 +50,7 @@ def bind_kv_cache(
 ) -> dict[str, torch.Tensor]:
     """Allocate one zeroed cache per attention layer and set ``layer.kv_cache = [tensor]``.
 
-    On a CPU the caches are zeroed lazily (:func:`forwardkit.layers.hugepages.zero_`): their
+    On a CPU the caches are zeroed lazily (:func:`forwardkit.kernels.cpu.hugepages.zero_`): their
     pages are committed as blocks are first written, not at start-up.
 
     Each cache has shape ``[2, num_blocks + 1, block_size, num_kv_heads, head_size]`` (the last

@@ -1,5 +1,11 @@
 """Linear layers, vocabulary embedding and LM head (single device, no tensor parallelism).
 
+:class:`Linear` and :class:`LMHead` are the ``cpu_linear`` custom op: built on the CPU with it
+on (``compilation_config.custom_ops``: on unless ``"-cpu_linear"``, see
+``config/custom_ops.py``), their forward calls the opaque ``forwardkit::linear`` op, whose
+kernel (``kernels/cpu/router.py``) picks the fastest CPU path at run time; else plain
+``F.linear``. The decision is made once, at construction, and is part of the compile hash.
+
 Each parameter carries a ``weight_loader(param, tensor, shard_id=None)`` so model
 ``load_weights`` can copy Hugging Face tensors in, including into merged projections
 (``q``/``k``/``v`` -> ``qkv_proj``; gate/up -> ``gate_up_proj``). A shape mismatch raises
@@ -9,18 +15,17 @@ Each parameter carries a ``weight_loader(param, tensor, shard_id=None)`` so mode
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import cast
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from forwardkit.layers import cpu_gemm
-from forwardkit.logger import init_logger
+from forwardkit.compilation.custom_op import CustomOp
+from forwardkit.kernels.cpu import router
 
-__all__ = ["Linear", "LMHead", "MergedLinear", "VocabEmbedding", "WeightShapeError", "copy_weight",
-           "prepack_weights"]
-
-logger = init_logger(__name__)
+__all__ = ["CpuLinearLayer", "Linear", "LMHead", "MergedLinear", "VocabEmbedding", "WeightShapeError",
+           "copy_weight", "linear_op_weights"]
 
 
 class WeightShapeError(ValueError):
@@ -36,7 +41,7 @@ def copy_weight(target: torch.Tensor, loaded: torch.Tensor) -> None:
         loaded = loaded.materialize()
     with torch.no_grad():
         target.copy_(loaded)
-    cpu_gemm.refresh_packed(target)  # a packed copy of the weight is re-derived
+    router.refresh_packed(target)  # the bound router re-derives a packed copy of the weight
 
 
 def _default_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
@@ -45,7 +50,19 @@ def _default_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: Hashabl
     copy_weight(param.data, loaded)
 
 
-class Linear(nn.Module):
+@CustomOp.register("cpu_linear")
+class CpuLinearLayer(CustomOp):
+    """Base of the layers that are the ``cpu_linear`` custom op: on the CPU with the op on,
+    ``forward_cpu`` calls ``torch.ops.forwardkit.linear``; else ``forward_native`` calls
+    ``F.linear``."""
+
+    @property
+    def calls_linear_op(self) -> bool:
+        """Whether this layer's forward calls ``forwardkit::linear`` (chosen at construction)."""
+        return self._forward_method.__name__ == "forward_cpu"
+
+
+class Linear(CpuLinearLayer):
     """``y = x @ W.T + b`` with ``W`` [out, in] (HF layout)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
@@ -59,17 +76,18 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
-        self.packed = False  # set by prepack_weights: run through the packed oneDNN copy
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
         """Copy a whole HF tensor into ``param``."""
         _default_loader(param, loaded, shard_id)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the projection."""
-        if self.packed:
-            return torch.ops.forwardkit.linear(x, self.weight, self.bias)
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection by ``F.linear``."""
         return F.linear(x, self.weight, self.bias)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection by the ``forwardkit::linear`` op."""
+        return torch.ops.forwardkit.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -114,7 +132,7 @@ class VocabEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(CpuLinearLayer):
     """Output projection to the vocabulary; ``tie_to`` shares the embedding table's weight."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
@@ -127,49 +145,18 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
             self.weight.weight_loader = _default_loader  # type: ignore[attr-defined]
-        self.packed = False  # set by prepack_weights
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits in float32."""
-        if self.packed:
-            return torch.ops.forwardkit.linear(hidden_states, self.weight, None).float()
+    def forward_native(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits in float32, by ``F.linear``."""
         return F.linear(hidden_states, self.weight).float()
 
+    def forward_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits in float32, by the ``forwardkit::linear`` op."""
+        return torch.ops.forwardkit.linear(hidden_states, self.weight, None).float()
 
-def prepack_weights(model: nn.Module) -> int:
-    """Route every :class:`Linear` and :class:`LMHead` of ``model`` whose weight is float32, or
-    bf16 on a CPU with bf16 instructions or the native kernel (AVX2), through ``cpu_gemm``'s fast
-    paths (native kernel for 1-2 rows, a oneDNN-packed copy made at first use for more where
-    oneDNN has the dtype, else plain ``F.linear``), unless a packed second copy of
-    every weight would not fit in the memory available. In a small model (all routed weights
-    within ``cpu_gemm.TUNE_MAX_BYTES``) each weight shape's paths are timed against plain
-    ``F.linear`` per row bucket, and a weight for which ``F.linear`` wins at every row count is
-    left unrouted. Returns the number of layers routed."""
-    layers = [m for m in model.modules() if isinstance(m, (Linear, LMHead))]
-    todo = [m for m in layers if cpu_gemm.route_supported(m.weight.dtype, m.weight.device)]
-    if not todo:
-        return 0
-    need = sum(m.weight.numel() * m.weight.element_size() for m in todo)
-    free = cpu_gemm.available_memory_bytes()
-    if free is not None and need > 0.8 * free:
-        logger.warning_once("Not prepacking %.1f GiB of linear weights: only %.1f GiB of memory "
-                            "is available; linear layers use plain torch matmuls",
-                            need / 2**30, free / 2**30)
-        return 0
-    for module in todo:
-        cpu_gemm.register_weight(module.weight)
-        module.packed = True
-    if cpu_gemm.tuning_applies(need):  # a small model: keep plain F.linear where it is faster
-        plain = 0
-        for module in todo:
-            if not any(cpu_gemm.tune(module.weight, getattr(module, "bias", None))):
-                cpu_gemm.unpack_weight(module.weight)  # F.linear at every row count
-                module.packed = False
-                plain += 1
-        logger.info_once("%d of %d small linear weights keep plain F.linear (faster here at "
-                         "every row count, timed)", plain, len(todo))
-        todo = [m for m in todo if m.packed]
-    logger.info_once("%d bf16/float32 linear weights (%.2f GiB) use the native kernel for 1-2 rows and "
-                     "oneDNN-packed copies (made at first use; plain F.linear where oneDNN lacks "
-                     "the dtype) for more", len(todo), need / 2**30)
-    return len(todo)
+
+def linear_op_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``(weight, bias)`` of every layer of ``model`` whose forward calls ``forwardkit::linear``
+    (what the loader hands to ``CpuLinearRouter.route_weights``)."""
+    return [(cast(torch.Tensor, m.weight), getattr(m, "bias", None)) for m in model.modules()
+            if isinstance(m, CpuLinearLayer) and m.calls_linear_op]

@@ -38,7 +38,7 @@ from forwardkit.distributed.communication_op import (
     tensor_model_parallel_all_reduce,
 )
 from forwardkit.distributed.parallel_state import tp_rank_and_size
-from forwardkit.layers import cpu_gemm
+from forwardkit.kernels.cpu import router
 from forwardkit.layers.linear import Linear, LMHead, MergedLinear, VocabEmbedding, WeightShapeError
 
 __all__ = [
@@ -170,7 +170,7 @@ def copy_full(param: torch.Tensor, loaded: torch.Tensor | TensorSource) -> None:
             with torch.no_grad():
                 param.data.zero_()
         _copy_segments(param.data, loaded, spec.dim, spec.segments)
-    cpu_gemm.refresh_packed(param.data)
+    router.refresh_packed(param.data)
 
 
 def copy_shard(param: torch.Tensor, loaded: torch.Tensor | TensorSource, shard_id: Hashable) -> None:
@@ -182,7 +182,7 @@ def copy_shard(param: torch.Tensor, loaded: torch.Tensor | TensorSource, shard_i
     size, segments = spec.by_shard[shard_id]
     _check(param.shape, spec.dim, size, loaded)
     _copy_segments(param.data, loaded, spec.dim, segments)
-    cpu_gemm.refresh_packed(param.data)
+    router.refresh_packed(param.data)
 
 
 def _split(size: int, tp_rank: int, tp_size: int, what: str) -> tuple[int, int]:
@@ -294,18 +294,21 @@ class RowParallelLinear(Linear):
             raise ValueError(f"parameter of shape {tuple(param.shape)} takes no shard id, got {shard_id!r}")
         copy_full(param, loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The (summed) projection."""
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The (summed) projection by ``F.linear``."""
         if self.tp_size == 1:
-            return super().forward(x)
-        bias = self.bias if self.tp_rank == 0 else None
-        if self.packed:
-            out = torch.ops.forwardkit.linear(x, self.weight, bias)
-        else:
-            out = F.linear(x, self.weight, bias)
-        if self.reduce_results:
-            out = tensor_model_parallel_all_reduce(out, self.tp_size)
-        return out
+            return super().forward_native(x)
+        return self._reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """The (summed) projection by the ``forwardkit::linear`` op."""
+        if self.tp_size == 1:
+            return super().forward_cpu(x)
+        return self._reduce(torch.ops.forwardkit.linear(x, self.weight,
+                                                        self.bias if self.tp_rank == 0 else None))
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
+        return tensor_model_parallel_all_reduce(out, self.tp_size) if self.reduce_results else out
 
 
 def _vocab_rows(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:

@@ -5,6 +5,12 @@ Weights come from a local Hugging Face checkpoint directory (``config.json`` plu
 formats (``pytorch_model.bin``, ``*.pt``) are refused: loading them can run arbitrary code.
 With ``model_config.model`` None (the built-in model or a named shape) the model gets seeded
 random weights.
+
+On the CPU the loader also makes the model's ``CpuLinearRouter`` (``kernels/cpu/router.py``)
+when any layer calls the ``forwardkit::linear`` op (the ``cpu_linear`` custom op, on unless
+``custom_ops`` has ``"-cpu_linear"``): it routes those layers' weights (memory permitting; a
+small model's paths are timed) and queues the weights for huge pages. The router travels with
+the model (``kernels.cpu.router.attached_router``); the runner binds it around each step.
 """
 
 from __future__ import annotations
@@ -19,9 +25,8 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from forwardkit import envs
-from forwardkit.layers import hugepages
-from forwardkit.layers.linear import prepack_weights
+from forwardkit.kernels.cpu.router import CpuLinearRouter, attach_router
+from forwardkit.layers.linear import linear_op_weights
 from forwardkit.logger import init_logger
 from forwardkit.models import get_model_class
 from forwardkit.models.default import init_random_weights
@@ -134,12 +139,12 @@ def _corrupt(path: str, exc: Exception, tensor: str | None = None) -> ValueError
                       "the file is truncated or corrupt: re-download or re-save the checkpoint")
 
 
-def load_model(engine_config: EngineConfig, prepack: bool | None = None) -> nn.Module:
+def load_model(engine_config: EngineConfig) -> nn.Module:
     """Build, load and return the model of ``engine_config`` in eval mode on the platform device.
 
-    ``prepack`` gives bf16 linear weights on the CPU a oneDNN-packed copy (see
-    ``layers.cpu_gemm``) and puts the CPU weights on huge pages (``layers.hugepages``); None =
-    ``FORWARDKIT_CPU_PREPACK_WEIGHTS`` (on by default). A plain PyTorch baseline passes False.
+    On the CPU, when layers call the ``forwardkit::linear`` op (``cpu_linear``, on unless
+    ``custom_ops`` has ``"-cpu_linear"``), the model gets a ``CpuLinearRouter`` for them
+    (``attached_router(model)``; module doc). A plain PyTorch baseline adds ``"-cpu_linear"``.
     """
     from forwardkit.config.engine import set_current_engine_config
 
@@ -152,7 +157,6 @@ def load_model(engine_config: EngineConfig, prepack: bool | None = None) -> nn.M
     files = safetensors_files(model_dir) if model_dir is not None else []
     with set_current_engine_config(engine_config), torch.device(device):
         model = model_cls(engine_config)
-    prepack = envs.FORWARDKIT_CPU_PREPACK_WEIGHTS if prepack is None else prepack
     if model_dir is None:
         init_random_weights(model)
         logger.info_once("Built %s with seeded random weights (no checkpoint)", model_cls.__name__)
@@ -171,10 +175,13 @@ def load_model(engine_config: EngineConfig, prepack: bool | None = None) -> nn.M
         if missing:
             raise WeightLoadError(missing=missing, source=f"checkpoint {model_dir}")
         logger.info("Loaded %s from %s (%d files)", model_cls.__name__, model_dir, len(files))
-    if prepack and device.type == "cpu":
+    routed = linear_op_weights(model)
+    if routed and device.type == "cpu":
+        router = CpuLinearRouter()
         # written weights move onto huge pages in the background once the runner has served
         # its first step (faulting them in as huge pages is slower: each 2 MiB fault zeroes and
         # may compact synchronously; collapsing during start-up slows start-up by seconds)
-        hugepages.defer_collapse(model.parameters())
-        prepack_weights(model)
+        router.huge_pages.defer(model.parameters())
+        router.route_weights(routed)
+        attach_router(model, router)
     return model.eval()

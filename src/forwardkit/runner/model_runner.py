@@ -7,6 +7,10 @@ graphs the runner hands the compiled model a factory (``set_piece_wrapper``) tha
 compiled piece in a PIECEWISE ``CUDAGraphWrapper``; for modes with full graphs it wraps the
 whole model in a FULL one. All wrappers share one ``GraphBackend`` and so one graph pool.
 Per step the runner only sets the forward context; the wrappers act on it.
+
+On the CPU the runner holds the model's ``CpuLinearRouter`` (``cpu_linear_router``, made by the
+loader) and binds it around every step (``execute``, ``dummy_run``): the ``forwardkit::linear``
+op of the compiled graph finds it there at run time.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Hashable
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
@@ -35,7 +39,7 @@ from forwardkit.forward_context import (
     create_forward_context,
     set_forward_context,
 )
-from forwardkit.layers import hugepages
+from forwardkit.kernels.cpu.router import CpuLinearRouter, attached_router, bind
 from forwardkit.layers.attention_backend import AttentionBackend, AttentionCGSupport
 from forwardkit.layers.kv_cache import (
     attention_backend_of,
@@ -59,6 +63,8 @@ from forwardkit.ubatch import (
 from forwardkit.ubatching import run_ubatches
 
 __all__ = ["ModelRunner", "StepInfo", "StepModel"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 logger = init_logger(__name__)
 
@@ -112,6 +118,17 @@ class StepInfo:
                 f"ubatches={None if self.ubatch_slices is None else len(self.ubatch_slices)})")
 
 
+def _router_bound(method: _F) -> _F:
+    """Run ``method`` with the runner's ``CpuLinearRouter`` bound (the op reads it per call)."""
+
+    @functools.wraps(method)
+    def wrapper(self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
+        with bind(self.cpu_linear_router):
+            return method(self, *args, **kwargs)
+
+    return cast(_F, wrapper)
+
+
 class ModelRunner:
     """Owns the model, its KV cache and static inputs; runs steps given a :class:`StepBatch`.
 
@@ -160,6 +177,9 @@ class ModelRunner:
                     prefetch.join()
         # the model as an nn.Module (never wrapped): weights, submodules, parameters
         self.module: nn.Module = self._place(model)
+        # the model's CPU linear state (routed weights, packed copies, queued huge pages):
+        # bound around every step; None when no layer calls the op or not on the CPU
+        self.cpu_linear_router: CpuLinearRouter | None = attached_router(self.module)
         # what a step calls: the module, or the FULL CUDAGraphWrapper around it
         self.model: StepModel = cast(StepModel, self.module)
         self.dtype: torch.dtype = self.model_config.dtype
@@ -288,6 +308,7 @@ class ModelRunner:
         return self.planner.dispatcher
 
     # ------------------------------------------------------------------ one step
+    @_router_bound
     @torch.inference_mode()
     def execute(self, batch: StepBatch, pad_to: int | None = None) -> torch.Tensor:
         """Run one step; return float32 logits ``[num sampled requests, vocab]``.
@@ -329,7 +350,8 @@ class ModelRunner:
         self.last_hidden = hidden if self.keep_hidden else None
         if not self._served:  # start-up is over: weights move onto huge pages from now on
             self._served = True
-            hugepages.start_deferred_collapse()
+            if self.cpu_linear_router is not None:
+                self.cpu_linear_router.huge_pages.start()
         rows = batch.logits_indices()
         if len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1:
             selected = hidden  # every row is a sampled last token (unpadded decode step)
@@ -439,6 +461,7 @@ class ModelRunner:
         lens[-1] += num_tokens - sum(lens)
         return lens
 
+    @_router_bound
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, runtime_mode: CUDAGraphMode | None = None,
                   uniform_decode: bool = False, force_attention: bool = False,

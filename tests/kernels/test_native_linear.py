@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from forwardkit.compilation import kernel_cache
-from forwardkit.layers import cpu_gemm, hugepages, native_linear
+from forwardkit.kernels.cpu import hugepages, native_linear, router
 
 BF16 = torch.bfloat16
 ISAS = ["avx512", "avx2"]
@@ -21,13 +21,6 @@ needs_kernel = pytest.mark.skipif(
 def _require(isa: str, dtype: torch.dtype) -> None:
     if not native_linear.isa_supported(isa, dtype):
         pytest.skip(f"the CPU lacks the instructions of the {isa} build for {dtype}")
-
-
-@pytest.fixture(autouse=True)
-def _fast_paths(monkeypatch):
-    """These tests exercise the fast paths themselves: no timing may route a small weight to
-    plain F.linear."""
-    monkeypatch.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "0")
 
 
 @pytest.fixture
@@ -140,11 +133,12 @@ def test_declines_what_it_does_not_cover():
 
 
 @needs_kernel
-@pytest.mark.skipif(not cpu_gemm.prepack_supported(BF16), reason="this CPU has no native bf16 matmul (oneDNN: no AVX-512-BF16 / AMX)")
+@pytest.mark.skipif(not router.prepack_supported(BF16), reason="this CPU has no native bf16 matmul (oneDNN: no AVX-512-BF16 / AMX)")
 def test_packed_layers_use_it_for_few_rows_only(monkeypatch):
     w = torch.randn(40, 96).to(BF16)
-    cpu_gemm.pack_weight(w)
-    try:
+    routes = router.CpuLinearRouter(timing=False)  # the fast paths themselves, never timed away
+    routes.pack(w)
+    with router.bind(routes):
         calls = []
         real = native_linear.linear_rows
 
@@ -156,14 +150,12 @@ def test_packed_layers_use_it_for_few_rows_only(monkeypatch):
         monkeypatch.setattr(native_linear, "linear_rows", spy)
         for rows in (1, 2, 7):
             x = torch.randn(rows, 96).to(BF16)
-            torch.testing.assert_close(cpu_gemm.linear(x, w).float(), _reference(x, w, None),
+            torch.testing.assert_close(router.linear(x, w).float(), _reference(x, w, None),
                                        rtol=2e-2, atol=2e-2)
         assert calls == [True, True, False]  # 7 rows go to oneDNN's packed matmul
         calls.clear()
-        cpu_gemm.linear(torch.randn(1, 40).to(BF16), torch.randn(8, 40).to(BF16))  # not packed
+        router.linear(torch.randn(1, 40).to(BF16), torch.randn(8, 40).to(BF16))  # not routed
         assert calls == []
-    finally:
-        cpu_gemm.unpack_weight(w)
 
 
 @needs_kernel
@@ -171,14 +163,15 @@ def test_routed_bf16_layers_without_onednn_bf16_use_it_and_never_pack(monkeypatc
     """An AVX2 CPU (no oneDNN bf16): bf16 layers are routed for the kernel alone; the rows the
     kernel serves (1-16 with the AVX2 build) take it, more rows plain F.linear, and nothing is
     packed."""
-    from forwardkit.layers.linear import Linear, prepack_weights
+    from forwardkit.layers.linear import Linear, linear_op_weights
 
-    monkeypatch.setattr(cpu_gemm, "_packable", lambda dtype: False)  # as on such a CPU
-    assert cpu_gemm.route_supported(BF16)
+    monkeypatch.setattr(router, "_packable", lambda dtype: False)  # as on such a CPU
+    assert router.route_supported(BF16)
     layer = Linear(96, 40, dtype=BF16)
     with torch.no_grad():
         layer.weight.normal_()
-    assert prepack_weights(torch.nn.Sequential(layer)) == 1 and layer.packed
+    routes = router.CpuLinearRouter(timing=False)  # the fast paths themselves, never timed away
+    assert routes.route_weights(linear_op_weights(layer)) == 1 and routes.is_routed(layer.weight)
     calls = []
     real = native_linear.linear_rows
 
@@ -188,15 +181,14 @@ def test_routed_bf16_layers_without_onednn_bf16_use_it_and_never_pack(monkeypatc
         return out
 
     monkeypatch.setattr(native_linear, "linear_rows", spy)
-    before = cpu_gemm.packed_weight_count()
-    for rows in (1, 2, 3, 40):
-        x = torch.randn(rows, 96).to(BF16)
-        torch.testing.assert_close(layer(x).float(), _reference(x, layer.weight, None),
-                                   rtol=2e-2, atol=2e-2)
+    with router.bind(routes):
+        for rows in (1, 2, 3, 40):
+            x = torch.randn(rows, 96).to(BF16)
+            torch.testing.assert_close(layer(x).float(), _reference(x, layer.weight, None),
+                                       rtol=2e-2, atol=2e-2)
     assert calls == [r <= native_linear.max_rows(BF16) for r in (1, 2, 3, 40)]
     assert calls[:2] == [True, True] and calls[3] is False
-    assert cpu_gemm.packed_weight_count() == before
-    cpu_gemm.unpack_weight(layer.weight)
+    assert routes.packed_count() == 0
 
 
 def test_switched_off_by_environment(fresh_kernel):
@@ -271,3 +263,17 @@ def test_background_collapse_keeps_weights_usable():
     for w, e in zip(weights, expected):
         assert torch.equal(w, e)
     assert hugepages.collapse_in_background([torch.empty(10)]) is None  # nothing large enough
+
+
+@needs_kernel
+def test_a_call_finds_its_row_limit_in_the_one_cached_selection(fresh_kernel):
+    """``linear_rows`` runs once per projection per step: the build, its function and its row
+    limit come from one cached lookup, with no second (``_row_limit``) call per product."""
+    assert native_linear.available(BF16)
+    isa, _, limit = native_linear._selected(BF16)
+    assert limit == native_linear._row_limit(isa, BF16) == native_linear.max_rows(BF16)
+    w = torch.randn(8, 32).to(BF16)
+    with pytest.MonkeyPatch.context() as patch:  # undone before fresh_kernel clears the caches
+        patch.setattr(native_linear, "_row_limit", lambda *a: pytest.fail("a per-call _row_limit lookup"))
+        assert native_linear.linear_rows(torch.randn(limit, 32).to(BF16), w, None) is not None
+        assert native_linear.linear_rows(torch.randn(limit + 1, 32).to(BF16), w, None) is None

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from forwardkit.layers import hugepages
+from forwardkit.kernels.cpu import hugepages
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux")
 
@@ -41,37 +41,47 @@ def test_zero_falls_back_for_strided_and_meta_tensors():
 
 @linux
 def test_deferred_collapse_waits_for_the_start_and_skips_freed_tensors():
-    hugepages.start_deferred_collapse()  # whatever earlier tests queued
+    queue = hugepages.DeferredCollapse()
     kept = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(2)]  # 4 MiB each
     dropped = torch.nn.Parameter(torch.randn(1 << 20))
     expected = [p.detach().clone() for p in kept]
-    hugepages.defer_collapse([*kept, dropped])
-    assert hugepages.pending_collapse_bytes() == 3 * (4 << 20)
+    queue.defer([*kept, dropped])
+    assert queue.pending_bytes() == 3 * (4 << 20)
     del dropped
     gc.collect()
-    assert hugepages.pending_collapse_bytes() == 2 * (4 << 20)  # the queue holds no reference
-    thread = hugepages.start_deferred_collapse()
-    assert hugepages.pending_collapse_bytes() == 0
+    assert queue.pending_bytes() == 2 * (4 << 20)  # the queue holds no reference
+    thread = queue.start()
+    assert queue.pending_bytes() == 0
     if thread is not None:
         thread.join(timeout=60)
         assert not thread.is_alive()
     for p, e in zip(kept, expected):
         assert torch.equal(p.detach(), e)
-    assert hugepages.start_deferred_collapse() is None  # nothing left
+    assert queue.start() is None  # nothing left
 
 
 def test_runner_starts_the_move_after_its_first_step_not_during_start_up():
     from forwardkit import LLM, SamplingParams
 
-    hugepages.start_deferred_collapse()
     llm = LLM(enforce_eager=True)  # the built-in model, loaded with the CPU fast paths
     if llm.runner.device.type != "cpu":
         pytest.skip("the deferred move is for CPU weights")
-    queued = hugepages.pending_collapse_bytes()
-    assert queued == sum(p.untyped_storage().nbytes() for p in llm.runner.model.parameters()) > 0
+    router = llm.runner.cpu_linear_router
+    assert router is not None  # made by the loader, held by the runner
+    queued = router.huge_pages.pending_bytes()
+    assert queued == sum(p.untyped_storage().nbytes() for p in llm.runner.module.parameters()) > 0
     llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=1),
                  use_tqdm=False)
-    assert hugepages.pending_collapse_bytes() == 0
+    assert router.huge_pages.pending_bytes() == 0
+
+
+def test_a_plain_pytorch_model_queues_nothing():
+    """``-cpu_linear`` (the benchmark's baselines): no layer calls the op, the loader makes no
+    router, and no weight is queued for huge pages."""
+    from forwardkit import LLM
+
+    llm = LLM(enforce_eager=True, compilation_config={"custom_ops": ["-cpu_linear"]})
+    assert llm.runner.cpu_linear_router is None
 
 
 def test_kv_cache_starts_zeroed():

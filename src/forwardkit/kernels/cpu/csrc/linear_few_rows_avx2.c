@@ -17,7 +17,7 @@
  * next block's rows are prefetched one cache line per row and step (the hardware prefetchers
  * restart at every 4 KiB page and a row is a few KiB).
  *
- * Built at first use by forwardkit.layers.native_linear with the system C compiler
+ * Built at first use by forwardkit.kernels.cpu.native_linear with the system C compiler
  * (-mavx2 -mfma); the caller checks the CPU before calling.
  */
 #include <immintrin.h>

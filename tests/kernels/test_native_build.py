@@ -1,6 +1,6 @@
 """Where the native few-row linear is built and what is loaded from there: a private directory
 under the cache root, checked before use, and a SHA-256 manifest that every ``.so`` must match
-before it is handed to ``dlopen`` (see ``layers/native_linear.py``)."""
+before it is handed to ``dlopen`` (see ``kernels/cpu/native_linear.py``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from forwardkit.compilation import kernel_cache
 from forwardkit.compilation.cache import native_kernel_dir
 from forwardkit.compilation.counters import compilation_counter
-from forwardkit.layers import native_linear
+from forwardkit.kernels.cpu import native_linear
 
 BF16 = torch.bfloat16
 pytestmark = pytest.mark.skipif(
@@ -32,7 +32,6 @@ def root(monkeypatch, tmp_path):
     """A fresh cache root for this test; the kernel loader re-run under it, and again after."""
     cache_root = tmp_path / "cache"
     monkeypatch.setenv("FORWARDKIT_CACHE_ROOT", str(cache_root))
-    monkeypatch.setenv("FORWARDKIT_CPU_LINEAR_TUNE", "0")
     native_linear.cache_clear()
     yield cache_root
     native_linear.cache_clear()

@@ -14,8 +14,9 @@ bytes covered (0 when the system declines).
 
 Collapsing costs the kernel about 1.5 s per GiB of CPU time here and slows the process's other
 memory work while it runs (it held a 1.24 B-parameter model's start-up back by 4-5 s on 2
-cores), so the loader only queues the weights (:func:`defer_collapse`) and the model runner
-starts the move after its first real step (:func:`start_deferred_collapse`): start-up and the
+cores), so the loader only queues the weights (a :class:`DeferredCollapse`, held by the model's
+``CpuLinearRouter``) and the model runner starts the move after its first real step
+(:meth:`DeferredCollapse.start`): start-up and the
 first token are not slowed, and the first decode steps stream 4 KiB pages until it is done.
 
 :func:`zero_` zeroes a large CPU tensor without touching its pages: the page-aligned interior
@@ -37,8 +38,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["HUGE_PAGE", "advise", "collapse", "collapse_in_background", "defer_collapse",
-           "pending_collapse_bytes", "start_deferred_collapse", "zero_"]
+__all__ = ["HUGE_PAGE", "DeferredCollapse", "advise", "collapse", "collapse_in_background", "zero_"]
 
 HUGE_PAGE = 2 << 20
 _PAGE = mmap.PAGESIZE
@@ -147,34 +147,34 @@ def collapse_in_background(tensors: Iterable[torch.Tensor]) -> threading.Thread 
     return thread
 
 
-# Tensors the loader queued for huge pages (weakly: a model dropped before it ran frees its
-# weights); moved by start_deferred_collapse.
-_pending: list[weakref.ref[torch.Tensor]] = []
+class DeferredCollapse:
+    """Tensors queued for huge pages (weakly: a model dropped before it ran frees its
+    weights), moved by :meth:`start`. One per model: the loader queues its weights
+    (``CpuLinearRouter.huge_pages``) and the runner starts the move after its first step."""
 
+    def __init__(self) -> None:
+        self._pending: list[weakref.ref[torch.Tensor]] = []
 
-def defer_collapse(tensors: Iterable[torch.Tensor]) -> None:
-    """Queue ``tensors`` for :func:`start_deferred_collapse`."""
-    _pending.extend(weakref.ref(t) for t in tensors)
+    def defer(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Queue ``tensors`` for :meth:`start`."""
+        self._pending.extend(weakref.ref(t) for t in tensors)
 
+    def _live(self) -> list[torch.Tensor]:
+        return [t for t in (ref() for ref in self._pending) if t is not None]
 
-def _live_pending() -> list[torch.Tensor]:
-    return [t for t in (ref() for ref in _pending) if t is not None]
+    def pending_bytes(self) -> int:
+        """Bytes of live storage queued and not yet handed to a collapse thread."""
+        return sum(t.untyped_storage().nbytes() for t in self._live())
 
-
-def pending_collapse_bytes() -> int:
-    """Bytes of live storage queued and not yet handed to a collapse thread."""
-    return sum(t.untyped_storage().nbytes() for t in _live_pending())
-
-
-def start_deferred_collapse() -> threading.Thread | None:
-    """Move every queued tensor still alive onto huge pages on a background thread (see the
-    module doc); returns it, or None when there is nothing to move. Cheap when the queue is
-    empty (every step after the first calls it)."""
-    if not _pending:
-        return None
-    todo = _live_pending()
-    _pending.clear()
-    return collapse_in_background(todo)
+    def start(self) -> threading.Thread | None:
+        """Move every queued tensor still alive onto huge pages on a background thread (see
+        the module doc); returns it, or None when there is nothing to move. Cheap when the
+        queue is empty (every step after the first calls it)."""
+        if not self._pending:
+            return None
+        todo = self._live()
+        self._pending.clear()
+        return collapse_in_background(todo)
 
 
 def zero_(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@
  * a 1B model's weights, 4 KiB or huge pages alike: 24.8 -> 28.1 GB/s). Each function uses
  * only the instructions its name needs; the caller checks the CPU before calling.
  *
- * Built at first use by forwardkit.layers.native_linear with the system C compiler.
+ * Built at first use by forwardkit.kernels.cpu.native_linear with the system C compiler.
  */
 #include <immintrin.h>
 #include <stdint.h>

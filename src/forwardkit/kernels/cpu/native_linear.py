@@ -270,17 +270,18 @@ def _row_limit(isa: str, dtype: torch.dtype) -> int:
 def max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
     """Most activation rows the native kernel serving ``dtype`` takes (0 when none serves)."""
     found = _selected(dtype)
-    return 0 if found is None else _row_limit(found[0], dtype)
+    return 0 if found is None else found[2]
 
 
 @functools.cache
-def _selected(dtype: torch.dtype) -> tuple[str, Callable[..., int]] | None:
-    """(build, function) serving ``dtype``: the first build in ``_ISAS`` that this CPU can run
-    and that passes its self-check; None when none does."""
+def _selected(dtype: torch.dtype) -> tuple[str, Callable[..., int], int] | None:
+    """(build, function, most rows it serves) for ``dtype``: the first build in ``_ISAS`` that
+    this CPU can run and that passes its self-check; None when none does. One cached lookup
+    gives :func:`linear_rows` all three (it runs once per projection per step)."""
     for isa in _ISAS:
         fn = _function(isa, dtype)
         if fn is not None:
-            return isa, fn
+            return isa, fn, _row_limit(isa, dtype)
     if (dtype in _DTYPES and envs.FORWARDKIT_CPU_NATIVE_LINEAR
             and not any(isa_supported(i, dtype) for i in _ISAS)):
         logger.info_once("Native %s linear off: the CPU has neither AVX-512 nor AVX2+FMA", dtype)
@@ -332,13 +333,13 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         found = _selected(dtype)
         if found is None:
             return None
-        isa, fn = found
+        _, fn, limit = found
     else:
         forced = _function(isa, dtype)
         if forced is None:
             return None
-        fn = forced
-    if rows > _row_limit(isa, dtype):
+        fn, limit = forced, _row_limit(isa, dtype)
+    if rows > limit:
         return None
     x = x.contiguous()
     n = weight.shape[0]
