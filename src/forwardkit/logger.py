@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from functools import cache
-from typing import Any
 
 __all__ = ["ForwardkitLogger", "init_logger"]
 
@@ -42,27 +42,28 @@ class ForwardkitLogger(logging.LoggerAdapter):
     process, which is what per-step code paths need.
     """
 
-    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+    def process(self, msg: object, kwargs: MutableMapping[str, object]
+                ) -> tuple[object, MutableMapping[str, object]]:
         return msg, kwargs
 
-    def _once(self, level: int, msg: str, *args: Any) -> None:
+    def _once(self, level: int, msg: str, *args: object) -> None:
         _log_once(self.logger.name, level, msg, args)
 
-    def debug_once(self, msg: str, *args: Any) -> None:
+    def debug_once(self, msg: str, *args: object) -> None:
         """Log at DEBUG once per process for this message and arguments."""
         self._once(logging.DEBUG, msg, *args)
 
-    def info_once(self, msg: str, *args: Any) -> None:
+    def info_once(self, msg: str, *args: object) -> None:
         """Log at INFO once per process for this message and arguments."""
         self._once(logging.INFO, msg, *args)
 
-    def warning_once(self, msg: str, *args: Any) -> None:
+    def warning_once(self, msg: str, *args: object) -> None:
         """Log at WARNING once per process for this message and arguments."""
         self._once(logging.WARNING, msg, *args)
 
 
 @cache
-def _log_once(name: str, level: int, msg: str, args: tuple[Any, ...]) -> None:
+def _log_once(name: str, level: int, msg: str, args: tuple[object, ...]) -> None:
     logging.getLogger(name).log(level, msg, *args, stacklevel=4)
 
 

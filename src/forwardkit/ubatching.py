@@ -30,7 +30,7 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeVar, cast
 
 import torch
 
@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 logger = init_logger(__name__)
+_T = TypeVar("_T")
 
 
 class UBatchAborted(RuntimeError):
@@ -64,7 +65,7 @@ class _Run:
         self.turn = 0
         self.finished = [False] * num_ubatches
         self.error: BaseException | None = None
-        self.hooks: list[Callable[[], Any] | None] = [None] * num_ubatches
+        self.hooks: list[Callable[[], object] | None] = [None] * num_ubatches
 
     # All methods below are called with ``cond`` held.
     def _next_unfinished(self, after: int) -> int | None:
@@ -168,7 +169,7 @@ def dbo_yield() -> None:
     _event(state.ubatch_id, "resume")
 
 
-def dbo_register_recv_hook(hook: Callable[[], Any]) -> None:
+def dbo_register_recv_hook(hook: Callable[[], object]) -> None:
     """Attach ``hook`` to the next micro-batch: it runs when that one calls
     :func:`dbo_maybe_run_recv_hook` or finishes (once). A no-op outside micro-batch threads.
 
@@ -208,8 +209,8 @@ def _drain_hooks(run: _Run) -> None:
             logger.warning("a pending micro-batch receive hook failed while aborting: %s", exc)
 
 
-def run_ubatches(fns: Sequence[Callable[[], Any]],
-                 contexts: Sequence[ForwardContext]) -> list[Any]:
+def run_ubatches(fns: Sequence[Callable[[], _T]],
+                 contexts: Sequence[ForwardContext]) -> list[_T]:
     """Run ``fns[i]()`` under ``contexts[i]`` as micro-batch ``i``; return their results in order.
 
     Micro-batch 0 runs on the caller's thread, the others on new threads; each starts from a
@@ -223,7 +224,7 @@ def run_ubatches(fns: Sequence[Callable[[], Any]],
         raise ValueError(f"run_ubatches needs >= 2 micro-batches and one context each, got "
                          f"{n} callables and {len(contexts)} contexts")
     run = _Run(n)
-    results: list[Any] = [None] * n
+    results: list[_T | None] = [None] * n
     inference = torch.is_inference_mode_enabled()
     grad = torch.is_grad_enabled()
     # The current CUDA stream is per thread: every micro-batch launches on the caller's.
@@ -267,4 +268,4 @@ def run_ubatches(fns: Sequence[Callable[[], Any]],
             _drain_hooks(run)
     if run.error is not None:
         raise run.error
-    return results
+    return cast("list[_T]", results)  # every micro-batch finished: each slot holds its result

@@ -17,8 +17,9 @@ import argparse
 import copy
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -27,6 +28,9 @@ from forwardkit.compilation.counters import compilation_counter
 from forwardkit.config.args import engine_config_from_args
 from forwardkit.config.engine import EngineConfig
 from forwardkit.runner.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from torch._inductor.compile_fx import CompileFxOutput
 
 __all__ = ["CONTENDER_NAMES", "DBO_CONTENDER", "Contender", "build_contender"]
 
@@ -55,10 +59,12 @@ class Contender:
         return self._traces[0]
 
 
-def _counting_inductor(calls: list[int]) -> Any:
+def _counting_inductor(
+    calls: list[int],
+) -> Callable[[torch.fx.GraphModule, list[torch.Tensor]], CompileFxOutput]:
     """Inductor as ``torch.compile(backend="inductor")`` uses it, counting each graph it gets."""
 
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> CompileFxOutput:
         from torch._inductor.compile_fx import compile_fx
 
         calls[0] += 1

@@ -27,17 +27,28 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, ParamSpec, TypedDict, TypeVar, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from forwardkit.engine.llm import LLM
+    from forwardkit.engine.request import Request
+    from forwardkit.runner.model_runner import StepModel
 
 __all__ = ["DecodeProfile", "format_profiles", "profile_decode", "ROW_KINDS"]
 
 ROW_KINDS = ("linear", "lm_head", "attention", "elementwise", "sampling", "host_scheduler",
              "host_runner", "host_engine", "step_profiled", "step_unprofiled")
 """Every profile has one row of each kind except ``linear``, which has one per weight shape."""
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_Shape = tuple[int, int, int]  # (rows, out, in) of a linear product
 
 _LINEAR_OPS = {"forwardkit::linear", "aten::linear", "aten::mm", "aten::addmm", "aten::matmul"}
 
@@ -66,6 +77,16 @@ class DecodeProfile:
         return [r for r in self.rows if r.kind == kind]
 
 
+class _StepSample(TypedDict):
+    """One profiled step: total ms, ms per wrapped call, linear [ms, calls] per shape,
+    attention (ms, calls)."""
+
+    total: float
+    spent: dict[str, float]
+    linear: dict[_Shape, list[float]]
+    attn: tuple[float, int]
+
+
 class _Timers:
     """Wall time of wrapped calls, per name, while ``on``."""
 
@@ -73,8 +94,8 @@ class _Timers:
         self.on = False
         self.spent: defaultdict[str, float] = defaultdict(float)
 
-    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
+    def wrap(self, name: str, fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        def timed(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             if not self.on:
                 return fn(*args, **kwargs)
             start = time.perf_counter()
@@ -89,22 +110,22 @@ class _ModelProxy:
     """Stands in for ``runner.model`` during profiling: times the forward and the LM head,
     forwards everything else."""
 
-    def __init__(self, model: Any, timers: _Timers) -> None:
+    def __init__(self, model: StepModel, timers: _Timers) -> None:
         self._model = model
         self._forward = timers.wrap("forward", model.__call__)
         self.compute_logits = timers.wrap("logits", model.compute_logits)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._forward(*args, **kwargs)
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._forward(input_ids, positions)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self._model, name)
 
 
 @contextmanager
-def _instrumented(llm: Any, timers: _Timers) -> Iterator[None]:
+def _instrumented(llm: LLM, timers: _Timers) -> Iterator[None]:
     """Wrap the engine's parts on the instance (restored afterwards)."""
-    saved = {
+    saved: dict[tuple[object, str], object] = {
         (llm.scheduler, "schedule"): llm.scheduler.__dict__.get("schedule"),
         (llm.scheduler, "update"): llm.scheduler.__dict__.get("update"),
         (llm.runner, "execute"): llm.runner.__dict__.get("execute"),
@@ -144,7 +165,7 @@ def _weight_names(model: torch.nn.Module) -> dict[tuple[int, int], list[str]]:
     return dict(names)
 
 
-def _linear_shape(name: str, shapes: list[Any]) -> tuple[int, int, int] | None:
+def _linear_shape(name: str, shapes: Sequence[Sequence[int]]) -> _Shape | None:
     """(rows, out, in) of a linear-like op event from its input shapes."""
     try:
         if name in ("forwardkit::linear", "aten::linear"):
@@ -161,11 +182,11 @@ def _linear_shape(name: str, shapes: list[Any]) -> tuple[int, int, int] | None:
     return None
 
 
-def _step_ops(events: Any) -> tuple[dict[tuple[int, int, int], list[float]], float, int]:
+def _step_ops(events: Iterable[FunctionEvent]) -> tuple[dict[_Shape, list[float]], float, int]:
     """From one profiled step's events: linear time per (rows, out, in) as [ms, calls],
     attention ms and calls. Only outermost linear events count (an ``aten::mm`` inside
     ``forwardkit::linear`` is the same product)."""
-    linear: dict[tuple[int, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    linear: dict[_Shape, list[float]] = defaultdict(lambda: [0.0, 0.0])
     attn_ms, attn_calls = 0.0, 0
     for evt in events:
         name = evt.name
@@ -188,7 +209,8 @@ def _step_ops(events: Any) -> tuple[dict[tuple[int, int, int], list[float]], flo
             parent = parent.cpu_parent
         if parent is not None:
             continue
-        shape = _linear_shape(name, evt.input_shapes)
+        # one shape per input (torch annotates the attribute as one flat tuple)
+        shape = _linear_shape(name, cast("list[list[int]]", evt.input_shapes))
         if shape is None:
             continue
         linear[shape][0] += evt.cpu_time_total / 1000
@@ -196,7 +218,7 @@ def _step_ops(events: Any) -> tuple[dict[tuple[int, int, int], list[float]], flo
     return linear, attn_ms, attn_calls
 
 
-def profile_decode(llm: Any, batch_size: int, prompt_len: int = 32, steps: int = 8,
+def profile_decode(llm: LLM, batch_size: int, prompt_len: int = 32, steps: int = 8,
                    warmup: int = 2, seed: int = 0) -> DecodeProfile:
     """Profile ``steps`` decode steps of ``batch_size`` greedy requests on ``llm`` (plus as many
     unprofiled ones between them, after ``warmup`` decode steps)."""
@@ -208,16 +230,15 @@ def profile_decode(llm: Any, batch_size: int, prompt_len: int = 32, steps: int =
     vocab = int(llm.runner.vocab_size)
     prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch_size)]
     timers = _Timers()
-    per_step: list[dict[str, Any]] = []
+    per_step: list[_StepSample] = []
     plain_ms: list[float] = []
     real_step = llm.step
     decode_seen = 0
 
-    def step() -> Any:
+    def step() -> list[Request]:
         nonlocal decode_seen
-        waiting = llm.scheduler.waiting
-        running = getattr(llm.scheduler, "running", None)
-        decoding = not waiting and running is not None and len(running) == batch_size and all(
+        waiting, running = llm.scheduler.waiting, llm.scheduler.running
+        decoding = not waiting and len(running) == batch_size and all(
             r.num_computed_tokens >= len(r.prompt_token_ids) for r in running)
         if not decoding:
             return real_step()
@@ -245,20 +266,20 @@ def profile_decode(llm: Any, batch_size: int, prompt_len: int = 32, steps: int =
                          "linear": dict(linear), "attn": (attn_ms, attn_calls)})
         return out
 
-    llm.step = step
+    vars(llm)["step"] = step  # on the instance: the class's method stays as it is
     try:
         with _instrumented(llm, timers):
             params = SamplingParams(temperature=0.0, max_tokens=warmup + 2 * steps + 2,
                                     ignore_eos=True)
             llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     finally:
-        del llm.step
+        del vars(llm)["step"]
     if not per_step:
         raise RuntimeError("no decode step was profiled (did the prompts not fit one step?)")
     return DecodeProfile(batch_size, len(per_step), _rows(llm, per_step, plain_ms))
 
 
-def _rows(llm: Any, per_step: list[dict[str, Any]], plain_ms: list[float]) -> list[ProfileRow]:
+def _rows(llm: LLM, per_step: list[_StepSample], plain_ms: list[float]) -> list[ProfileRow]:
     def med(values: list[float]) -> float:
         return statistics.median(values) if values else 0.0
 

@@ -17,14 +17,36 @@ import random
 import statistics
 import sys
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import torch
+
+    from forwardkit.bench.generation import GenerateFn, GenerationResult, StreamProbe
+    from forwardkit.bench.llamacpp import LlamaCppGenerator
     from forwardkit.config.engine import EngineConfig
+    from forwardkit.engine.llm import LLM
+
+    # what a contender's generate function keeps alive: a forwardkit ``LLM``, llama.cpp, or the
+    # transformers model
+    Contender: TypeAlias = LLM | LlamaCppGenerator | torch.nn.Module
 
 __all__ = ["add_generation_args", "run_generation"]
 
-QUICK: dict[str, Any] = {"batch_sizes": [1, 4], "prompt_len": 16, "new_tokens": 4, "repeats": 1}
+
+
+class Settings(TypedDict):
+    """The run's shape: the flags, else these defaults."""
+
+    batch_sizes: list[int]
+    prompt_len: int
+    new_tokens: int
+    repeats: int
+
+
+QUICK: Settings = {"batch_sizes": [1, 4], "prompt_len": 16, "new_tokens": 4, "repeats": 1}
 
 
 def _int_list(text: str) -> list[int]:
@@ -58,11 +80,12 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                         "norms/rotary/activation, sampling and the engine's host work")
 
 
-def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    defaults: dict[str, Any] = QUICK if args.quick else {"batch_sizes": [1, 16], "prompt_len": 128,
-                                         "new_tokens": 32, "repeats": 3}
-    out: dict[str, Any] = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v
-           for k, v in defaults.items()}
+def _settings(args: argparse.Namespace) -> Settings:
+    defaults: Settings = QUICK if args.quick else {"batch_sizes": [1, 16], "prompt_len": 128,
+                                                   "new_tokens": 32, "repeats": 3}
+    # a flag left out is None (or absent from a hand-made namespace): the default
+    out = cast(Settings, {k: getattr(args, k, None) if getattr(args, k, None) is not None else v
+                          for k, v in defaults.items()})
     for key in ("prompt_len", "new_tokens", "repeats"):
         if out[key] < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {out[key]}")
@@ -70,7 +93,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
-                   s: dict[str, Any]) -> EngineConfig:
+                   s: Settings) -> EngineConfig:
     from forwardkit.bench.contenders import NATIVE_EAGER
     from forwardkit.config.args import engine_config_from_args
 
@@ -110,27 +133,37 @@ def _tp_of(name: str) -> int:
     return int(name.rpartition("tp=")[2]) if name.startswith("forwardkit tp=") else 1
 
 
-def _with_threads(fn: Any, threads: int) -> Any:
+def _with_threads(fn: GenerateFn, threads: int) -> GenerateFn:
     """``fn`` run with ``threads`` intra-op threads: a TP driver gives its share of the cores to
     its workers, and the contenders in this process take turns."""
     import torch
 
-    def run(*a: Any) -> Any:
+    def run(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         torch.set_num_threads(threads)
-        return fn(*a)
+        return fn(prompts, new_tokens)
 
     return run
 
 
-def _weight_bytes_per_rank(obj: Any) -> list[int]:
+def _weight_bytes_per_rank(obj: Contender) -> list[int]:
     """Bytes of weights each rank of a contender holds (one entry without TP)."""
-    if hasattr(obj, "weight_bytes_per_rank"):
+    import torch
+
+    if not isinstance(obj, torch.nn.Module):  # LLM, llama.cpp: they know their ranks
         return [int(b) for b in obj.weight_bytes_per_rank()]
     return [sum(p.numel() * p.element_size() for p in obj.parameters())]
 
 
+def _llm_of(obj: Contender | None) -> LLM | None:
+    """``obj`` when it is a forwardkit ``LLM`` (the forwardkit, eager and torch.compile
+    contenders), else None."""
+    from forwardkit.engine.llm import LLM
+
+    return obj if isinstance(obj, LLM) else None
+
+
 def _build(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
-           s: dict[str, Any], fk_llm: Any) -> tuple[Any, Any]:
+           s: Settings, fk_llm: LLM | None) -> tuple[GenerateFn, Contender]:
     """(generate function, keep-alive object) of contender ``name``."""
     import torch
 
@@ -141,7 +174,7 @@ def _build(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None
 
 
 def _build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
-                     s: dict[str, Any], fk_llm: Any) -> tuple[Any, Any]:
+                     s: Settings, fk_llm: LLM | None) -> tuple[GenerateFn, Contender]:
     from forwardkit.bench import generation as gen
     from forwardkit.engine.llm import LLM
 
@@ -180,6 +213,7 @@ def _build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, A
 
 def run_generation(args: argparse.Namespace) -> int:
     """Run the end-to-end generation benchmark and print its table."""
+    import torch
     from tqdm import tqdm
 
     from forwardkit.bench import generation as gen
@@ -206,12 +240,13 @@ def run_generation(args: argparse.Namespace) -> int:
               file=sys.stderr)
     progress = not args.no_progress
     results = {n: gen.GenerationResult(n) for n in names}
-    fns: dict[str, Any] = {}
-    keep: dict[str, Any] = {}
+    fns: dict[str, GenerateFn] = {}
+    keep: dict[str, Contender] = {}
     rng = random.Random(args.seed)
     for name in tqdm(names, desc="build + first token", unit="contender", disable=not progress):
         start = time.perf_counter()
-        fns[name], keep[name] = _build(name, args, hf_config, s, keep.get("forwardkit"))
+        fns[name], keep[name] = _build(name, args, hf_config, s,
+                                          _llm_of(keep.get("forwardkit")))
         vocab = _vocab(keep)
         fns[name]([[rng.randrange(vocab) for _ in range(s["prompt_len"])]], 1)
         results[name].startup_s = time.perf_counter() - start
@@ -237,7 +272,7 @@ def run_generation(args: argparse.Namespace) -> int:
         r.prefill_tok_s = b1 * s["prompt_len"] / statistics.median(r.samples[f"first_{b1}"])
     del probe
     for obj in keep.values():  # TP workers end before the report (their cores come back)
-        if hasattr(obj, "shutdown"):
+        if not isinstance(obj, torch.nn.Module):  # LLM, llama.cpp
             obj.shutdown()
     report = _report(results, s, stream, bytes_per_step, model_name, itemsize, roofs)
     print(_format(report), file=sys.stdout)
@@ -249,14 +284,16 @@ def run_generation(args: argparse.Namespace) -> int:
 
 
 def _run_profile(args: argparse.Namespace, hf_config: dict[str, Any] | None,
-                 s: dict[str, Any]) -> int:
+                 s: Settings) -> int:
     """``--profile``: forwardkit's decode steps taken apart, one column per batch size."""
     import torch
 
     from forwardkit.bench.decode_profile import format_profiles, profile_decode
 
     steps = max(4, s["new_tokens"] // 4)
-    _, llm = _build("forwardkit", args, hf_config, s, None)
+    built = _llm_of(_build("forwardkit", args, hf_config, s, None)[1])
+    assert built is not None  # the forwardkit contender keeps its LLM
+    llm = built
     profiles = []
     for b in s["batch_sizes"]:
         profile_decode(llm, b, s["prompt_len"], steps=1, warmup=1, seed=args.seed)  # compiles
@@ -277,8 +314,9 @@ def _run_profile(args: argparse.Namespace, hf_config: dict[str, Any] | None,
     return 0
 
 
-def _timed_runs(fns: dict[str, Any], names: list[str], results: dict[str, Any], s: dict[str, Any],
-                probe: Any, rng: random.Random, vocab: int, progress: bool) -> list[float]:
+def _timed_runs(fns: dict[str, GenerateFn], names: list[str],
+                results: dict[str, GenerationResult], s: Settings, probe: StreamProbe,
+                rng: random.Random, vocab: int, progress: bool) -> list[float]:
     """Every contender's timed generations per batch size, in rotating order; returns the
     bandwidth measured before each (also kept per contender as ``roof_B`` samples)."""
     from tqdm import tqdm
@@ -305,25 +343,26 @@ def _timed_runs(fns: dict[str, Any], names: list[str], results: dict[str, Any], 
     return roofs
 
 
-def _vocab(keep: dict[str, Any]) -> int:
+def _vocab(keep: dict[str, Contender]) -> int:
     for obj in keep.values():
-        runner = getattr(obj, "runner", None)
-        if runner is not None:
-            return int(runner.vocab_size)
+        llm = _llm_of(obj)
+        if llm is not None:
+            return int(llm.runner.vocab_size)
     return 1000
 
 
-def _fk_model_info(keep: dict[str, Any]) -> tuple[dict[str, Any], int, str]:
+def _fk_model_info(keep: dict[str, Contender]) -> tuple[dict[str, Any], int, str]:
     for obj in keep.values():
-        runner = getattr(obj, "runner", None)
-        if runner is not None:
+        llm = _llm_of(obj)
+        if llm is not None:
+            runner = llm.runner
             mc = runner.model_config
             name = mc.model or "random weights"
             return mc.hf_config, runner.dtype.itemsize, name
     raise ValueError("the generation benchmark needs at least one forwardkit LLM contender")
 
 
-def _report(results: dict[str, Any], s: dict[str, Any], stream: float,
+def _report(results: dict[str, GenerationResult], s: Settings, stream: float,
             bytes_per_step: dict[int, int], model_name: str, itemsize: int,
             roofs: list[float]) -> dict[str, Any]:
     import torch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import platform as host
 import random
@@ -51,7 +52,7 @@ def make_batches(steps: list[Step], block_size: int, vocab_size: int, seed: int)
 
 
 @contextmanager
-def _telemetry_into(store: defaultdict[Any, list[float]]) -> Iterator[None]:
+def _telemetry_into(store: defaultdict[int, list[float]]) -> Iterator[None]:
     """Record the forward context's batch-size timings of the block into ``store``."""
     saved = (forward_context.track_batchsize, forward_context.batchsize_logging_interval,
              forward_context.batchsize_forward_time)
@@ -82,7 +83,7 @@ def _timed_step(contender: Contender, batch: StepBatch) -> tuple[float, int, flo
     return elapsed, padded, comm_ms
 
 
-def run_bench(args: Any, names: list[str], steps: list[Step], *, trace_name: str,
+def run_bench(args: argparse.Namespace, names: list[str], steps: list[Step], *, trace_name: str,
               hf_config: dict[str, Any] | None, warmup_steps: int, seed: int = 0,
               progress: bool = True) -> BenchReport:
     """Build each contender, run ``warmup_steps`` untimed then every step timed, interleaved."""
@@ -92,7 +93,7 @@ def run_bench(args: Any, names: list[str], steps: list[Step], *, trace_name: str
     num_blocks = blocks_for_trace(steps, block_size)
     contenders: dict[str, Contender] = {}
     results: dict[str, ContenderResult] = {}
-    stores: dict[str, defaultdict[Any, list[float]]] = {}
+    stores: dict[str, defaultdict[int, list[float]]] = {}  # token count -> step ms
     batches: list[StepBatch] = []
     for name in tqdm(names, desc="build + compile + first step", unit="contender", disable=not progress):
         contender = build_contender(name, args, hf_config, num_blocks)
@@ -134,7 +135,7 @@ def run_bench(args: Any, names: list[str], steps: list[Step], *, trace_name: str
     plat = fk.engine_config.platform
     return BenchReport(
         contenders=results,
-        platform=getattr(plat, "name", str(plat)),
+        platform=plat.name,
         config_hash=fk.engine_config.compute_hash(),
         trace=trace_name,
         batchsize_stats={name: telemetry.summarize(store) for name, store in stores.items()},

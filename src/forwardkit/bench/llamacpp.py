@@ -44,7 +44,7 @@ def llamacpp_missing_note() -> str:
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
-def _quiet(level: int, text: bytes, user_data: Any) -> None:
+def _quiet(level: int, text: bytes, user_data: object) -> None:
     """llama.cpp's log callback: errors only (level 4 = GGML_LOG_LEVEL_ERROR)."""
     if level == 4 and text:
         os.write(2, text)
@@ -142,11 +142,11 @@ class LlamaCppGenerator:
     def close(self) -> None:
         """Free llama.cpp's context and model and remove the GGUF."""
         lc = self._lc
-        if getattr(self, "_ctx", None):
+        if self._ctx:  # None once closed
             lc.llama_batch_free(self._batch)
             lc.llama_free(self._ctx)
             self._ctx = None
-        if getattr(self, "_model", None):
+        if self._model:
             lc.llama_model_free(self._model)
             self._model = None
         self._dir.cleanup()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forwardkit.bench.generation_cli import add_generation_args, run_generation
 from forwardkit.bench.trace import BUILTIN_TRACES
@@ -21,6 +21,9 @@ from forwardkit.config.model_shapes import (
     model_shape_config,
     model_shape_names,
 )
+
+if TYPE_CHECKING:
+    from forwardkit.bench.report import BenchReport
 
 __all__ = ["register", "run"]
 
@@ -63,7 +66,8 @@ def _prepare_dp(args: argparse.Namespace, hf_config: dict[str, Any] | None) -> d
 
 
 def _bench_rank(rank: int, nprocs: int, port: int | None, args: argparse.Namespace,
-                names: list[str], steps_n: int, warmup: int, hf_config: dict[str, Any] | None) -> Any:
+                names: list[str], steps_n: int, warmup: int, hf_config: dict[str, Any] | None,
+                ) -> BenchReport | None:
     """One rank of the benchmark (global rank ``rank`` of DP x TP): every DP replica its own
     share of traffic (seed + DP rank), the TP ranks of a replica the same steps, in lockstep."""
     from forwardkit.bench.harness import run_bench
@@ -107,7 +111,9 @@ def _contender_list(text: str) -> list[str]:
     return names
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand."""
     from forwardkit.config.args import add_engine_args
 
@@ -221,7 +227,9 @@ def run(args: argparse.Namespace) -> int:
 
             print(f"forwardkit bench: spawning {dp * tp} local ranks ({dp} data-parallel x {tp} "
                   "tensor-parallel, gloo)", file=sys.stderr)
-            report = spawn(_bench_rank, dp * tp, args=job, timeout_s=DP_TIMEOUT_S)[0]
+            first = spawn(_bench_rank, dp * tp, args=job, timeout_s=DP_TIMEOUT_S)[0]
+            assert first is not None  # rank 0 returns its report
+            report = first
     else:
         engine_config_from_args(args, default_hf_config=hf_config)  # bad flags fail before any build
         report = run_bench(args, names, steps, trace_name=args.trace, hf_config=hf_config,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
 
 from forwardkit.config.args import add_engine_args, engine_config_from_args, non_negative_float
 
@@ -29,7 +28,9 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
+def register(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     """Add the ``generate`` subcommand."""
     parser = subparsers.add_parser(
         "generate",
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             "the given prompts)"
         )
     llm = LLM.from_engine_config(config, seed=0 if args.seed is None else args.seed)
-    prompts: list[Any] = list(args.prompt) + [{"prompt_token_ids": ids} for ids in args.prompt_token_ids]
+    prompts: list[str | dict[str, list[int]]] = list(args.prompt) + [{"prompt_token_ids": ids} for ids in args.prompt_token_ids]
     if args.prompt and llm.get_tokenizer() is None:
         raise ValueError(
             f"--prompt needs a tokenizer but model "

@@ -36,7 +36,7 @@ import json
 import os
 import pickle
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +50,9 @@ from forwardkit.distributed.parallel_state import rank_dir_name
 from forwardkit.logger import init_logger
 
 if TYPE_CHECKING:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from forwardkit.config.engine import EngineConfig
 
 __all__ = ["AotEntry", "SerializableSplitFunction", "aot_enabled"]
@@ -65,10 +68,16 @@ _KEEP_META = ("stack_trace",)
 
 # The backend factory for SerializableSplitFunction.deserialize_compile_artifacts; set only
 # while an entry is being loaded (deserialisation is a classmethod without arguments).
-_loading: list[Callable[[], Any]] = []
+# A compiled graph or the split module: called with the graph's inputs (tensors, SymInts),
+# its result passed on to the model's caller.
+GraphFn = Callable[..., object]
+# The piecewise backend as Dynamo calls it: (graph, example inputs) -> what runs the graph.
+GraphBackend = Callable[[torch.fx.GraphModule, list[torch.Tensor]], GraphFn]
+
+_loading: list[Callable[[], GraphBackend]] = []
 
 
-def _unviewed(value: Any) -> Any:
+def _unviewed(value: object) -> object:
     """A fake input that is a view (the runner passes slices of its persistent buffers) as a
     plain fake tensor of the same size and strides: the graph pickler cannot save the view's
     link to its base, and the loaded graph needs only the size, strides and dtype."""
@@ -104,18 +113,18 @@ class SerializableSplitFunction(SerializableCallable):
 
     graph_module: torch.fx.GraphModule
     prefix: str
-    runnable: Callable[..., Any] | None = None
-    fake_mode: Any = None
-    make_backend: Callable[[], Any] | None = None
+    runnable: GraphFn | None = None
+    fake_mode: FakeTensorMode | None = None
+    make_backend: Callable[[], GraphBackend] | None = None
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: object) -> object:
         runnable = self.runnable
         if runnable is None:
             runnable = self._materialize()
         return runnable(*args)
 
-    def _materialize(self) -> Callable[..., Any]:
-        if self.make_backend is None:
+    def _materialize(self) -> GraphFn:
+        if self.make_backend is None or self.fake_mode is None:  # both set by deserialisation
             raise RuntimeError("a loaded AOT function was called without a backend factory")
         from torch._guards import TracingContext, tracing
 
@@ -131,7 +140,7 @@ class SerializableSplitFunction(SerializableCallable):
         return runnable
 
     @classmethod
-    def serialize_compile_artifacts(cls, fn: Any) -> bytes:
+    def serialize_compile_artifacts(cls, fn: SerializableSplitFunction) -> bytes:
         """Pickle the Dynamo graph (metadata trimmed) and the prefix."""
         from torch.fx._graph_pickler import GraphPickler, Options
 
@@ -170,18 +179,20 @@ class _ExampleValues(torch.fx.Interpreter):
     """Fake-run a loaded graph to restore every node's ``example_value`` (as Dynamo sets it),
     which splitting and range compiles read."""
 
-    def __init__(self, gm: torch.fx.GraphModule, fake_mode: Any) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, fake_mode: FakeTensorMode) -> None:
         super().__init__(gm)
         self.fake_mode = fake_mode
 
-    def run(self, *args: Any) -> Any:  # type: ignore[override]
+    def run(self, *args: object, initial_env: dict[torch.fx.Node, Any] | None = None,
+            enable_io_processing: bool = True) -> object:
         """Propagate the placeholders' fakes (symbolic token dim) through the graph."""
         from torch._dispatch.python import enable_python_dispatcher
 
         with self.fake_mode, enable_python_dispatcher():
-            return super().run(*args)
+            return super().run(*args, initial_env=initial_env,
+                               enable_io_processing=enable_io_processing)
 
-    def run_node(self, n: torch.fx.Node) -> Any:
+    def run_node(self, n: torch.fx.Node) -> object:
         """Run one node on fakes and record its value."""
         result = super().run_node(n)
         if n.op not in ("placeholder", "output"):
@@ -190,7 +201,7 @@ class _ExampleValues(torch.fx.Interpreter):
 
 
 @contextlib.contextmanager
-def _backend_factory(make_backend: Callable[[], Any]) -> Iterator[None]:
+def _backend_factory(make_backend: Callable[[], GraphBackend]) -> Iterator[None]:
     _loading.append(make_backend)
     try:
         yield
@@ -201,7 +212,7 @@ def _backend_factory(make_backend: Callable[[], Any]) -> Iterator[None]:
 _PRIMITIVES = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
-def _is_plain(value: Any, depth: int = 0) -> bool:
+def _is_plain(value: object, depth: int = 0) -> bool:
     if isinstance(value, _PRIMITIVES):
         return True
     if depth > 4:
@@ -213,7 +224,7 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _plain(value: Any) -> str | None:
+def _plain(value: object) -> str | None:
     """A stable text of a value a trace can bake in as constants (numbers, strings, dtypes and
     lists/dicts of them), else None."""
     if not _is_plain(value):
@@ -223,8 +234,8 @@ def _plain(value: Any) -> str | None:
     return repr(value)
 
 
-def model_fingerprint(module: torch.nn.Module, arguments: dict[str, Any],
-                      dynamic: dict[str, Any]) -> str:
+def model_fingerprint(module: torch.nn.Module, arguments: Mapping[str, object],
+                      dynamic: Mapping[str, int | Sequence[int] | None]) -> str:
     """A hash of what a guard-free trace of ``module`` specialises on beyond the config hash.
 
     Every submodule's class and plain attributes (numbers, strings, dtypes: the constants a
@@ -252,14 +263,14 @@ def model_fingerprint(module: torch.nn.Module, arguments: dict[str, Any],
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
-def _drop_all_guards(guards: list[Any]) -> list[bool]:
+def _drop_all_guards(guards: Sequence[object]) -> list[bool]:
     return [False] * len(guards)
 
 
 class AotEntry:
     """The saved Dynamo result of one compiled module instance (one cache entry)."""
 
-    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any], engine_config: EngineConfig,
+    def __init__(self, module: torch.nn.Module, forward: Callable[..., object], engine_config: EngineConfig,
                  prefix: str, fingerprint: str) -> None:
         self.module, self.forward, self.engine_config = module, forward, engine_config
         self.prefix = prefix or "backbone"
@@ -283,12 +294,12 @@ class AotEntry:
         self.cache = CompileCache(root, local, "binary", source)
         self.cache.write_metadata("cache_key_factors.json", json.dumps(factors, indent=2, sort_keys=True))
 
-    def load(self, make_backend: Callable[[], Any]) -> tuple[Callable[..., Any], set[str]] | None:
+    def load(self, make_backend: Callable[[], GraphBackend]) -> tuple[AOTCompiledFunction, set[str]] | None:
         """The loaded function (call it as ``fn(module, *args, **kwargs)``) and its traced files,
         or None when there is no usable entry (missing, stale, corrupt: each logged)."""
         stale: list[str] = []
 
-        def loader(path: str) -> Any:
+        def loader(path: str) -> tuple[AOTCompiledFunction, set[str]] | None:
             from torch._dynamo.aot_compile import AOTCompiledFunction
 
             with open(path, "rb") as f:
@@ -314,8 +325,8 @@ class AotEntry:
             compilation_counter.num_aot_loads += 1
         return result
 
-    def compile(self, fn: Callable[..., Any], backend: Callable[..., Any], args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> Callable[..., Any]:
+    def compile(self, fn: Callable[..., object], backend: GraphBackend, args: tuple[object, ...],
+                kwargs: Mapping[str, object]) -> AOTCompiledFunction:
         """AOT-compile ``fn`` (an unbound forward) for this module; returns the compiled function,
         called as ``aot_fn(module, *args, **kwargs)``. Raises :class:`AotCompileError`."""
         try:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.fx
+from torch._ops import OpOverload
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.node import Argument
 
 from forwardkit.compilation.inductor_pass import InductorPass
 from forwardkit.logger import init_logger
@@ -31,7 +33,7 @@ __all__ = ["FusedAddRMSNormPass", "InlineOpaqueOpPass", "SiluAndMulFusionPass"]
 logger = init_logger(__name__)
 
 
-def _op_impl(qualname: str) -> tuple[Any, Callable[..., Any]] | None:
+def _op_impl(qualname: str) -> tuple[OpOverload, Callable[..., object]] | None:
     """(OpOverload, Python implementation) of a ``torch.library.custom_op``, or None if absent."""
     from torch._library.custom_ops import OPDEFS
 
@@ -50,7 +52,7 @@ class InlineOpaqueOpPass(InductorPass):
         self.fired = 0
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        impls = {}
+        impls: dict[OpOverload, Callable[..., object]] = {}
         for name in self.OPS:
             found = _op_impl(name)
             if found is None:
@@ -60,20 +62,24 @@ class InlineOpaqueOpPass(InductorPass):
         if not impls:
             return
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in impls:
-                self._inline(graph, node, impls[node.target])
+            target = node.target
+            if node.op == "call_function" and isinstance(target, OpOverload) and target in impls:
+                self._inline(graph, node, target, impls[target])
                 self.fired += 1
 
     @staticmethod
-    def _inline(graph: torch.fx.Graph, node: torch.fx.Node, impl: Callable[..., Any]) -> None:
-        schema = node.target._schema  # type: ignore[union-attr]
-        args: list[Any] = list(node.args) + [
+    def _inline(graph: torch.fx.Graph, node: torch.fx.Node, op: OpOverload,
+                impl: Callable[..., object]) -> None:
+        """Replace ``node`` (a call of ``op``) by ``impl`` traced on the node's fake inputs."""
+        schema = op._schema
+        args: list[Argument] = list(node.args) + [
             node.kwargs[a.name] for a in schema.arguments[len(node.args):] if a.name in node.kwargs
         ]
         tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.fx.Node)]
-        fakes = [args[i].meta["val"] for i in tensor_pos]
+        inputs = [a for a in args if isinstance(a, torch.fx.Node)]  # the args at tensor_pos
+        fakes = [a.meta["val"] for a in inputs]
 
-        def body(*tensors: torch.Tensor) -> Any:
+        def body(*tensors: torch.Tensor) -> object:
             full = list(args)
             for i, t in zip(tensor_pos, tensors):
                 full[i] = t
@@ -86,16 +92,17 @@ class InlineOpaqueOpPass(InductorPass):
 
         with fake_mode:
             sub = make_fx(body, decomposition_table=select_decomp_table())(*fakes)
-        val_map: dict[torch.fx.Node, Any] = {ph: args[i] for ph, i in zip(sub.graph.find_nodes(op="placeholder"), tensor_pos)}
+        val_map = dict(zip(sub.graph.find_nodes(op="placeholder"), inputs))
         with graph.inserting_before(node):
-            out: Any = graph.graph_copy(sub.graph, val_map)
+            out = graph.graph_copy(sub.graph, val_map)
+        # the copied graph's output: one node, or a tuple/list of nodes
         if isinstance(out, (tuple, list)):
             for user in list(node.users):
                 if user.op == "call_function" and user.target is operator.getitem:
-                    user.replace_all_uses_with(out[cast(int, user.args[1])])
+                    user.replace_all_uses_with(cast(torch.fx.Node, out[cast(int, user.args[1])]))
                     graph.erase_node(user)
         else:
-            node.replace_all_uses_with(out)
+            node.replace_all_uses_with(cast(torch.fx.Node, out))
         if not node.users:
             graph.erase_node(node)
 

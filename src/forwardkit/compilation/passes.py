@@ -13,8 +13,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -34,13 +34,18 @@ logger = init_logger(__name__)
 
 aten = torch.ops.aten
 
+# A post-grad pass: a callable on the graph; ``uuid()`` and ``is_applicable_for_range(range)``
+# are optional for a user's pass (looked up by name), an InductorPass has both.
+GraphPass = Callable[[torch.fx.Graph], object]
+Shape = tuple[int | torch.SymInt, ...]
 
-def _shape(node: Any) -> tuple[Any, ...] | None:
+
+def _shape(node: object) -> Shape | None:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _same_shape(a: Sequence[Any] | None, b: Sequence[Any] | None) -> bool:
+def _same_shape(a: Shape | None, b: Shape | None) -> bool:
     if a is None or b is None or len(a) != len(b):
         return False
     return all(statically_known_true(x == y) for x, y in zip(a, b))
@@ -90,9 +95,9 @@ class NoOpEliminationPass(InductorPass):
 class PostGradPassManager(InductorPass):
     """Runs forwardkit's post-grad passes chosen by ``PassConfig`` plus the user's passes."""
 
-    def __init__(self, pass_config: PassConfig | None = None, user_passes: Sequence[Any] = ()) -> None:
+    def __init__(self, pass_config: PassConfig | None = None, user_passes: Sequence[GraphPass] = ()) -> None:
         self.pass_config = pass_config
-        self.passes: list[Any] = []
+        self.passes: list[GraphPass] = []
         if pass_config is not None:
             if pass_config.eliminate_noops:
                 self.passes.append(NoOpEliminationPass())
@@ -102,7 +107,7 @@ class PostGradPassManager(InductorPass):
                 self.passes.append(SiluAndMulFusionPass())
         self.passes.extend(user_passes)
 
-    def add(self, user_pass: Any) -> None:
+    def add(self, user_pass: GraphPass) -> None:
         """Append a user pass (a callable on ``torch.fx.Graph``, ideally with ``uuid()``)."""
         self.passes.append(user_pass)
 
@@ -120,7 +125,7 @@ class PostGradPassManager(InductorPass):
     def uuid(self) -> str:
         """Pass config + each pass's uuid + the compile range."""
 
-        def one(p: Any) -> str:
+        def one(p: GraphPass) -> str:
             fn = getattr(p, "uuid", None)
             return fn() if callable(fn) else hashlib.sha256(inspect.getsource(p).encode()).hexdigest()
 

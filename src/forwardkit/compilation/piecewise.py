@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import cast
 
 import torch
 import torch.fx
@@ -26,11 +26,14 @@ __all__ = ["ArtifactStore", "PiecewiseBackend", "graph_fingerprint"]
 
 logger = init_logger(__name__)
 
+# A compiled piece: called with the piece's inputs (tensors, SymInts), returns its outputs.
+Runnable = Callable[..., object]
+
 # Used when the config defines no compile ranges (a standalone CompilationConfig).
 CATCH_ALL = Range(1, 2**31 - 1)
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"T({value.dtype},{tuple(str(s) for s in value.shape)},{tuple(str(s) for s in value.stride())},{value.device.type},{value.requires_grad})"
     if isinstance(value, torch.SymInt):
@@ -38,7 +41,7 @@ def _describe(value: Any) -> str:
     return f"V({type(value).__name__}:{value!r})"
 
 
-def graph_fingerprint(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+def graph_fingerprint(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> str:
     """A hash of a piece's structure and input metadata, independent of node names.
 
     Two decoder layers' middle pieces differ only in placeholder names (lifted parameters),
@@ -48,7 +51,7 @@ def graph_fingerprint(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -
     names: dict[torch.fx.Node, str] = {}
     lines = [";".join(_describe(v) for v in example_inputs)]
 
-    def ref(a: Any) -> Any:
+    def ref(a: torch.fx.node.Argument) -> torch.fx.node.Argument:
         return torch.fx.node.map_arg(a, lambda n: names[n])
 
     for i, node in enumerate(gm.graph.nodes):
@@ -67,16 +70,16 @@ class ArtifactStore:
 
     def __init__(self, compiler: PieceCompiler) -> None:
         self.compiler = compiler
-        self.runnables: dict[tuple[str, Range], Callable[..., Any]] = {}
+        self.runnables: dict[tuple[str, Range], Runnable] = {}
 
     def get(
         self,
         fingerprint: str,
         entry: Range,
         graph: torch.fx.GraphModule,
-        example_inputs: Sequence[Any],
+        example_inputs: Sequence[object],
         label: str,
-    ) -> Callable[..., Any]:
+    ) -> Runnable:
         """The runnable for ``(fingerprint, entry)``, compiling or loading it on first request."""
         key = (fingerprint, entry)
         compilation_counter.num_backend_compilations += 1
@@ -107,7 +110,7 @@ class PiecewiseBackend:
     def __init__(
         self,
         graph: torch.fx.GraphModule,
-        fake_inputs: Sequence[Any],
+        fake_inputs: Sequence[object],
         index: int,
         total: int,
         name: str,
@@ -130,8 +133,8 @@ class PiecewiseBackend:
         else:
             self.todo = {CATCH_ALL}
         # token count -> runnable; filled on first use of each count (a dict hit per step).
-        self._by_n: dict[int | None, Callable[..., Any]] = {}
-        self._by_entry: dict[Range, Callable[..., Any]] = {}
+        self._by_n: dict[int | None, Runnable] = {}
+        self._by_entry: dict[Range, Runnable] = {}
 
     @property
     def is_first(self) -> bool:
@@ -157,14 +160,15 @@ class PiecewiseBackend:
             "raise max_num_batched_tokens (the last range ends there) or pad the batch"
         )
 
-    def __call__(self, *args: Any) -> Any:
-        n = args[self.symint_positions[0]] if self.symint_positions else None
+    def __call__(self, *args: object) -> object:
+        # at run time the first SymInt input holds the step's token count
+        n = cast("int | None", args[self.symint_positions[0]]) if self.symint_positions else None
         runnable = self._by_n.get(n)
         if runnable is None:
             runnable = self._resolve(n, args)
         return runnable(*args)
 
-    def _resolve(self, n: int | None, args: Sequence[Any]) -> Callable[..., Any]:
+    def _resolve(self, n: int | None, args: Sequence[object]) -> Runnable:
         entry = self.entry_for(n)
         static = entry.is_single_size() and n is not None
         runnable = self._by_entry.get(entry)

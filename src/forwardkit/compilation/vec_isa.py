@@ -28,11 +28,14 @@ import platform
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from torch._inductor.cpu_vec_isa import VecISA
 
 __all__ = ["prime_vec_isa_list", "record_vec_isa_list", "vec_isa_record_path"]
 
@@ -62,7 +65,7 @@ def _applicable() -> bool:
     )
 
 
-def _host_key() -> dict[str, Any]:
+def _host_key() -> dict[str, object]:
     """Everything the probe answers depend on (cheap: no compiles, one ``cxx -v``)."""
     from torch._inductor import cpu_vec_isa
     from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
@@ -81,7 +84,7 @@ def _host_key() -> dict[str, Any]:
     }
 
 
-def _probe_id(isa: Any, code: str) -> str:
+def _probe_id(isa: VecISA, code: str) -> str:
     """Identify one ``check_build(code)`` call: the ISA, its current flags and the test code."""
     text = "\0".join((type(isa).__name__, str(isa), str(isa.build_arch_flags()), code))
     return hashlib.sha256(text.encode()).hexdigest()
@@ -97,7 +100,7 @@ def _computed() -> bool:
 
 
 @contextlib.contextmanager
-def _check_build_replaced(fn: Callable[[Any, str], bool]) -> Iterator[None]:
+def _check_build_replaced(fn: Callable[[VecISA, str], bool]) -> Iterator[None]:
     from torch._inductor import cpu_vec_isa
 
     original = cpu_vec_isa.VecISA.check_build
@@ -108,7 +111,7 @@ def _check_build_replaced(fn: Callable[[Any, str], bool]) -> Iterator[None]:
         cpu_vec_isa.VecISA.check_build = original  # type: ignore[method-assign]
 
 
-def _snapshot() -> list[tuple[Any, dict[str, Any]]]:
+def _snapshot() -> list[tuple[VecISA, dict[str, object]]]:
     from torch._inductor import cpu_vec_isa
 
     return [
@@ -117,7 +120,7 @@ def _snapshot() -> list[tuple[Any, dict[str, Any]]]:
     ]
 
 
-def _restore(snapshot: list[tuple[Any, dict[str, Any]]]) -> None:
+def _restore(snapshot: list[tuple[VecISA, dict[str, object]]]) -> None:
     """Undo a half-done priming: instance state, and every cached ISA answer."""
     from torch._inductor import cpu_vec_isa
 
@@ -165,7 +168,7 @@ def prime_vec_isa_list(root: str) -> str:
     if answers is not None:
         snapshot = _snapshot()
 
-        def replay(isa: Any, code: str) -> bool:
+        def replay(isa: VecISA, code: str) -> bool:
             found = answers.get(_probe_id(isa, code))
             if found is None:
                 raise _Unrecorded(str(isa))
@@ -184,7 +187,7 @@ def prime_vec_isa_list(root: str) -> str:
     return "probed"
 
 
-def record_vec_isa_list(root: str, host: dict[str, Any] | None = None) -> None:
+def record_vec_isa_list(root: str, host: dict[str, object] | None = None) -> None:
     """Run Inductor's real ISA probes (if not done yet in this process) and record every probe's
     answer under ``root``, atomically. Only answers seen while probing are recorded, so call it
     before anything else computes the list."""
@@ -195,7 +198,7 @@ def record_vec_isa_list(root: str, host: dict[str, Any] | None = None) -> None:
     original = cpu_vec_isa.VecISA.check_build
     answers: dict[str, bool] = {}
 
-    def recording(isa: Any, code: str) -> bool:
+    def recording(isa: VecISA, code: str) -> bool:
         probe = _probe_id(isa, code)
         answers[probe] = result = bool(original(isa, code))
         return result

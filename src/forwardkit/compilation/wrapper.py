@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from torch._dynamo.symbolic_convert import InliningInstructionTranslator
+    from torch._dynamo.types import GuardFilterEntry
+    from torch._dynamo.variables.base import VariableTracker
+
+    from forwardkit.compilation.aot import AotEntry, GraphBackend, GraphFn
 
 __all__ = ["GuardViolationError", "TraceOnceCompiler", "collect_traced_files"]
 
@@ -31,7 +38,7 @@ def collect_traced_files(files: set[str]) -> Iterator[None]:
 
     original = InliningInstructionTranslator.inline_call_
 
-    def patched(self: Any) -> Any:
+    def patched(self: InliningInstructionTranslator) -> VariableTracker:
         files.add(self.f_code.co_filename)
         return original(self)
 
@@ -42,12 +49,12 @@ def collect_traced_files(files: set[str]) -> Iterator[None]:
         InliningInstructionTranslator.inline_call_ = original  # type: ignore[method-assign]
 
 
-def _drop_all_guards(guards: list[Any]) -> list[bool]:
+def _drop_all_guards(guards: Sequence[GuardFilterEntry]) -> list[bool]:
     return [False] * len(guards)
 
 
-def _keep_shape_guards(guards: list[Any]) -> list[bool]:
-    return [getattr(g, "guard_type", None) == "SHAPE_ENV" for g in guards]
+def _keep_shape_guards(guards: Sequence[GuardFilterEntry]) -> list[bool]:
+    return [g.guard_type == "SHAPE_ENV" for g in guards]
 
 
 # How torch words a guard failure: the fail_on_recompile stance (a traced frame) and an AOT
@@ -70,7 +77,7 @@ class TraceOnceCompiler:
     specialised for other shapes (vLLM: keep ``SHAPE_ENV`` guards, fail on recompile).
     """
 
-    def __init__(self, module: torch.nn.Module, forward: Callable[..., Any], backend: Any,
+    def __init__(self, module: torch.nn.Module, forward: Callable[..., object], backend: GraphBackend,
                  evaluate_guards: bool = False) -> None:
         self.module = module
         self.evaluate_guards = evaluate_guards
@@ -83,10 +90,10 @@ class TraceOnceCompiler:
         fn.__kwdefaults__ = forward.__kwdefaults__
         fn.__qualname__ = forward.__qualname__
         self.fn = fn
-        self.transformed: Callable[..., Any] | None = None
-        self.aot_fn: Callable[..., Any] | None = None
+        self.transformed: Callable[..., object] | None = None
+        self.aot_fn: Callable[..., object] | None = None
 
-        def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> GraphFn:
             self.traces += 1
             compilation_counter.num_dynamo_traces += 1
             if self.traces > 1:
@@ -111,7 +118,7 @@ class TraceOnceCompiler:
             )
         return None
 
-    def first_call(self, *args: Any, **kwargs: Any) -> Any:
+    def first_call(self, *args: object, **kwargs: object) -> object:
         """Trace, compile and run (records the transformed bytecode on the way)."""
         from torch._dynamo.convert_frame import register_bytecode_hook
 
@@ -121,13 +128,13 @@ class TraceOnceCompiler:
         finally:
             handle.remove()
 
-    def aot_first_call(self, entry: Any, *args: Any, **kwargs: Any) -> Any:
+    def aot_first_call(self, entry: AotEntry, *args: object, **kwargs: object) -> object:
         """Trace through ``entry`` (an :class:`~forwardkit.compilation.aot.AotEntry`) so the result
         can be saved, then run it. Later calls run the AOT function (no Dynamo frame hook)."""
         self.aot_fn = entry.compile(self.fn, self.counting_backend, args, kwargs)
         return self.aot_fn(self.module, *args, **kwargs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         if self.evaluate_guards:
             return self._guarded_call(*args, **kwargs)
         if self.aot_fn is not None:
@@ -136,7 +143,7 @@ class TraceOnceCompiler:
             return self.transformed(self.module, *args, **kwargs)
         return self.compiled(*args, **kwargs)
 
-    def _guarded_call(self, *args: Any, **kwargs: Any) -> Any:
+    def _guarded_call(self, *args: object, **kwargs: object) -> object:
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
                 return self.compiled(*args, **kwargs)

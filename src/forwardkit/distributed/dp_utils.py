@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from forwardkit.distributed.parallel_state import get_dp_group
+from forwardkit.distributed.parallel_state import RankGroup, get_dp_group
 from forwardkit.logger import init_logger
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ class DPMetadata:
         return torch.cumsum(per_rank.repeat_interleave(sp_size), dim=0)
 
 
-def _get_device_and_group(parallel_config: ParallelConfig) -> tuple[Any, Any, bool]:
+def _get_device_and_group(parallel_config: ParallelConfig) -> tuple[torch.device, RankGroup, bool]:
     """(device, group, use_cpu) for the coordination all-reduce."""
     group = get_dp_group()
     if parallel_config.disable_nccl_for_dp_synchronization:

@@ -22,11 +22,18 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar, cast
+
+if TYPE_CHECKING:
+    from multiprocessing.context import SpawnProcess
+    from multiprocessing.queues import Queue
 
 __all__ = ["SpawnError", "find_free_port", "spawn"]
 
 _POLL_S = 0.05
+_R = TypeVar("_R")
+# what a rank queues: (rank, True, fn's return value) or (rank, False, formatted traceback)
+_Result = tuple[int, bool, object]
 
 
 class SpawnError(RuntimeError):
@@ -56,7 +63,7 @@ class _FnRef:
     scripts are re-loaded from their source file when the module name is not importable.
     """
 
-    def __init__(self, fn: Callable[..., Any]):
+    def __init__(self, fn: Callable[..., object]):
         qualname = getattr(fn, "__qualname__", "")
         if not inspect.isfunction(fn) or "<" in qualname:
             raise ValueError(
@@ -68,7 +75,7 @@ class _FnRef:
         except TypeError:
             self.path = None
 
-    def resolve(self) -> Callable[..., Any]:
+    def resolve(self) -> Callable[..., object]:
         try:
             module = importlib.import_module(self.module)
         except ImportError:
@@ -79,13 +86,14 @@ class _FnRef:
             module = importlib.util.module_from_spec(spec)
             sys.modules[self.module] = module
             spec.loader.exec_module(module)
-        obj: Any = module
+        obj: object = module
         for part in self.qualname.split("."):
             obj = getattr(obj, part)
-        return obj
+        return cast("Callable[..., object]", obj)  # the function __init__ was given
 
 
-def _child(ref: _FnRef, rank: int, nprocs: int, port: int, args: tuple, results: Any) -> None:
+def _child(ref: _FnRef, rank: int, nprocs: int, port: int, args: tuple[object, ...],
+           results: Queue[_Result]) -> None:
     try:
         value = ref.resolve()(rank, nprocs, port, *args)
         results.put((rank, True, value))
@@ -93,9 +101,9 @@ def _child(ref: _FnRef, rank: int, nprocs: int, port: int, args: tuple, results:
         results.put((rank, False, traceback.format_exc()))
 
 
-def _stop(procs: list[Any]) -> None:
+def _stop(procs: list[SpawnProcess]) -> None:
     for proc in procs:
-        if proc.is_alive():
+        if proc.is_alive() and proc.pid is not None:  # alive: started, so it has a pid
             proc.terminate()
             # A stopped (SIGSTOP) rank keeps SIGTERM pending until it continues.
             with contextlib.suppress(OSError):
@@ -127,7 +135,7 @@ def _is_stopped(pid: int | None) -> bool:
         return False
 
 
-def _root_cause(procs: list[Any], failed: int, payload: str = "") -> tuple[int, str] | None:
+def _root_cause(procs: list[SpawnProcess], failed: int, payload: str = "") -> tuple[int, str] | None:
     """Another rank that died by a signal or is stopped: the likely cause of ``failed``'s error.
 
     Waits up to 0.5 s in all for ranks that are ending (a peer may have just ended a stopped one).
@@ -155,12 +163,12 @@ def _last_line(text: str) -> str:
 
 
 def spawn(
-    fn: Callable[..., Any],
+    fn: Callable[..., _R],
     nprocs: int,
-    args: tuple = (),
+    args: tuple[object, ...] = (),
     timeout_s: float = 120.0,
     port: int | None = None,
-) -> list[Any]:
+) -> list[_R]:
     """Run ``fn(rank, nprocs, port, *args)`` in ``nprocs`` local processes.
 
     Args:
@@ -184,7 +192,7 @@ def spawn(
     ref = _FnRef(fn)
     port = find_free_port() if port is None else port
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results: Queue[_Result] = ctx.Queue()
     procs = [
         ctx.Process(target=_child, args=(ref, r, nprocs, port, tuple(args), results),
                     name=f"forwardkit-rank{r}", daemon=True)
@@ -193,13 +201,13 @@ def spawn(
     for proc in procs:
         proc.start()
 
-    values: dict[int, Any] = {}
+    values: dict[int, object] = {}
     deadline = time.monotonic() + timeout_s
     try:
         while len(values) < nprocs:
             rank, ok, payload = _next_result(procs, results, values, deadline, timeout_s)
             if not ok:
-                raise _rank_failure(procs, rank, payload)
+                raise _rank_failure(procs, rank, str(payload))
             values[rank] = payload
     finally:
         if len(values) == nprocs:
@@ -207,11 +215,11 @@ def spawn(
                 proc.join(5.0)
         _stop(procs)
         results.close()
-    return [values[r] for r in range(nprocs)]
+    return [cast(_R, values[r]) for r in range(nprocs)]  # what each rank's fn returned
 
 
-def _next_result(procs: list[Any], results: Any, values: dict[int, Any], deadline: float,
-                 timeout_s: float) -> tuple[int, bool, Any]:
+def _next_result(procs: list[SpawnProcess], results: Queue[_Result], values: dict[int, object],
+                 deadline: float, timeout_s: float) -> _Result:
     """The next ``(rank, ok, payload)`` a rank queued; raises :class:`SpawnError` when the
     deadline passes or a rank exited without queueing one."""
     nprocs = len(procs)
@@ -236,7 +244,7 @@ def _next_result(procs: list[Any], results: Any, values: dict[int, Any], deadlin
                                      "without returning a result", rank=r) from None
 
 
-def _rank_failure(procs: list[Any], rank: int, payload: str) -> SpawnError:
+def _rank_failure(procs: list[SpawnProcess], rank: int, payload: str) -> SpawnError:
     """The error for a rank that raised, naming the rank that failed first when another
     rank's failure was only a consequence of it."""
     cause = _root_cause(procs, rank, payload)

@@ -29,9 +29,9 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -100,15 +100,15 @@ class PendingCollective:
 
     __slots__ = ("_done", "_error", "_finish", "_group", "_result", "_timeout_s", "_what", "_work")
 
-    def __init__(self, group: RankGroup, work: Any, what: str, timeout_s: float | None,
-                 finish: Any) -> None:
+    def __init__(self, group: RankGroup, work: dist.Work | None, what: str,
+                 timeout_s: float | None, finish: Callable[[], torch.Tensor]) -> None:
         self._group, self._work, self._what, self._timeout_s = group, work, what, timeout_s
         self._finish = finish
         self._done = False
         self._error: BaseException | None = None
-        self._result: Any = None
+        self._result: torch.Tensor | None = None
 
-    def wait(self) -> Any:
+    def wait(self) -> torch.Tensor:
         """Block until the collective finishes; returns its result (raises its error again)."""
         if not self._done:
             self._done = True
@@ -122,6 +122,7 @@ class PendingCollective:
                 self._work = None
         if self._error is not None:
             raise self._error
+        assert self._result is not None  # set by the finish above, which did not raise
         return self._result
 
 
@@ -138,12 +139,12 @@ class RankGroup:
 
     rank: int
     world_size: int
-    cpu_group: Any
-    device_group: Any
+    cpu_group: dist.ProcessGroup | None
+    device_group: dist.ProcessGroup | None
     device: torch.device
     timeout_s: float
     owns_default_group: bool = False
-    _extra_groups: list[Any] = field(default_factory=list, repr=False)
+    _extra_groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
     peers: list[tuple[int, int, int]] = field(default_factory=list, repr=False)
     """Per global rank: (host id, pid, process start time), to name a dead or stopped peer."""
     name: str = "dp"
@@ -158,10 +159,10 @@ class RankGroup:
         """This process's rank in the world."""
         return self.ranks[self.rank]
 
-    def _group(self, use_cpu: bool) -> Any:
+    def _group(self, use_cpu: bool) -> dist.ProcessGroup | None:
         return self.cpu_group if use_cpu else self.device_group
 
-    def _wait(self, work: Any, what: str, timeout_s: float | None) -> None:
+    def _wait(self, work: dist.Work, what: str, timeout_s: float | None) -> None:
         limit = self.timeout_s if timeout_s is None else timeout_s
         start = time.perf_counter()
         try:
@@ -193,7 +194,7 @@ class RankGroup:
     def all_reduce(
         self,
         tensor: torch.Tensor,
-        op: Any = None,
+        op: dist.ReduceOp | None = None,
         *,
         use_cpu: bool = False,
         timeout_s: float | None = None,
@@ -313,7 +314,7 @@ class RankGroup:
         self._wait(work, "broadcast", timeout_s)
         return tensor
 
-    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+    def broadcast_object(self, obj: object = None, src: int = 0) -> object:
         """Group rank ``src`` sends a picklable object to every rank of the group (CPU group,
         bounded by the group's timeout); returns it on every rank."""
         if self.world_size == 1:
@@ -340,7 +341,7 @@ class _State:
     dp: RankGroup
     tp: RankGroup
     ep: RankGroup
-    created: list[Any]
+    created: list[dist.ProcessGroup]
     owns_default_group: bool
 
 
@@ -423,7 +424,19 @@ def rank_dir_name(parallel_config: ParallelConfig) -> str:
     return f"rank_{tp_rank}_{parallel_config.data_parallel_rank}"
 
 
-def _pick(*candidates: Any) -> Any:
+_T = TypeVar("_T")
+
+
+@overload
+def _pick(first: _T | None, second: _T | None, last: _T, /) -> _T: ...
+
+
+@overload
+def _pick(*candidates: _T | None) -> _T | None: ...
+
+
+def _pick(*candidates: _T | None) -> _T | None:
+    """The first candidate that is not None."""
     for value in candidates:
         if value is not None:
             return value
@@ -570,7 +583,7 @@ def init_distributed(
     owns = not dist.is_initialized()
     world, me = _join_world(owns, parallel_config, world_size, rank, master_addr, master_port,
                             backend, timeout, tp)
-    created: list[Any] = []
+    created: list[dist.ProcessGroup] = []
     try:
         state = _build_groups(world, me, tp, backend, timeout, timeout_s, local_rank, owns,
                               created)
@@ -580,8 +593,8 @@ def init_distributed(
             group.peers = peers
     except BaseException:
         _STATE = None
-        for group in created:
-            dist.destroy_process_group(group)
+        for pg in created:
+            dist.destroy_process_group(pg)
         if owns:
             dist.destroy_process_group()
         raise
@@ -663,14 +676,14 @@ def _device_of(backend: str, me: int, local_rank: int | None) -> torch.device:
 
 def _build_groups(world: int, me: int, tp: int, backend: str, timeout: datetime.timedelta,
                   timeout_s: float, local_rank: int | None, owns: bool,
-                  created: list[Any]) -> _State:
+                  created: list[dist.ProcessGroup]) -> _State:
     """The world, DP, TP and EP groups. Every rank creates every sub-group in the same order
     (``torch.distributed.new_group`` is a collective over the whole world); a group of one
     rank gets no process group, and a group equal to the world reuses the world's."""
     device = _device_of(backend, me, local_rank)
     default_backend = dist.get_backend()
 
-    def new(ranks: list[int] | None, kind: str) -> Any:
+    def new(ranks: list[int] | None, kind: str) -> dist.ProcessGroup | None:
         if ranks is None and default_backend == kind:
             return dist.group.WORLD
         group = dist.new_group(ranks=ranks, backend=kind, timeout=timeout)
@@ -678,7 +691,9 @@ def _build_groups(world: int, me: int, tp: int, backend: str, timeout: datetime.
             created.append(group)
         return group
 
-    def make(name: str, ranks: list[int], handles: tuple[Any, Any] | None = None) -> RankGroup:
+    Handles = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]  # (cpu, device)
+
+    def make(name: str, ranks: list[int], handles: Handles | None = None) -> RankGroup:
         if me not in ranks:
             raise AssertionError(f"rank {me} is not in its own {name} group {ranks}")
         if len(ranks) == 1:
@@ -702,7 +717,7 @@ def _build_groups(world: int, me: int, tp: int, backend: str, timeout: datetime.
         mine = next(r for r in all_ranks if me in r)
         if len(mine) == world:
             return make(name, mine, (world_cpu, world_dev))
-        handles: tuple[Any, Any] | None = None
+        handles: Handles | None = None
         for ranks in all_ranks:  # every rank creates every group, in the same order
             if len(ranks) == 1:
                 continue

@@ -16,7 +16,7 @@ import hashlib
 import os
 import signal
 import socket
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -37,7 +37,13 @@ def process_state(pid: int) -> tuple[str, int] | None:
         return None
 
 
-def exchange_peer_identities(group: Any) -> list[tuple[int, int, int]]:
+class _GatherGroup(Protocol):
+    """What the exchange needs of a ``RankGroup`` (which imports this module)."""
+
+    def all_gather(self, tensor: torch.Tensor, *, use_cpu: bool = ...) -> torch.Tensor: ...
+
+
+def exchange_peer_identities(group: _GatherGroup) -> list[tuple[int, int, int]]:
     """All-gather ``(host id, pid, start time)`` of every rank over ``group``'s CPU group."""
     state = process_state(os.getpid())
     me = torch.tensor([_host_id(), os.getpid(), state[1] if state else -1], dtype=torch.int64)

@@ -9,13 +9,29 @@ without touching the engine's id counter or seeded random generator.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol, TypeAlias
 
 from forwardkit.engine.request import Request
 from forwardkit.engine.sampling_params import SamplingParams
 
-__all__ = ["build_requests", "parse_prompts"]
+__all__ = ["PromptsArg", "TokenIdsArg", "Tokenizer", "build_requests", "parse_prompts"]
+
+# What ``LLM.generate`` documents; ``parse_prompts`` checks every value at run time anyway.
+PromptItem: TypeAlias = str | Mapping[str, object] | Sequence[int]
+PromptsArg: TypeAlias = str | Mapping[str, object] | Sequence[PromptItem] | None
+TokenIdsArg: TypeAlias = Sequence[int] | Sequence[Sequence[int]] | None
+
+
+class Tokenizer(Protocol):
+    """What the engine uses of a Hugging Face tokenizer."""
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 _ACCEPTED_PROMPTS = ("expected a string, a list of strings, a dict with 'prompt_token_ids' or "
                      "'prompt', or a list of such dicts (token ids go in prompt_token_ids=[[...]])")
@@ -34,12 +50,13 @@ def _is_id(value: object) -> bool:
 
 
 def parse_prompts(
-    prompts: Any, prompt_token_ids: Any, tokenizer: Any, vocab_size: int, model_name: str | None = None
+    prompts: object, prompt_token_ids: object, tokenizer: Tokenizer | None, vocab_size: int,
+    model_name: str | None = None,
 ) -> list[tuple[str | None, list[int]]]:
     """``(text or None, token ids)`` per prompt; raises ``ValueError`` on any malformed input."""
     if prompts is not None and prompt_token_ids is not None:
         raise ValueError("pass either prompts or prompt_token_ids, not both")
-    items: list[Any]
+    items: list[object]
     if prompt_token_ids is not None:
         if not isinstance(prompt_token_ids, (list, tuple)):
             raise ValueError(f"prompt_token_ids={_short(prompt_token_ids)} is invalid; {_ACCEPTED_IDS}")
@@ -65,7 +82,7 @@ def parse_prompts(
     return [_one_prompt(i, item, tokenizer, vocab_size, model_name) for i, item in enumerate(items)]
 
 
-def _one_prompt(index: int, item: Any, tokenizer: Any, vocab: int,
+def _one_prompt(index: int, item: object, tokenizer: Tokenizer | None, vocab: int,
                 model_name: str | None) -> tuple[str | None, list[int]]:
     if isinstance(item, dict):
         if "prompt_token_ids" in item:
@@ -86,7 +103,7 @@ def _one_prompt(index: int, item: Any, tokenizer: Any, vocab: int,
     return None, _check_ids(index, item, vocab)
 
 
-def _check_ids(index: int, ids: Any, vocab: int) -> list[int]:
+def _check_ids(index: int, ids: object, vocab: int) -> list[int]:
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"prompt {index}: prompt_token_ids={_short(ids)} is invalid; "
                          "expected a list of integer token ids")
@@ -101,7 +118,7 @@ def build_requests(
     pairs: Sequence[tuple[str | None, list[int]]],
     params: Sequence[SamplingParams],
     first_id: int,
-    eos_token_id: Any,
+    eos_token_id: int | Iterable[int] | None,
     max_model_len: int,
     decode: Callable[[SamplingParams], Callable[[list[int]], str] | None],
 ) -> list[tuple[str, list[Request]]]:

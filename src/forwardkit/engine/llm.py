@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +27,13 @@ from forwardkit.config.builder import build_engine_config
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.frozen import freeze, thawed_copy
 from forwardkit.engine.block_manager import BlockManager
-from forwardkit.engine.inputs import build_requests, parse_prompts
+from forwardkit.engine.inputs import (
+    PromptsArg,
+    TokenIdsArg,
+    Tokenizer,
+    build_requests,
+    parse_prompts,
+)
 from forwardkit.engine.outputs import RequestOutput
 from forwardkit.engine.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
 from forwardkit.engine.request import Request
@@ -50,6 +56,12 @@ from forwardkit.engine.weight_update import (
     update_model_weights,
 )
 from forwardkit.logger import init_logger
+
+if TYPE_CHECKING:
+    from forwardkit.config.compilation import CompilationConfig
+    from forwardkit.distributed.parallel_state import RankGroup
+    from forwardkit.platforms import Platform
+    from forwardkit.runner.batch import StepBatch
 
 __all__ = ["LLM"]
 
@@ -81,6 +93,11 @@ class LLM:
             ``enable_chunked_prefill``, ``optimization_level``, ``enable_expert_parallel`` ...).
     """
 
+    # class-level defaults: readable before ``__init__`` sets them (``shutdown`` after a failed
+    # start) and before the first ``sleep``
+    _tp_pool: TPWorkerPool | None = None
+    _sleeper: KVCacheSleeper | None = None
+
     def __init__(
         self,
         model: str | None = None,
@@ -88,11 +105,11 @@ class LLM:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         enforce_eager: bool = False,
-        compilation_config: Any = None,
+        compilation_config: CompilationConfig | Mapping[str, object] | str | None = None,
         data_parallel_size: int = 1,
         block_size: int = 16,
         seed: int = 0,
-        platform: Any = None,
+        platform: str | Platform | None = None,
         engine_config: EngineConfig | None = None,
         **kwargs: Any,
     ) -> None:
@@ -108,7 +125,7 @@ class LLM:
             )
         elif kwargs:
             raise TypeError(f"LLM(engine_config=...) takes no extra config arguments, got {sorted(kwargs)}")
-        self._tp_pool: TPWorkerPool | None = None
+        self._tp_pool = None
         self._tp_link: TPFollowerLink | None = None
         self._dp_group, cfg = self._init_parallel(engine_config)
         self.engine_config = cfg
@@ -121,7 +138,7 @@ class LLM:
             self.shutdown()
             raise
         self.model_config = self.runner.model_config
-        self.tokenizer = load_tokenizer(self.model_config.model)
+        self.tokenizer: Tokenizer | None = load_tokenizer(self.model_config.model)
         self.eos_token_id = self._eos_token_id()
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(
@@ -140,7 +157,7 @@ class LLM:
         """An ``LLM`` over an already resolved config (used by ``forwardkit generate``)."""
         return cls(engine_config=engine_config, seed=seed)
 
-    def _init_parallel(self, cfg: EngineConfig) -> tuple[Any, EngineConfig]:
+    def _init_parallel(self, cfg: EngineConfig) -> tuple[RankGroup | None, EngineConfig]:
         """Join (or start) the DP and TP ranks; returns (the DP group or None, the engine
         config with this process's DP rank)."""
         parallel = cfg.parallel_config
@@ -208,18 +225,18 @@ class LLM:
     def shutdown(self) -> None:
         """End the TP worker processes this ``LLM`` started (if any) and leave their groups.
         The engine cannot generate afterwards. Also runs when the ``LLM`` is collected."""
-        pool, self._tp_pool = getattr(self, "_tp_pool", None), None
+        pool, self._tp_pool = self._tp_pool, None
         if pool is not None:
             pool.close()
 
-    def _eos_token_id(self) -> Any:
+    def _eos_token_id(self) -> int | list[int] | None:
         hf = self.model_config.hf_config
-        eos = hf.get("eos_token_id")
+        eos: int | list[int] | None = hf.get("eos_token_id")  # config.json: an id or a list
         if eos is None and self.tokenizer is not None:
-            eos = getattr(self.tokenizer, "eos_token_id", None)
+            eos = self.tokenizer.eos_token_id
         return eos
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer | None:
         """The checkpoint's tokenizer, or None when it ships none."""
         return self.tokenizer
 
@@ -230,7 +247,7 @@ class LLM:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         return torch.Generator(device=self.runner.device).manual_seed(seed)
 
-    def _decoder(self, params: SamplingParams) -> Any:
+    def _decoder(self, params: SamplingParams) -> Callable[[list[int]], str] | None:
         """Output ids -> text for stop-string checks (None when ``params`` has no stop strings)."""
         if not params.stop:
             return None
@@ -241,9 +258,9 @@ class LLM:
     # ------------------------------------------------------------------ generation
     def generate(
         self,
-        prompts: Any = None,
+        prompts: PromptsArg = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        prompt_token_ids: Any = None,
+        prompt_token_ids: TokenIdsArg = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate completions; returns one ``RequestOutput`` per prompt, in prompt order.
@@ -374,7 +391,7 @@ class LLM:
             by_id = {r.request_id: lp for r, lp in zip(chosen, logprobs) if lp is not None}
         return self.scheduler.update(out, {r.request_id: t for r, t in zip(chosen, tokens)}, by_id)
 
-    def _execute(self, batch: Any) -> Any:
+    def _execute(self, batch: StepBatch) -> torch.Tensor:
         """The runner's step; a collective failure names what the TP workers reported."""
         try:
             return self.runner.execute(batch)
@@ -385,7 +402,9 @@ class LLM:
             raise
 
     # ------------------------------------------------------------------ RL: weights, sleep
-    def update_weights(self, named_tensors: Any) -> dict[str, Any]:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> dict[str, int | float]:
         """Copy new weights into the running model in place (no recompilation, no re-capture).
 
         ``named_tensors``: ``(hf_name, tensor)`` pairs (or a dict) in Hugging Face naming, a full
@@ -420,10 +439,10 @@ class LLM:
 
     def is_sleeping(self) -> bool:
         """Whether ``sleep`` released the KV cache."""
-        sleeper = getattr(self, "_sleeper", None)
+        sleeper = self._sleeper
         return sleeper is not None and sleeper.asleep
 
     def _kv_sleeper(self) -> KVCacheSleeper:
-        if getattr(self, "_sleeper", None) is None:
+        if self._sleeper is None:
             self._sleeper = KVCacheSleeper(self.runner)
         return self._sleeper

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from forwardkit.engine.block_manager import BlockManager
 from forwardkit.engine.request import Request, RequestStatus
 from forwardkit.logger import init_logger
 from forwardkit.runner.batch import StepBatch
+
+if TYPE_CHECKING:
+    from forwardkit.engine.logprobs import Logprob
 
 __all__ = ["Scheduler", "SchedulerOutput"]
 
@@ -197,7 +200,7 @@ class Scheduler:
         logger.debug("preempted %s (KV cache full)", request.request_id)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int],
-               logprobs: dict[str, Any] | None = None) -> list[Request]:
+               logprobs: dict[str, dict[int, Logprob]] | None = None) -> list[Request]:
         """Advance scheduled requests after a step; ``sampled`` maps request id -> new token
         (``logprobs``: request id -> that token's logprob dict, for requests that asked).
 

@@ -181,7 +181,12 @@ class LlamaModel(nn.Module):
 
 
 # HF checkpoint name -> (our parameter name, shard id) for merged projections.
-LLAMA_STACKED = (
+# Which slice of a stacked parameter an HF tensor fills: "q" / "k" / "v" of qkv_proj, 0 / 1 of
+# gate_up_proj, a Mixtral expert's (index, "w1" | "w2" | "w3") or a whole expert stack ("w13",
+# "w2"); None for a plain parameter.
+ShardId = str | int | tuple[int, str]
+
+LLAMA_STACKED: tuple[tuple[str, str, ShardId], ...] = (
     (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
     (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
     (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
@@ -218,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         gets all of them)."""
         return self.lm_head(hidden_states)
 
-    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+    def map_weight_name(self, name: str) -> tuple[str, ShardId | None] | None:
         """Our ``(parameter name, shard id)`` for HF tensor ``name``; None to skip it."""
         if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
             return None

@@ -21,7 +21,7 @@ from forwardkit.distributed.communication_op import (
 )
 from forwardkit.layers.fused_moe import FusedMoE
 from forwardkit.layers.linear import Linear
-from forwardkit.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from forwardkit.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, ShardId
 
 __all__ = ["MixtralForCausalLM", "MixtralModel", "MixtralMoE"]
 
@@ -89,7 +89,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     model_cls = MixtralModel
 
-    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+    def map_weight_name(self, name: str) -> tuple[str, ShardId | None] | None:
         """Map HF names, including both expert layouts, to ``(parameter, shard id)``."""
         name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.").replace(
             ".mlp.experts.", ".block_sparse_moe.experts."
