@@ -31,6 +31,7 @@ import torch
 
 from forwardkit import envs, telemetry
 from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.config.compilation_methods import STATE_ATTR as _STATE_ATTR
 from forwardkit.distributed.dp_utils import DPMetadata, coordinate_batch_across_dp
 
 # The SP helpers live with DPMetadata; re-exported here under vLLM's names.
@@ -38,6 +39,7 @@ from forwardkit.distributed.dp_utils import (
     _compute_chunked_local_num_tokens as _compute_chunked_local_num_tokens,
 )
 from forwardkit.distributed.dp_utils import _compute_sp_num_tokens as _compute_sp_num_tokens
+from forwardkit.distributed.dp_utils import make_dp_metadata as _make_dp_metadata
 from forwardkit.logger import init_logger
 from forwardkit.platforms import Platform, active_platform, current_platform
 from forwardkit.ubatch import UBatchSlices
@@ -242,25 +244,31 @@ def override_forward_context(forward_context: ForwardContext | None) -> _Overrid
 class _ForwardStepScope:
     """The context manager returned by :func:`set_forward_context` (work happens on enter)."""
 
+    # NOTE: set_forward_context makes instances without calling __init__ (~0.1 us a step):
+    # ``_args`` is set there, the rest on enter.
     __slots__ = ("_args", "_token", "_start", "_num_tokens")
+    _token: Token
+    _start: float | None
+    _num_tokens: int | None
 
     def __init__(self, args: tuple) -> None:
         self._args = args
-        self._token: Token | None = None
-        self._start: float | None = None
 
     def __enter__(self) -> None:
         global forward_start_time
         (attn_metadata, vllm_config, virtual_engine, num_tokens, num_tokens_across_dp,
          cudagraph_runtime_mode, batch_descriptor, ubatch_slices) = self._args
-        self._num_tokens = num_tokens
         if track_batchsize and attn_metadata is not None:
             # NOTE: the start time is kept per scope; vLLM's single global is
             # also updated for compatibility but not used for the measurement.
+            self._num_tokens = num_tokens
             self._start = forward_start_time = time.perf_counter()
+        else:
+            self._start = None
 
         dp_metadata = None
-        if vllm_config.parallel_config.data_parallel_size > 1 and (
+        parallel_config = vllm_config.parallel_config
+        if parallel_config.data_parallel_size > 1 and (
             attn_metadata is not None or num_tokens is not None
         ):
             if num_tokens_across_dp is None:
@@ -271,15 +279,13 @@ class _ForwardStepScope:
                     "with data_parallel_size > 1, set_forward_context needs num_tokens or "
                     "num_tokens_across_dp"
                 )
-                parallel_config = vllm_config.parallel_config
                 # A collective: every DP rank must enter its forward context together.
                 _, num_tokens_across_dp, _ = coordinate_batch_across_dp(
                     num_tokens_unpadded=num_tokens, parallel_config=parallel_config,
                     allow_microbatching=False, allow_dp_padding=False,
                 )
                 assert num_tokens_across_dp is not None
-            dp_metadata = DPMetadata.make(vllm_config.parallel_config, num_tokens or 0,
-                                          num_tokens_across_dp)
+            dp_metadata = _make_dp_metadata(parallel_config, num_tokens or 0, num_tokens_across_dp)
 
         if (cudagraph_runtime_mode is not _NONE and num_tokens is not None
                 and batch_descriptor is None):
@@ -303,9 +309,12 @@ class _ForwardStepScope:
             raise AssertionError(f"Invalid cudagraph runtime mode: {cudagraph_runtime_mode}")
         # NOTE: the dataclass's own __init__ (defaults, __post_init__) costs ~0.4 us a step;
         # the instance is the same object it would build (the mode is checked just above).
+        # The layer dict is read from the compile state directly (the config's
+        # static_forward_context property goes through two property lookups).
         ctx = _new_object(ForwardContext)
         ctx.__dict__ = {
-            "no_compile_layers": vllm_config.compilation_config.static_forward_context,
+            "no_compile_layers":
+                vllm_config.compilation_config.__dict__[_STATE_ATTR].static_forward_context,
             "attn_metadata": attn_metadata, "virtual_engine": virtual_engine,
             "dp_metadata": dp_metadata, "cudagraph_runtime_mode": cudagraph_runtime_mode,
             "batch_descriptor": batch_descriptor, "ubatch_slices": ubatch_slices,
@@ -314,7 +323,14 @@ class _ForwardStepScope:
         self._token = _CURRENT.set(ctx)
 
     def __exit__(self, *exc: object) -> None:
-        _restore(self._token)
+        try:
+            token = self._token
+        except AttributeError:
+            raise RuntimeError("forward-context scope exited without being entered") from None
+        try:
+            _CURRENT.reset(token)
+        except ValueError:  # exited in another asyncio task/context than entered
+            _restore(token)
         if self._start is not None:
             _record_forward_time(self._num_tokens, self._start)
 
@@ -340,10 +356,10 @@ def set_forward_context(
     batch-size telemetry on and ``attn_metadata`` not None, the step time is recorded.
     The ``with`` target is None.
     """
-    return _ForwardStepScope((
-        attn_metadata, vllm_config, virtual_engine, num_tokens, num_tokens_across_dp,
-        cudagraph_runtime_mode, batch_descriptor, ubatch_slices,
-    ))
+    scope: _ForwardStepScope = _new_object(_ForwardStepScope)
+    scope._args = (attn_metadata, vllm_config, virtual_engine, num_tokens, num_tokens_across_dp,
+                   cudagraph_runtime_mode, batch_descriptor, ubatch_slices)
+    return scope
 
 
 def _record_forward_time(num_tokens: int | None, start: float) -> None:

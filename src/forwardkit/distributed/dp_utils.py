@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from forwardkit.config.parallel import ParallelConfig
 from forwardkit.ubatch import check_ubatch_thresholds, is_last_ubatch_empty
 
-__all__ = ["DPMetadata", "coordinate_batch_across_dp"]
+__all__ = ["DPMetadata", "coordinate_batch_across_dp", "make_dp_metadata"]
 
 logger = init_logger(__name__)
 
@@ -141,18 +141,7 @@ class DPMetadata:
         dense (``is_moe_model`` is not False) and this rank's entry equals ``num_tokens``
         (message: ``"<entry> <num_tokens>"``).
         """
-        assert num_tokens_across_dp_cpu is not None
-        assert parallel_config.data_parallel_size > 1
-        assert parallel_config.is_moe_model is not False
-        if not isinstance(num_tokens_across_dp_cpu, torch.Tensor):
-            num_tokens_across_dp_cpu = torch.tensor(num_tokens_across_dp_cpu, dtype=torch.int32)
-        # NOTE: one tolist() (~0.3 us) instead of indexing and torch.max (~1.5 us each).
-        counts = num_tokens_across_dp_cpu.tolist()
-        mine = counts[parallel_config.data_parallel_rank]
-        assert mine == num_tokens, f"{mine} {num_tokens}"
-        meta = DPMetadata(None, num_tokens_across_dp_cpu)
-        meta._counts = counts
-        return meta
+        return make_dp_metadata(parallel_config, num_tokens, num_tokens_across_dp_cpu)
 
     @contextmanager
     def chunked_sizes(
@@ -294,6 +283,36 @@ def _synchronize_dp_ranks(
         should_dp_pad = True
     num_tokens_after_padding = _post_process_dp_padding(tensor, should_dp_pad)
     return should_ubatch, num_tokens_after_padding, _post_process_cudagraph_mode(tensor)
+
+
+_new_object = object.__new__
+
+
+def make_dp_metadata(parallel_config: ParallelConfig, num_tokens: int,
+                     num_tokens_across_dp_cpu: torch.Tensor) -> DPMetadata:
+    """:meth:`DPMetadata.make` (the forward context calls this directly, once a step).
+
+    Asserts that DP is on, the model is not known to be dense and this rank's entry equals
+    ``num_tokens`` (message ``"<entry> <num_tokens>"``); reads the counts once as a list.
+    """
+    assert num_tokens_across_dp_cpu is not None
+    assert parallel_config.data_parallel_size > 1
+    assert parallel_config.is_moe_model is not False
+    if type(num_tokens_across_dp_cpu) is not torch.Tensor and not isinstance(
+            num_tokens_across_dp_cpu, torch.Tensor):
+        num_tokens_across_dp_cpu = torch.tensor(num_tokens_across_dp_cpu, dtype=torch.int32)
+    # NOTE: one tolist() (~0.3 us) instead of indexing and torch.max (~1.5 us each); the
+    # instance is filled directly (its __init__ call costs ~0.2 us a step).
+    counts = num_tokens_across_dp_cpu.tolist()
+    mine = counts[parallel_config.data_parallel_rank]
+    assert mine == num_tokens, f"{mine} {num_tokens}"
+    meta: DPMetadata = _new_object(DPMetadata)
+    meta._max = None
+    meta._derived_max = None
+    meta._num = num_tokens_across_dp_cpu
+    meta._counts = counts
+    meta.local_sizes = None
+    return meta
 
 
 def coordinate_batch_across_dp(
