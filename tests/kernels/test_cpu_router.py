@@ -302,16 +302,32 @@ def test_loader_makes_the_router_and_the_runner_binds_it_per_step(monkeypatch):
     assert router.current_router() is None  # unbound after the step
 
 
-def test_memory_check_routes_nothing_but_layers_keep_the_op(monkeypatch):
+def test_memory_check_routes_without_packing(monkeypatch):
+    """A second copy of the weights would not fit: weights stay routed (few rows take the native
+    kernel, which reads the plain weight) but nothing is ever packed (more rows: plain F.linear)."""
     monkeypatch.setattr(router, "available_memory_bytes", lambda: 1 << 10)  # 1 KiB free
     layer = _filled(Linear(64, 48))
     routes = _fast()
-    assert routes.route_weights(linear_op_weights(layer)) == 0 and not routes.is_routed(layer.weight)
-    assert layer.calls_linear_op  # the graph does not change; the op runs F.linear
-    x = torch.randn(3, 64)
+    assert routes.route_weights(linear_op_weights(layer)) == 1 and routes.is_routed(layer.weight)
+    assert not routes.may_pack
+    assert layer.calls_linear_op  # the graph does not change
+    native_calls = []
+    real = router.native_linear.linear_rows
+    monkeypatch.setattr(router.native_linear, "linear_rows",
+                        lambda *a, **k: native_calls.append(a[0].shape[0]) or real(*a, **k))
     with bind(routes):
-        assert torch.equal(layer(x), F.linear(x, layer.weight))
-    assert routes.packed_count() == 0
+        for rows in (1, 3, 8, 40):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    assert routes.packed_count() == 0  # 3- and 8-row products would have packed with memory
+    assert native_calls == [1, 3, 8, 40]  # every product asks the native kernel first
+    enough = _fast()
+    monkeypatch.setattr(router, "available_memory_bytes", lambda: 1 << 40)
+    assert enough.route_weights(linear_op_weights(layer)) == 1 and enough.may_pack
+    if router.prepack_supported(torch.float32) and router.native_linear.max_rows(torch.float32) < 8:
+        with bind(enough):
+            layer(torch.randn(8, 64))
+        assert enough.packed_count() == 1  # the control: with memory, 8 rows pack
 
 
 # ------------------------------------------------------------------ timed path choice

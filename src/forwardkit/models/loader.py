@@ -8,8 +8,8 @@ random weights.
 
 On the CPU the loader also makes the model's ``CpuLinearRouter`` (``kernels/cpu/router.py``)
 when any layer calls the ``forwardkit::linear`` op (the ``cpu_linear`` custom op, on unless
-``custom_ops`` has ``"-cpu_linear"``): it routes those layers' weights (memory permitting; a
-small model's paths are timed) and queues the weights for huge pages. The router travels with
+``custom_ops`` has ``"-cpu_linear"``): it routes those layers' weights (packed copies only when
+a second copy fits in memory; a small model's paths are timed) and queues the weights for huge pages. The router travels with
 the model (``kernels.cpu.router.attached_router``); the runner binds it around each step.
 """
 

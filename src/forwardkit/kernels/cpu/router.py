@@ -114,6 +114,9 @@ class CpuLinearRouter:
         # Inside ``writes``: data_ptr -> entry whose packed copy is re-derived at the end.
         self._deferred: dict[int, RoutedWeight] | None = None
         self.huge_pages = hugepages.DeferredCollapse()
+        #: Whether products of 3+ rows may make packed copies (False when a second copy of the
+        #: routed weights would not fit in memory: :meth:`route_weights`).
+        self.may_pack = True
 
     # ------------------------------------------------------------------ routed weights
     def route(self, weight: torch.Tensor) -> RoutedWeight:
@@ -152,8 +155,10 @@ class CpuLinearRouter:
     def route_weights(self, layers: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> int:
         """Route the ``(weight, bias)`` of every layer that calls the op whose weight is float32,
         or bf16 on a CPU with bf16 instructions or the native kernel (AVX2) (:func:`route_supported`),
-        unless a packed second copy of every such weight would not fit in the memory available
-        (then none is routed: the op runs plain ``F.linear``). With timing on, a small model
+        and let products of 3..``LAZY_PACK_MAX_ROWS`` rows pack them, unless a packed second
+        copy of every such weight would not fit in the memory available: then :attr:`may_pack`
+        is False (few-row products still take the native kernel, which reads the plain weight;
+        more rows run plain ``F.linear``). With timing on, a small model
         (all routed weights within ``TUNE_MAX_BYTES``) times each weight shape's paths against
         plain ``F.linear`` per row bucket. Returns the number of weights routed."""
         todo = [(w, b) for w, b in layers if route_supported(w.dtype, w.device)]
@@ -162,10 +167,13 @@ class CpuLinearRouter:
         need = sum(w.numel() * w.element_size() for w, _ in todo)
         free = available_memory_bytes()
         if free is not None and need > 0.8 * free:
-            logger.warning_once("Not routing %.1f GiB of linear weights through the CPU fast paths: "
-                                "only %.1f GiB of memory is available for packed copies; linear "
-                                "layers use plain torch matmuls", need / 2**30, free / 2**30)
-            return 0
+            # The native few-row kernel reads the plain weight (no copy): keep it for decode,
+            # but never pack (products of more rows run plain F.linear).
+            self.may_pack = False
+            logger.warning_once("%.1f GiB of linear weights, only %.1f GiB of memory available: "
+                                "no oneDNN-packed copies (products of more than a few rows use "
+                                "plain torch matmuls); few-row products still take the native "
+                                "kernel", need / 2**30, free / 2**30)
         for weight, _ in todo:
             self.route(weight)
         if self._timing and need <= TUNE_MAX_BYTES:  # a small model: F.linear where it is faster
@@ -359,18 +367,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if choices[min(max(rows - 1, 0).bit_length(), BUCKETS - 1)] is False:
             return F.linear(x, weight, bias)
-    return _fast_path(x, weight, bias, entry)
+    return _fast_path(x, weight, bias, entry, router.may_pack)
 
 
 def _fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               entry: RoutedWeight) -> torch.Tensor:
+               entry: RoutedWeight, may_pack: bool = True) -> torch.Tensor:
     out = native_linear.linear_rows(x, weight, bias)  # the rows the native kernel serves
     if out is not None:
         return out
     packed = entry.packed
     if packed is None:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows > LAZY_PACK_MAX_ROWS or not _packable(weight.dtype):
+        if rows > LAZY_PACK_MAX_ROWS or not may_pack or not _packable(weight.dtype):
             return F.linear(x, weight, bias)
         packed = entry.packed = _packed_copy(weight)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
