@@ -35,6 +35,38 @@ def scaled_llm():
                seed=4)
 
 
+@pytest.fixture(scope="module")
+def biased_llm():
+    """The built-in shape as Qwen2 (biases on q/k/v), biases drawn large enough to matter."""
+    from forwardkit.config import build_engine_config
+    from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
+
+    hf = {**model_shape_config(BUILTIN_MODEL_SHAPE), "architectures": ["Qwen2ForCausalLM"],
+          "model_type": "qwen2"}
+    llm = LLM(engine_config=build_engine_config(default_hf_config=hf, platform="cpu", **ENGINE),
+              seed=5)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in llm.runner.module.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    return llm
+
+
+def test_attention_biases_follow_their_rows(biased_llm, tmp_path):
+    hf = biased_llm.runner.model_config.hf_config
+    state = hf_state_dict(biased_llm.runner.model)
+    assert "model.layers.0.self_attn.q_proj.bias" in state
+    path = write_llama_gguf(tmp_path / "m.gguf", hf, state)
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in gguf.GGUFReader(path).tensors}
+    for ours, theirs, heads in (("q", "q", hf["num_attention_heads"]),
+                                ("k", "k", hf["num_key_value_heads"]), ("v", "v", None)):
+        bias = state[f"model.layers.1.self_attn.{ours}_proj.bias"]
+        want = bias if heads is None else _rotary_interleaved(bias[:, None], heads)[:, 0]
+        torch.testing.assert_close(tensors[f"blk.1.attn_{theirs}.bias"], want.float())
+    assert not torch.equal(tensors["blk.1.attn_q.bias"], state["model.layers.1.self_attn.q_proj.bias"])
+
+
 def test_a_scaled_rotary_goes_as_rope_freqs(scaled_llm, tmp_path):
     from forwardkit.layers.rotary_embedding import _default_inv_freq
 
@@ -89,7 +121,7 @@ def test_experts_are_refused_by_name(tmp_path):
         write_llama_gguf(tmp_path / "m.gguf", {"num_local_experts": 8}, {})
 
 
-@pytest.mark.parametrize("model", ["llm", "scaled_llm"])
+@pytest.mark.parametrize("model", ["llm", "scaled_llm", "biased_llm"])
 def test_llamacpp_generates_forwardkits_tokens_or_is_left_out_with_a_note(model, request, capsys):
     llm = request.getfixturevalue(model)
     from forwardkit.bench.generation_cli import _with_llamacpp

@@ -4,8 +4,10 @@ The benchmark's llama.cpp contender needs the very weights forwardkit runs. This
 with the ``gguf`` package under llama.cpp's ``llama`` architecture names:
 
 - ``token_embd``, ``output_norm``, ``output`` (left out when the embedding is tied), and per
-  layer ``attn_norm``, ``attn_q/k/v``, ``attn_output``, ``ffn_norm``, ``ffn_gate/up/down``;
-- Q and K rows are permuted from Hugging Face's rotary layout (the two halves of each head)
+  layer ``attn_norm``, ``attn_q/k/v``, ``attn_output``, ``ffn_norm``, ``ffn_gate/up/down``,
+  and the attention biases where the model has them (Llama's ``attention_bias``, Qwen2's
+  q/k/v biases) as ``attn_q/k/v/output.bias``;
+- Q and K rows (and their biases' entries) are permuted from Hugging Face's rotary layout (the two halves of each head)
   to the interleaved pairs llama.cpp's ``llama`` rotary expects, per head:
   ``w.view(heads, 2, head_dim // 2, in).transpose(1, 2)``;
 - a scaled rotary (``llama3``, ``linear``) as the ``rope_freqs`` tensor of per-frequency
@@ -72,7 +74,12 @@ def _gguf_names(layers: int) -> dict[str, str]:
                  "self_attn.o_proj.weight": "attn_output.weight",
                  "post_attention_layernorm.weight": "ffn_norm.weight",
                  "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-                 "mlp.down_proj.weight": "ffn_down.weight"}
+                 "mlp.down_proj.weight": "ffn_down.weight",
+                 # Llama's attention_bias / Qwen2's q/k/v biases: llama.cpp's llama
+                 # architecture adds them when present
+                 "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+                 "self_attn.v_proj.bias": "attn_v.bias",
+                 "self_attn.o_proj.bias": "attn_output.bias"}
     for i in range(layers):
         for hf, ours in per_layer.items():
             names[f"model.layers.{i}.{hf}"] = f"blk.{i}.{ours}"
@@ -83,7 +90,8 @@ def write_llama_gguf(path: str | os.PathLike[str], hf_config: Mapping[str, Any],
                      state: Mapping[str, torch.Tensor]) -> str:
     """Write ``state`` (Hugging Face names, a Llama-family model of ``hf_config``) to ``path``
     as a GGUF file llama.cpp loads; returns the path. Raises ``ValueError`` for a model this
-    cannot express (biases, mixture of experts, other rope types, names it does not know)."""
+    cannot express (mixture of experts, other rope types, names it does not know); attention
+    biases (Llama's ``attention_bias``, Qwen2's q/k/v) are written."""
     import gguf
     import numpy as np
 
@@ -98,8 +106,8 @@ def write_llama_gguf(path: str | os.PathLike[str], hf_config: Mapping[str, Any],
     tied = bool(hf_config.get("tie_word_embeddings", False))
     unknown = sorted(n for n in state if n not in names)
     if unknown:
-        raise ValueError(f"no GGUF name for {unknown[:5]} (biases and other extras are not "
-                         "written)")
+        raise ValueError(f"no GGUF name for {unknown[:5]} (only the Llama-family tensors and "
+                         "attention biases are written)")
     kinds = {torch.bfloat16: gguf.GGMLQuantizationType.BF16,
              torch.float16: gguf.GGMLQuantizationType.F16,
              torch.float32: gguf.GGMLQuantizationType.F32}
@@ -122,15 +130,15 @@ def write_llama_gguf(path: str | os.PathLike[str], hf_config: Mapping[str, Any],
         if tied and hf_name == "lm_head.weight":
             continue
         t = tensor.detach().to("cpu").contiguous()
-        if hf_name.endswith("q_proj.weight"):
-            t = _rotary_interleaved(t, heads)
-        elif hf_name.endswith("k_proj.weight"):
-            t = _rotary_interleaved(t, kv_heads)
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+            # a bias's entries follow its projection's rows into llama.cpp's rotary order
+            rows = t.reshape(t.shape[0], -1)
+            t = _rotary_interleaved(rows, heads if ".q_proj." in hf_name else kv_heads).reshape(t.shape)
         if t.dtype not in kinds:
             raise ValueError(f"{hf_name}: dtype {t.dtype} has no GGUF type here "
                              f"(accepted: {sorted(str(d) for d in kinds)})")
         kind = kinds[t.dtype]
-        if t.dim() == 1:  # llama.cpp computes norms in float32
+        if t.dim() == 1:  # llama.cpp computes norms and bias additions in float32
             t, kind = t.float(), gguf.GGMLQuantizationType.F32
         if t.dtype == torch.bfloat16:
             array = t.view(torch.int16).numpy().view(np.uint16)
