@@ -50,9 +50,9 @@ class Variant:
 
     def __init__(self, name: str, mode: int, stock: bool = False, native: bool = False) -> None:
         self.name = name
-        # the baselines run every op native (no custom-op wrappers, plain F.linear: "-cpu_linear"),
-        # as a user's model does
-        extra = {"custom_ops": ["none", "-cpu_linear"]} if native else {}
+        # the baselines run every op native (no custom-op wrappers, plain F.linear: "-cpu_linear",
+        # attention by torch ops: "-cpu_attention"), as a user's model does
+        extra = {"custom_ops": ["none", "-cpu_linear", "-cpu_attention"]} if native else {}
         self.cfg = EngineConfig(model_config=ModelConfig(hf_config=default_hf_config()),
                                 compilation_config={"mode": mode, "backend": "inductor", **extra})
         self.model = load_model(self.cfg)

@@ -97,6 +97,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # CPU: the native few-row linear for the products of routed layers (kernels/cpu); which
     # layers are routed is the "cpu_linear" custom op (compilation_config.custom_ops)
     "FORWARDKIT_CPU_NATIVE_LINEAR": _bool("FORWARDKIT_CPU_NATIVE_LINEAR", True),
+    # CPU: the native paged decode attention (kernels/cpu/native_attention.py); which layers
+    # may use it is the "cpu_attention" custom op (compilation_config.custom_ops)
+    "FORWARDKIT_CPU_NATIVE_ATTENTION": _bool("FORWARDKIT_CPU_NATIVE_ATTENTION", True),
     # with AOT compile on: a missing or unusable saved entry is a FileNotFoundError instead of
     # a trace (vLLM: VLLM_FORCE_AOT_LOAD), for deployments that must never compile
     "FORWARDKIT_FORCE_AOT_LOAD": _bool("FORWARDKIT_FORCE_AOT_LOAD", False),

@@ -225,5 +225,6 @@ def test_bench_model_shape_runs_a_real_architecture(tmp_path):
                             enforce_eager=False, compilation_config="3", engine_O=["3"],
                             block_size=None, platform="cpu", data_parallel_size=None)
     eager = engine_config_for("eager", ns, None, 8).compilation_config
-    assert eager.mode == 0 and eager.custom_ops == ["none", "-cpu_linear"]
+    assert eager.mode == 0 and eager.custom_ops == ["none", "-cpu_linear", "-cpu_attention"]
     assert not eager.is_custom_op_enabled("cpu_linear")  # plain F.linear, as a user's model
+    assert not eager.is_custom_op_enabled("cpu_attention")  # attention by torch ops, too

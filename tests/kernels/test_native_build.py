@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from forwardkit.compilation import kernel_cache
 from forwardkit.compilation.cache import native_kernel_dir
 from forwardkit.compilation.counters import compilation_counter
-from forwardkit.kernels.cpu import native_linear
+from forwardkit.kernels.cpu import native_build, native_linear
 
 BF16 = torch.bfloat16
 pytestmark = pytest.mark.skipif(
@@ -176,7 +176,7 @@ def test_verified_build_loads_without_a_compiler(root, loads, monkeypatch):
     assert native_linear.available()
     so = _built(root)
     good, stamp = so.read_bytes(), so.stat().st_mtime_ns
-    monkeypatch.setattr(native_linear.shutil, "which", lambda *args, **kwargs: None)  # no $CC now
+    monkeypatch.setattr(native_build.shutil, "which", lambda *args, **kwargs: None)  # no $CC now
     native_linear.cache_clear()
     loads.clear()
     assert native_linear.available()

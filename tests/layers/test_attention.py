@@ -12,6 +12,12 @@ from forwardkit.layers.kv_cache import bind_kv_cache
 HQ, HK, D, BS = 4, 2, 8, 4
 
 
+@pytest.fixture
+def engine_config(decode_path_config):
+    """Every test here runs with the native decode kernel and with the torch decode path."""
+    return decode_path_config
+
+
 def _dense(q, k_all, v_all, scale):
     """Causal attention of the last len(q) positions of a sequence, in float64."""
     s, n = k_all.shape[0], q.shape[0]

@@ -16,6 +16,12 @@ from forwardkit.layers.kv_cache import bind_kv_cache
 HQ, HK, D, BS = 4, 2, 8, 4
 
 
+@pytest.fixture
+def engine_config(decode_path_config):
+    """Every test here runs with the native decode kernel and with the torch decode path."""
+    return decode_path_config
+
+
 def _cost(widths: list[int], ends: list[int], overhead: int) -> int:
     total, begin = 0, 0
     for end in ends:

@@ -1,8 +1,9 @@
 """The contenders of ``forwardkit bench``: one :class:`ModelRunner` each, same model and weights.
 
 - ``eager``: the same model as plain PyTorch would run it: mode NONE, no CUDA graphs, every
-  op native (``custom_ops=["none", "-cpu_linear"]``: no custom-op wrappers, plain ``F.linear``
-  for linear layers: no native kernel, no oneDNN packing, no huge pages).
+  op native (``custom_ops=["none", "-cpu_linear", "-cpu_attention"]``: no custom-op wrappers,
+  plain ``F.linear`` for linear layers: no native kernel, no oneDNN packing, no huge pages;
+  attention by torch ops (SDPA over gathered blocks), not the native decode kernel).
 - ``torch.compile``: what a user would write by hand: that eager model wrapped in stock
   ``torch.compile(dynamic=True)`` (Inductor, guards kept), so Inductor sees every op.
 - ``forwardkit``: the configuration resolved from the command line (``-O`` / ``-cc``).
@@ -36,9 +37,9 @@ __all__ = ["CONTENDER_NAMES", "DBO_CONTENDER", "Contender", "build_contender"]
 
 CONTENDER_NAMES = ("eager", "torch.compile", "forwardkit")
 DBO_CONTENDER = "forwardkit+dbo"
-# The baselines' compilation config: plain PyTorch, every op native ("cpu_linear" is on under
-# "none" too: it needs its own "-").
-NATIVE_EAGER = '{"mode": 0, "custom_ops": ["none", "-cpu_linear"]}'
+# The baselines' compilation config: plain PyTorch, every op native ("cpu_linear" and
+# "cpu_attention" are on under "none" too: each needs its own "-").
+NATIVE_EAGER = '{"mode": 0, "custom_ops": ["none", "-cpu_linear", "-cpu_attention"]}'
 
 
 
@@ -97,7 +98,9 @@ def build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, An
                          f"{[*CONTENDER_NAMES, DBO_CONTENDER]}")
     start = time.perf_counter()
     cfg = engine_config_for(name, args, hf_config, num_blocks)
-    runner = ModelRunner(cfg)  # the baselines' config has "-cpu_linear": plain F.linear weights
+    # the baselines' config has "-cpu_linear" and "-cpu_attention": plain F.linear weights,
+    # attention by torch ops
+    runner = ModelRunner(cfg)
     contender = Contender(name, runner, cfg, 0.0)
     if name == "torch.compile":
         inner = runner.module.get_submodule("model")

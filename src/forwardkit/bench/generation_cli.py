@@ -201,7 +201,8 @@ def _build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, A
                                              runner.module)
         return gen.transformers_generate(model), model
     cfg = _engine_config(name, args, hf_config, s)
-    llm = LLM(engine_config=cfg, seed=args.seed)  # baselines: "-cpu_linear", plain F.linear
+    # baselines: "-cpu_linear", "-cpu_attention": plain F.linear, attention by torch ops
+    llm = LLM(engine_config=cfg, seed=args.seed)
     if name == "torch.compile":
         import torch
 

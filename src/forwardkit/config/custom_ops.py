@@ -16,7 +16,11 @@ disables them. ``cpu_linear`` (linear layers on the CPU calling ``forwardkit::li
 GEMM/GEMV kernel) is one: the ``"none"`` default exists so that Inductor can fuse the native
 forms of elementwise ops, but a matrix product gains nothing from Inductor's fusion (it calls
 an extern GEMM either way), while the kernel behind the op streams decode weights 1.5-6x
-faster. A forwardkit extension: in vLLM GEMMs are not custom ops at all.
+faster. ``cpu_attention`` (the ``Attention`` layer on the CPU attending its decode requests
+with the native paged decode-attention kernel, one call per layer instead of a dozen torch ops)
+is the other: attention is an opaque op Inductor never sees into, so the default has nothing
+to fuse there either. Forwardkit extensions: in vLLM GEMMs are not custom ops at all, and its
+attention backends are chosen elsewhere.
 
 :data:`CUSTOM_OP_REGISTRY` maps each registered op name to its class. It lives here, in the
 config layer, so that ``CompilationConfig.custom_op_log_check`` can tell a misspelt name from an
@@ -40,7 +44,7 @@ __all__ = [
 CUSTOM_OP_REGISTRY: dict[str, Any] = {}
 """Registered custom-op name -> class (filled by ``CustomOp.register``)."""
 
-ON_UNLESS_DISABLED: frozenset[str] = frozenset({"cpu_linear"})
+ON_UNLESS_DISABLED: frozenset[str] = frozenset({"cpu_attention", "cpu_linear"})
 """Custom ops on whatever ``"all"`` / ``"none"`` say, unless ``"-name"`` (module doc)."""
 
 

@@ -14,13 +14,20 @@ per-step state is looked up at run time:
 
 So nothing per-step is baked into a compiled graph. Both ops are tagged
 ``torch.Tag.cudagraph_unsafe`` and have fake implementations for tracing.
+
+``Attention`` is the ``cpu_attention`` custom op: built on the CPU with it on (on unless
+``compilation_config.custom_ops`` has ``"-cpu_attention"``, like ``cpu_linear``; see
+``config/custom_ops.py``), its ``native_decode`` is True and the backend attends its decode
+requests with the native CPU kernel (``kernels/cpu/native_attention.py``) where that applies.
+Both forms call the same opaque op, so the traced graph is the same; the decision is made once,
+at construction, and ``custom_ops`` is part of the compile hash.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
+from forwardkit.compilation.custom_op import CustomOp
 from forwardkit.config.engine import get_current_engine_config
 from forwardkit.forward_context import StepAttentionMetadata, get_forward_context
 from forwardkit.layers.attention_backend import (
@@ -139,13 +146,16 @@ def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_n
     return torch.ops.forwardkit.unified_attention(q, k, v, layer_name)
 
 
-class Attention(nn.Module):
+@CustomOp.register("cpu_attention")
+class Attention(CustomOp):
     """Decoder self-attention over a paged KV cache, registered under its ``prefix``.
 
     ``forward(q[T, Hq*D], k[T, Hk*D], v[T, Hk*D]) -> [T, Hq*D]``. Rotary embedding is applied
     by the caller. ``kv_cache`` holds one placeholder until ``bind_kv_cache`` sets ``[tensor]``.
     ``backend``: the attention backend class; None = the one the current engine config selects
     (``EngineConfig.attention_backend``: ``FORWARDKIT_ATTENTION_BACKEND``, else ``TORCH_NATIVE``).
+    ``native_decode``: whether the backend may attend this layer's decode requests with the
+    native CPU kernel (the ``cpu_attention`` custom op, chosen at construction; module doc).
     """
 
     backend: type[AttentionBackend]
@@ -180,14 +190,24 @@ class Attention(nn.Module):
         config = get_current_engine_config()
         # the backend the engine config selected (its support level decided the graph mode)
         self.backend = get_attention_backend(config.attention_backend) if backend is None else backend
+        # the cpu_attention custom op: on, on the CPU (CustomOp chose forward_cpu)
+        self.native_decode = self._forward_method.__name__ == "forward_cpu"
 
         context = config.compilation_config.compile_state.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
         context[prefix] = self
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Run the opaque attention op for this layer."""
+    def forward_native(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Run the opaque attention op for this layer (decodes by the torch ops)."""
+        return self._attention_op(query, key, value)
+
+    def forward_cpu(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Run the opaque attention op for this layer (decodes by the native kernel where it
+        applies: the op's backend reads ``native_decode``)."""
+        return self._attention_op(query, key, value)
+
+    def _attention_op(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if self.use_output:
             output = torch.empty_like(query)
             torch.ops.forwardkit.unified_attention_with_output(query, key, value, output, self.layer_name)

@@ -14,7 +14,12 @@ Decode requests (query length 1) run as SDPA calls over their gathered blocks, t
 heads that share a KV head standing in the query-length dim (no K/V repeat). With variable-
 shape metadata they are grouped into length buckets so a short request does not gather the
 widest block table of the batch; fixed-shape metadata (``max_num_blocks_per_req``) runs them
-as one call. Multi-token requests run one SDPA call each (grouped-query, no K/V repeat). The
+as one call. On the CPU, a layer built with the ``cpu_attention`` custom op on (the default;
+``"-cpu_attention"`` turns it off) instead stores the step's K/V and attends all its decode
+requests with one call of the native kernel (``kernels/cpu/native_attention.py``: online softmax
+over each request's own blocks, no gathers, no bucket plan) whenever it applies (variable-shape
+metadata, one dtype for query, cache and output, rows contiguous); otherwise the torch ops
+above serve the step. Multi-token requests run one SDPA call each (grouped-query, no K/V repeat). The
 backend's CUDA-graph support level is therefore ``UNIFORM_SINGLE_TOKEN_DECODE``: full graphs
 are safe for pure decode batches only. The per-step metadata lives in ``attention_metadata``.
 
@@ -42,6 +47,7 @@ from forwardkit.config.attention import (
     selected_attention_backend,
 )
 from forwardkit.forward_context import StepAttentionMetadata
+from forwardkit.kernels.cpu import native_attention
 from forwardkit.layers.attention_metadata import (
     AttentionMetadata,
     DecodeBucket,
@@ -119,6 +125,25 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, 
                      bucket.additive_mask(query.dtype), scale, output)
 
 
+def _native_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+                   output: torch.Tensor) -> bool:
+    """Store the step's K/V and attend every decode request in one native call
+    (``kernels/cpu/native_attention.py``); False, having done nothing, when it does not apply
+    (fixed-shape metadata, no decode requests, the kernel unavailable or declining the
+    tensors): the torch path then serves the step."""
+    if md.decode_buckets is None or not md.decode_token_idx.shape[0]:
+        return False
+    index = md.native_decode_index
+    if index is None:  # the step's first layer: its indices, checked once
+        index = native_attention.decode_index(md.decode_token_idx, md.decode_block_table,
+                                              md.decode_seq_lens, md.slot_mapping)
+        md.native_decode_index = False if index is None else index
+    if index is None or index is False:
+        return False
+    return native_attention.paged_decode(query, key, value, kv_cache, index, scale, output)
+
+
 def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
              chunk: PrefillChunk, scale: float, output: torch.Tensor) -> None:
     start, end, seq_len = chunk.start, chunk.end, chunk.seq_len
@@ -150,16 +175,20 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
     output: torch.Tensor,
+    native_decode: bool = False,
 ) -> None:
     """Write the step's K/V into ``kv_cache`` and attend; fills ``output`` [T, Hq, D] in place.
 
-    Padding rows (past ``md.num_actual_tokens``) are set to zero.
+    Padding rows (past ``md.num_actual_tokens``) are set to zero. ``native_decode``: store the
+    K/V and attend the decode requests with one call of the native CPU kernel when it applies
+    (else, and for the multi-token requests, the torch ops).
     """
-    write_kv_cache(key, value, kv_cache, md.slot_mapping)
+    if not (native_decode and _native_decode(query, key, value, kv_cache, md, scale, output)):
+        write_kv_cache(key, value, kv_cache, md.slot_mapping)
+        if md.decode_token_idx.shape[0]:
+            _decode(query, kv_cache, md, scale, output)
     if md.num_actual_tokens < output.shape[0]:
         output[md.num_actual_tokens :].zero_()
-    if md.decode_token_idx.shape[0]:
-        _decode(query, kv_cache, md, scale, output)
     for chunk in md.prefill_chunks:
         _prefill(query, key, value, kv_cache, chunk, scale, output)
 
@@ -301,5 +330,8 @@ class TorchNativeAttentionBackend(AttentionBackend):
         metadata: StepAttentionMetadata,
         output: torch.Tensor,
     ) -> None:
-        # the attention op checked the type against metadata_cls already (no per-layer check)
-        paged_attention(query, key, value, kv_cache, cast(AttentionMetadata, metadata), layer.scale, output)
+        # the attention op checked the type against metadata_cls already (no per-layer check);
+        # the layer chose at construction whether its decodes may take the native CPU kernel
+        # (the "cpu_attention" custom op)
+        paged_attention(query, key, value, kv_cache, cast(AttentionMetadata, metadata), layer.scale,
+                        output, getattr(layer, "native_decode", False))

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import array
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from forwardkit.forward_context import StepAttentionMetadata
+from forwardkit.kernels.cpu.native_attention import DecodeIndex
 
 __all__ = [
     "AttentionMetadata",
@@ -96,7 +98,8 @@ class AttentionMetadata(StepAttentionMetadata):
     """Everything the paged-attention kernel needs for one (padded) step.
 
     Tensors live on the step's device; the ``*_cpu`` lists and the bucket/chunk plans drive the
-    per-layer loops. ``decode_buckets`` is None for fixed-shape metadata (built with
+    per-layer loops (the native CPU decode attention needs no bucket plan: it reads
+    ``decode_token_idx``, ``decode_block_table``, ``decode_seq_lens`` and ``slot_mapping``). ``decode_buckets`` is None for fixed-shape metadata (built with
     ``max_num_blocks_per_req``, e.g. for a full CUDA graph): decodes then run as one call over
     ``decode_block_table`` with ``decode_key_mask``.
     """
@@ -117,9 +120,15 @@ class AttentionMetadata(StepAttentionMetadata):
     decode_token_idx: torch.Tensor  # [Rd] rows of the decode requests
     decode_block_table: torch.Tensor  # [Rd, W]
     decode_key_mask: torch.Tensor  # [Rd, W * block_size] bool: key position < seq_len
+    decode_seq_lens: torch.Tensor  # [Rd] int64: sequence lengths of the decode requests
     prefill_reqs: list[int] = field(default_factory=list)  # requests with query length > 1
     decode_buckets: list[DecodeBucket] | None = None
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    # the decode requests' indices as the native CPU decode attention takes them, made by the
+    # first layer that calls it (``attention_backend``), shared by the step's other layers;
+    # False when they do not fit the kernel
+    native_decode_index: DecodeIndex | Literal[False] | None = field(
+        default=None, init=False, repr=False, compare=False)
 
     @property
     def num_decodes(self) -> int:
@@ -284,6 +293,7 @@ def build_attention_metadata(
         "decode_token_idx": _ints([starts[i] for i in decode_reqs]),
         "decode_block_table": table if all_decode else table[decode_reqs],
         "decode_key_mask": torch.arange(width * block_size).unsqueeze(0) < decode_seq,
+        "decode_seq_lens": decode_seq.view(-1),
     }
     buckets = None
     if max_num_blocks_per_req is None:

@@ -30,6 +30,8 @@ matches its entry; one that does not, or that the manifest does not list, is rem
 (logged once, counted in ``num_cache_errors``), so a truncated library is never ``dlopen``-ed.
 Checking, building, recording and loading happen under the manifest's exclusive ``fcntl`` lock,
 so two processes building at once compile once. A verified build is loaded without a compiler.
+These steps are :mod:`forwardkit.kernels.cpu.native_build`'s, shared with the native decode
+attention (:mod:`forwardkit.kernels.cpu.native_attention`).
 
 Anything that fails (no compiler and no verified build, missing instructions, a wrong result)
 disables that build with one log line (the next one down is tried); ``F.linear``/oneDNN then
@@ -40,11 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -53,8 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from forwardkit import envs
-from forwardkit.compilation import kernel_cache
-from forwardkit.compilation.cache import CacheDirError, native_kernel_dir
+from forwardkit.kernels.cpu import native_build
 from forwardkit.logger import init_logger
 
 __all__ = ["MAX_ROWS", "available", "max_rows", "cpu_flags", "cpu_has_avx512_bf16", "cpu_model_name",
@@ -64,7 +61,7 @@ logger = init_logger(__name__)
 
 MAX_ROWS = 2  # rows up to which the kernel beats oneDNN's packed matmul (measured, 2-core EPYC)
 _CSRC = Path(__file__).with_name("csrc")
-_COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+_COMMON_FLAGS = list(native_build.COMMON_FLAGS)
 _ABI_VERSION = 2
 
 
@@ -131,12 +128,11 @@ def candidate_builds() -> list[str]:
             if isa_supported(isa, dtype)]
 
 
-class _NoCompiler(RuntimeError):
-    """No C compiler to build with (and no verified build to load)."""
+_NoCompiler = native_build.NoCompiler  # no C compiler to build with (and no verified build)
 
 
 def _compiler() -> str:
-    return os.environ.get("CC") or "cc"
+    return native_build.compiler()
 
 
 def _flags(isa: str) -> list[str]:
@@ -144,42 +140,22 @@ def _flags(isa: str) -> list[str]:
 
 
 def _library_name(isa: str) -> str:
-    """The file name of build ``isa``: the source's stem and a hash of the source, compiler and
-    flags (a change to any of them is another file)."""
-    spec = _ISAS[isa]
-    key = hashlib.sha256(spec.source.read_bytes()
-                         + " ".join([_compiler(), *_flags(isa)]).encode()).hexdigest()[:16]
-    return f"{spec.source.stem}-{key}.so"
+    """The file name of build ``isa``: the source's stem and a hash of the source (and what it
+    includes), compiler and flags (a change to any of them is another file)."""
+    return native_build.library_name(_ISAS[isa].source, _flags(isa))
 
 
 def _compile(directory: Path, isa: str, name: str) -> None:
     """Compile build ``isa`` into ``directory/name`` (whole or not at all: renamed into place)."""
-    compiler = _compiler()
-    if shutil.which(compiler) is None:
-        raise _NoCompiler(f"no C compiler {compiler!r} on PATH")
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=directory)
-    os.close(fd)
-    try:
-        proc = subprocess.run([compiler, *_flags(isa), str(_ISAS[isa].source), "-o", tmp],
-                              capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, directory / name)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    native_build.compile_library(directory, _ISAS[isa].source, _flags(isa), name)
 
 
 @functools.cache
 def _build_dir() -> Path | None:
     """The checked build directory (:func:`native_kernel_dir`), or None with one warning when
     another user could write to it or it cannot be made: the kernel is then off for the process."""
-    try:
-        return Path(native_kernel_dir())
-    except (OSError, CacheDirError) as exc:  # UnsafeCacheDirError is a PermissionError
-        logger.warning_once("Native linear kernel off for this process (F.linear/oneDNN serve "
-                            "every call): %s", str(exc))
-        return None
+    return native_build.build_dir(logger, "Native linear kernel off for this process "
+                                          "(F.linear/oneDNN serve every call)")
 
 
 def _load(directory: Path, isa: str) -> ctypes.CDLL:
@@ -187,11 +163,8 @@ def _load(directory: Path, isa: str) -> ctypes.CDLL:
     compiled and recorded first. All under the manifest's lock, so no other process swaps or
     half-writes the file between its check and ``dlopen``."""
     name = _library_name(isa)
-    with kernel_cache.manifest_lock(str(directory)):
-        if not kernel_cache.check_file(str(directory), name, "native linear build"):
-            _compile(directory, isa, name)
-            kernel_cache.record_file(str(directory), name)
-        return ctypes.CDLL(str(directory / name))
+    return native_build.load_library(directory, name, "native linear build",
+                                     lambda: _compile(directory, isa, name))
 
 
 def _self_check(fn: Callable[..., int], dtype: torch.dtype, max_rows: int = MAX_ROWS) -> None:
