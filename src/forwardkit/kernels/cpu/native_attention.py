@@ -28,7 +28,6 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -111,18 +110,10 @@ def _library(isa: str) -> ctypes.CDLL | None:
     directory = _build_dir()
     if directory is None:
         return None
-    try:
-        lib = _load(directory, isa)
-        lib.fk_attention_abi_version.restype = ctypes.c_int
-        if lib.fk_attention_abi_version() != _ABI_VERSION:
-            raise RuntimeError(f"ABI version {lib.fk_attention_abi_version()} != {_ABI_VERSION}")
-    except native_build.NoCompiler as exc:  # the same line for every build: one line on any CPU
-        logger.warning_once("Native decode attention off (%s, no verified build cached); PyTorch "
-                            "attention serves decode steps", str(exc))
-        return None
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning_once("Native %s decode attention off (%s); PyTorch attention serves decode "
-                            "steps", isa, exc)
+    lib = native_build.open_checked(lambda: _load(directory, isa), "fk_attention_abi_version",
+                                    _ABI_VERSION, logger=logger, kernel="decode attention",
+                                    isa=isa, fallback="PyTorch attention serves decode steps")
+    if lib is None:
         return None
     for fn in (lib.fk_attention_layer_args, lib.fk_attention_step_args):
         fn.restype = ctypes.c_int

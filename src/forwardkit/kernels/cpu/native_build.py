@@ -34,7 +34,7 @@ from forwardkit.compilation.cache import CacheDirError, native_kernel_dir
 from forwardkit.logger import ForwardkitLogger
 
 __all__ = ["COMMON_FLAGS", "NoCompiler", "build_dir", "build_inputs", "compile_library", "compiler",
-           "library_name", "load_library"]
+           "library_name", "load_library", "open_checked"]
 
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 _LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
@@ -116,3 +116,25 @@ def load_library(directory: Path, name: str, what: str, build: Callable[[], None
             build()
             kernel_cache.record_file(str(directory), name)
         return ctypes.CDLL(str(directory / name))
+
+
+def open_checked(load: Callable[[], ctypes.CDLL], abi_symbol: str, abi_version: int, *,
+                 logger: ForwardkitLogger, kernel: str, isa: str,
+                 fallback: str) -> ctypes.CDLL | None:
+    """``load()``'s library when its ``abi_symbol()`` returns ``abi_version``, else None with one
+    warning on the caller's ``logger``: ``Native <kernel> off (...); <fallback>`` (the same line
+    for every build when there is no compiler, else naming ``isa`` and the error)."""
+    try:
+        lib = load()
+        version = getattr(lib, abi_symbol)
+        version.restype = ctypes.c_int
+        if version() != abi_version:
+            raise RuntimeError(f"ABI version {version()} != {abi_version}")
+    except NoCompiler as exc:
+        logger.warning_once("Native %s off (%s, no verified build cached); %s", kernel, str(exc),
+                            fallback)
+        return None
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning_once("Native %s %s off (%s); %s", isa, kernel, exc, fallback)
+        return None
+    return lib

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -128,7 +127,6 @@ def candidate_builds() -> list[str]:
             if isa_supported(isa, dtype)]
 
 
-_NoCompiler = native_build.NoCompiler  # no C compiler to build with (and no verified build)
 
 
 def _compiler() -> str:
@@ -192,19 +190,9 @@ def _library(isa: str) -> ctypes.CDLL | None:
     directory = _build_dir()
     if directory is None:
         return None
-    try:
-        lib = _load(directory, isa)
-        lib.fk_abi_version.restype = ctypes.c_int
-        if lib.fk_abi_version() != _ABI_VERSION:
-            raise RuntimeError(f"ABI version {lib.fk_abi_version()} != {_ABI_VERSION}")
-    except _NoCompiler as exc:  # the same line for every build: one line on any CPU
-        logger.warning_once("Native linear off (%s, no verified build cached); oneDNN/MKL serve "
-                            "small products", str(exc))
-        return None
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning_once("Native %s linear off (%s); oneDNN/MKL serve small products", isa, exc)
-        return None
-    return lib
+    return native_build.open_checked(lambda: _load(directory, isa), "fk_abi_version", _ABI_VERSION,
+                                     logger=logger, kernel="linear", isa=isa,
+                                     fallback="oneDNN/MKL serve small products")
 
 
 @functools.cache

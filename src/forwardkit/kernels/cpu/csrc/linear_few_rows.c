@@ -19,24 +19,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fk_bf16.h"
+
 #define FK_ABI_VERSION 2
 
 int fk_abi_version(void) { return FK_ABI_VERSION; }
 
-static inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
 
 /* One block of `nr` (<= R) weight rows starting at n0 against MR activation rows starting at m0. */
 #define FK_BLOCK(MR, R)                                                                        \
@@ -72,8 +60,8 @@ static inline float from_bf16(uint16_t h) {
     for (int i = 0; i < MR; i++)                                                               \
       for (int j = 0; j < nr; j++) {                                                           \
         float s = _mm512_reduce_add_ps(acc[i][j]);                                             \
-        if (bias) s += from_bf16(bias[n0 + j]);                                                \
-        y[(m0 + i) * N + n0 + j] = to_bf16(s);                                                 \
+        if (bias) s += fk_bf16_to_f32(bias[n0 + j]);                                           \
+        y[(m0 + i) * N + n0 + j] = fk_f32_to_bf16(s);                                          \
       }                                                                                        \
   }
 

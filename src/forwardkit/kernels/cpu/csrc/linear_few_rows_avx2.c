@@ -25,24 +25,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fk_bf16.h"
+
 #define FK_ABI_VERSION 2
 
 int fk_abi_version(void) { return FK_ABI_VERSION; }
 
-static inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -96,9 +84,9 @@ static inline float hsum(__m256 v) {
     for (int i = 0; i < MR; i++)                                                               \
       for (int j = 0; j < nr; j++) {                                                           \
         float s = hsum(acc[i][j]);                                                             \
-        for (long t = k; t < K; t++) s += from_bf16(wr[j][t]) * from_bf16(x[i * K + t]);       \
-        if (bias) s += from_bf16(bias[n0 + j]);                                                \
-        y[i * N + n0 + j] = to_bf16(s);                                                        \
+        for (long t = k; t < K; t++) s += fk_bf16_to_f32(wr[j][t]) * fk_bf16_to_f32(x[i * K + t]); \
+        if (bias) s += fk_bf16_to_f32(bias[n0 + j]);                                           \
+        y[i * N + n0 + j] = fk_f32_to_bf16(s);                                                 \
       }                                                                                        \
   }
 
@@ -150,8 +138,8 @@ int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
   float* xo = buf + M * H;
   for (long i = 0; i < M; i++)
     for (long h = 0; h < H; h++) {
-      xe[i * H + h] = from_bf16(x[i * K + 2 * h]);
-      xo[i * H + h] = from_bf16(x[i * K + 2 * h + 1]);
+      xe[i * H + h] = fk_bf16_to_f32(x[i * K + 2 * h]);
+      xo[i * H + h] = fk_bf16_to_f32(x[i * K + 2 * h + 1]);
     }
   const long R = M == 1 ? 8 : M == 2 ? 4 : 8;
   const long nblocks = (N + R - 1) / R;
