@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from forwardkit.config.builder import build_engine_config, one_line_error
+from forwardkit.config.cache import HASH_ALGOS
 from forwardkit.config.compilation import CompilationConfig, CompilationMode
 from forwardkit.config.engine import EngineConfig, OptimizationLevel
 from forwardkit.config.parallel import ALL2ALL_BACKENDS
@@ -125,6 +126,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "max-model-len")
     g.add_argument("--block-size", type=positive_int, default=None, metavar="N",
                    help="tokens per KV-cache block (default 16)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of prompt prefixes already computed (default on)")
+    g.add_argument("--prefix-caching-hash-algo", default=None,
+                   choices=HASH_ALGOS,
+                   help="how full KV blocks are hashed for prefix caching (default sha256)")
     g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=None, metavar="N",
                    help="data-parallel replicas (default 1)")
     g.add_argument("--data-parallel-rank", type=int, default=None, metavar="R",
@@ -263,6 +269,8 @@ def engine_config_from_args(ns: argparse.Namespace, *,
         compilation_config=compilation,
         optimization_level=level,
         block_size=getattr(ns, "block_size", None),
+        enable_prefix_caching=getattr(ns, "enable_prefix_caching", None),
+        prefix_caching_hash_algo=getattr(ns, "prefix_caching_hash_algo", None),
         platform=getattr(ns, "platform", None),
         arg_names=_FLAG_NAMES,
         data_parallel_size=getattr(ns, "data_parallel_size", None),

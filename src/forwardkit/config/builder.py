@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from forwardkit.config.cache import CacheConfig
+from forwardkit.config.cache import CacheConfig, check_hash_algo
 from forwardkit.config.compilation import CompilationConfig
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.model import ModelConfig
@@ -137,6 +137,8 @@ def build_engine_config(
     data_parallel_size: int | None = None,
     block_size: int | None = None,
     num_gpu_blocks: int | None = None,
+    enable_prefix_caching: bool | None = None,
+    prefix_caching_hash_algo: str | None = None,
     platform: str | Platform | None = None,
     arg_names: Mapping[str, str] | None = None,
     **kwargs: Any,
@@ -158,6 +160,8 @@ def build_engine_config(
         optimization_level: 0-3; None = O2.
         data_parallel_size: DP replicas; None = 1 (or ``FORWARDKIT_DP_SIZE`` on the offline path).
         block_size / num_gpu_blocks: KV cache layout; None = defaults (16 / decided later).
+        enable_prefix_caching / prefix_caching_hash_algo: automatic prefix caching; None =
+            defaults (on / ``"sha256"``).
         platform: "cpu", "cuda", a ``Platform`` or None (the current one).
         arg_names: how the caller's users spell each argument, used in error messages
             (the CLI maps ``dtype`` to ``--dtype``); unmapped names are used as they are.
@@ -181,7 +185,13 @@ def build_engine_config(
                           max_num_batched_tokens=max_num_batched_tokens,
                           enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
                           optimization_level=optimization_level, data_parallel_size=data_parallel_size,
-                          block_size=block_size, num_gpu_blocks=num_gpu_blocks)
+                          block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                          enable_prefix_caching=enable_prefix_caching)
+    if prefix_caching_hash_algo is not None:
+        try:
+            check_hash_algo(prefix_caching_hash_algo, label("prefix_caching_hash_algo"))
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
 
     parallel_kwargs, scheduler_kwargs = _split_engine_kwargs(kwargs)
     if data_parallel_size is not None:
@@ -195,8 +205,13 @@ def build_engine_config(
         model_config = _cpu_dtype_fallback(model_config, dtype, resolved_platform)
         scheduler_config = _scheduler_config(model_config, max_num_seqs, max_num_batched_tokens,
                                              enable_chunked_prefill, scheduler_kwargs)
-        cache_config = CacheConfig(num_gpu_blocks=num_gpu_blocks,
-                                   **({} if block_size is None else {"block_size": block_size}))
+        cache_kwargs: dict[str, Any] = {"num_gpu_blocks": num_gpu_blocks}
+        for key, value in (("block_size", block_size),
+                           ("enable_prefix_caching", enable_prefix_caching),
+                           ("prefix_caching_hash_algo", prefix_caching_hash_algo)):
+            if value is not None:
+                cache_kwargs[key] = value
+        cache_config = CacheConfig(**cache_kwargs)
         config_kwargs: dict[str, Any] = {
             "model_config": model_config,
             "parallel_config": ParallelConfig(**parallel_kwargs),
@@ -295,7 +310,9 @@ def _check_argument_types(label: Any, **args: Any) -> None:
                              f"{short_repr(value)} ({type(value).__name__})")
         if value < minimum:
             raise ValueError(f"{label(name)} must be >= {minimum}, got {value}")
-    for name in ("enable_chunked_prefill", "enforce_eager"):
+    for name in ("enable_chunked_prefill", "enforce_eager", "enable_prefix_caching"):
+        if name == "enable_prefix_caching" and args[name] is None:
+            continue
         if not isinstance(args[name], bool):
             raise ValueError(f"{label(name)} must be True or False, got {short_repr(args[name])}")
     checks = (("model", (str, os.PathLike), "a local checkpoint directory (str or path) or None"),

@@ -10,12 +10,13 @@ without touching the engine's id counter or seeded random generator.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol, TypeAlias
+from typing import NamedTuple, Protocol, TypeAlias
 
 from forwardkit.engine.request import Request
 from forwardkit.engine.sampling_params import SamplingParams
 
-__all__ = ["PromptsArg", "TokenIdsArg", "Tokenizer", "build_requests", "parse_prompts"]
+__all__ = ["ParsedPrompt", "PromptsArg", "TokenIdsArg", "Tokenizer", "build_requests",
+           "parse_prompts"]
 
 # What ``LLM.generate`` documents; ``parse_prompts`` checks every value at run time anyway.
 PromptItem: TypeAlias = str | Mapping[str, object] | Sequence[int]
@@ -32,6 +33,15 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+class ParsedPrompt(NamedTuple):
+    """One checked prompt: its text (None when token ids were given), its token ids and its
+    ``cache_salt`` (None: none given)."""
+
+    text: str | None
+    token_ids: list[int]
+    cache_salt: str | None = None
+
 
 _ACCEPTED_PROMPTS = ("expected a string, a list of strings, a dict with 'prompt_token_ids' or "
                      "'prompt', or a list of such dicts (token ids go in prompt_token_ids=[[...]])")
@@ -52,8 +62,11 @@ def _is_id(value: object) -> bool:
 def parse_prompts(
     prompts: object, prompt_token_ids: object, tokenizer: Tokenizer | None, vocab_size: int,
     model_name: str | None = None,
-) -> list[tuple[str | None, list[int]]]:
-    """``(text or None, token ids)`` per prompt; raises ``ValueError`` on any malformed input."""
+) -> list[ParsedPrompt]:
+    """One :class:`ParsedPrompt` per prompt; raises ``ValueError`` on any malformed input.
+
+    A dict prompt may carry ``"cache_salt"``: a non-empty string that keeps its KV blocks apart
+    from every prompt with another (or no) salt in the prefix cache."""
     if prompts is not None and prompt_token_ids is not None:
         raise ValueError("pass either prompts or prompt_token_ids, not both")
     items: list[object]
@@ -82,25 +95,42 @@ def parse_prompts(
     return [_one_prompt(i, item, tokenizer, vocab_size, model_name) for i, item in enumerate(items)]
 
 
+def _cache_salt(index: int, item: Mapping[str, object]) -> str | None:
+    salt = item.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"prompt {index}: cache_salt={_short(salt)} is invalid; expected a "
+                         "non-empty string or no cache_salt")
+    return salt
+
+
 def _one_prompt(index: int, item: object, tokenizer: Tokenizer | None, vocab: int,
-                model_name: str | None) -> tuple[str | None, list[int]]:
+                model_name: str | None) -> ParsedPrompt:
     if isinstance(item, dict):
+        salt = _cache_salt(index, item)
         if "prompt_token_ids" in item:
-            return item.get("prompt"), _check_ids(index, item["prompt_token_ids"], vocab)
-        if "prompt" in item:
-            item = item["prompt"]
-        else:
+            return ParsedPrompt(item.get("prompt"), _check_ids(index, item["prompt_token_ids"], vocab),
+                                salt)
+        if "prompt" not in item:
             raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        text = item["prompt"]
+        if not isinstance(text, str):
+            raise ValueError(f"prompt {index}: 'prompt'={_short(text)} is invalid; expected text "
+                             "(token ids go in 'prompt_token_ids')")
+        return ParsedPrompt(text, _encode(index, text, tokenizer, model_name), salt)
     if not isinstance(item, (str, list, tuple)):
         raise ValueError(f"prompt {index} is {type(item).__name__} {_short(item)}; {_ACCEPTED_ITEM}")
     if isinstance(item, str):
-        if tokenizer is None:
-            raise ValueError(
-                f"prompt {index} is text but the model ships no tokenizer "
-                f"(model={model_name!r}); pass prompt_token_ids"
-            )
-        return item, list(tokenizer.encode(item))
-    return None, _check_ids(index, item, vocab)
+        return ParsedPrompt(item, _encode(index, item, tokenizer, model_name))
+    return ParsedPrompt(None, _check_ids(index, item, vocab))
+
+
+def _encode(index: int, text: str, tokenizer: Tokenizer | None, model_name: str | None) -> list[int]:
+    if tokenizer is None:
+        raise ValueError(
+            f"prompt {index} is text but the model ships no tokenizer "
+            f"(model={model_name!r}); pass prompt_token_ids"
+        )
+    return list(tokenizer.encode(text))
 
 
 def _check_ids(index: int, ids: object, vocab: int) -> list[int]:
@@ -115,7 +145,7 @@ def _check_ids(index: int, ids: object, vocab: int) -> list[int]:
 
 
 def build_requests(
-    pairs: Sequence[tuple[str | None, list[int]]],
+    prompts: Sequence[ParsedPrompt],
     params: Sequence[SamplingParams],
     first_id: int,
     eos_token_id: int | Iterable[int] | None,
@@ -128,7 +158,7 @@ def build_requests(
     seeded, ``seed + i`` (vLLM's parallel sampling); only child 0 computes prompt logprobs.
     """
     groups = []
-    for offset, ((text, ids), p) in enumerate(zip(pairs, params)):
+    for offset, ((text, ids, salt), p) in enumerate(zip(prompts, params)):
         rid = str(first_id + offset)
         if p.n == 1:
             children = [(rid, p)]
@@ -138,9 +168,10 @@ def build_requests(
         reqs = []
         for i, (child_id, cp) in enumerate(children):
             req = Request(child_id, ids, cp, prompt=text, eos_token_id=eos_token_id,
-                          max_model_len=max_model_len, index=i, decode=decode(cp))
+                          max_model_len=max_model_len, index=i, decode=decode(cp),
+                          cache_salt=salt)
             if i > 0:
-                req.prompt_logprobs = None  # the siblings share the prompt: computed once
+                req.drop_prompt_logprobs()  # the siblings share the prompt: computed once
             reqs.append(req)
         groups.append((rid, reqs))
     return groups

@@ -28,12 +28,14 @@ from forwardkit.config.engine import EngineConfig
 from forwardkit.config.frozen import freeze, thawed_copy
 from forwardkit.engine.block_manager import BlockManager
 from forwardkit.engine.inputs import (
+    ParsedPrompt,
     PromptsArg,
     TokenIdsArg,
     Tokenizer,
     build_requests,
     parse_prompts,
 )
+from forwardkit.engine.metrics import EngineStats, Metric
 from forwardkit.engine.outputs import RequestOutput
 from forwardkit.engine.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
 from forwardkit.engine.request import Request
@@ -140,14 +142,22 @@ class LLM:
         self.model_config = self.runner.model_config
         self.tokenizer: Tokenizer | None = load_tokenizer(self.model_config.model)
         self.eos_token_id = self._eos_token_id()
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
+        cache = cfg.cache_config
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.runner.block_size,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            hash_algo=cache.prefix_caching_hash_algo,
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=cfg.scheduler_config.max_num_seqs,
             max_num_batched_tokens=cfg.scheduler_config.max_num_batched_tokens,
             enable_chunked_prefill=cfg.scheduler_config.enable_chunked_prefill,
             max_model_len=self.runner.max_model_len,
+            # micro-batches of one step do not see each other's KV writes
+            allow_pending_hits=not cfg.parallel_config.use_ubatching,
         )
+        self.stats = EngineStats()
         self.sampler = Sampler()
         self._seed_rng = torch.Generator().manual_seed(seed)
         self._next_id = 0
@@ -276,7 +286,7 @@ class LLM:
         if self.is_sleeping():
             raise RuntimeError("the LLM is asleep (its KV cache is released); call wake_up() first")
         if isinstance(prompts, (list, tuple)) and len(prompts) == 0 and prompt_token_ids is None:
-            pairs: list[tuple[str | None, list[int]]] = []
+            pairs: list[ParsedPrompt] = []
         else:
             pairs = parse_prompts(prompts, prompt_token_ids, self.tokenizer, self.runner.vocab_size,
                                   self.model_config.model)
@@ -298,13 +308,14 @@ class LLM:
         for req in requests:
             req.generator = self._generator(req.sampling_params)
         self.scheduler.queue_all(requests)  # each was checked once, above
+        self.stats.record_added(requests)
         self._run(len(requests), use_tqdm)
         outputs = [build_output(rid, children, self.tokenizer) for rid, children in groups]
         if self._tp_link is not None:
             self._tp_link.send(("done", outputs))
         return outputs
 
-    def _tp_link_agrees(self, pairs: list[tuple[str | None, list[int]]],
+    def _tp_link_agrees(self, pairs: list[ParsedPrompt],
                         params: list[SamplingParams]) -> bool:
         """torchrun TP: check that every TP rank of the replica was given the same inputs;
         True on a follower (which then follows the driver's steps)."""
@@ -389,7 +400,31 @@ class LLM:
         by_id = None
         if logprobs is not None:
             by_id = {r.request_id: lp for r, lp in zip(chosen, logprobs) if lp is not None}
-        return self.scheduler.update(out, {r.request_id: t for r, t in zip(chosen, tokens)}, by_id)
+        self.stats.record_step(out.requests, out.num_scheduled_tokens, len(out.preempted),
+                               len(chosen))
+        finished = self.scheduler.update(out, {r.request_id: t for r, t in zip(chosen, tokens)},
+                                         by_id)
+        self.stats.record_finished(finished)
+        return finished
+
+    # ------------------------------------------------------------------ prefix cache, metrics
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (as vLLM's ``reset_prefix_cache``); returns False,
+        with a warning, while a request holds blocks. ``update_weights``, ``sleep`` and
+        ``wake_up`` already do it, so an RL loop never decodes new weights on stale KV."""
+        if self.block_manager.reset_prefix_cache():
+            return True
+        logger.warning("reset_prefix_cache: %d KV blocks are held by running requests; "
+                       "nothing was reset", self.block_manager.num_blocks
+                       - self.block_manager.num_free_blocks)
+        return False
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges (vLLM's names: ``vllm:prefix_cache_queries`` /
+        ``vllm:prefix_cache_hits`` in tokens, ``vllm:prompt_tokens``, ...; ``forwardkit:``
+        ones where vLLM has none, e.g. ``forwardkit:prompt_tokens_computed``)."""
+        sched = self.scheduler
+        return self.stats.metrics(self.block_manager, len(sched.running), len(sched.waiting))
 
     def _execute(self, batch: StepBatch) -> torch.Tensor:
         """The runner's step; a collective failure names what the TP workers reported."""
@@ -417,7 +452,9 @@ class LLM:
             named_tensors = prepare_weight_update(self.engine_config, self.runner.module,
                                                   named_tensors)
             self._tp_pool.update_weights(named_tensors)
-        return update_model_weights(self.engine_config, self.runner.module, named_tensors)
+        result = update_model_weights(self.engine_config, self.runner.module, named_tensors)
+        self.block_manager.invalidate()  # cached KV was computed with the old weights
+        return result
 
     def sleep(self, level: int = 1) -> int:
         """Release the KV cache's memory (level 1; the weights stay); returns the bytes freed.
@@ -426,6 +463,7 @@ class LLM:
         supported by the reference engine.
         """
         freed = self._kv_sleeper().sleep(level)
+        self.block_manager.invalidate()  # the cache's content is gone
         if self._tp_pool is not None:
             freed += sum(self._tp_pool.call("sleep", level))
         return freed
@@ -433,6 +471,7 @@ class LLM:
     def wake_up(self, tags: list[str] | None = None) -> int:
         """Re-allocate the KV cache released by ``sleep``; returns the bytes allocated."""
         allocated = self._kv_sleeper().wake_up(tags)
+        self.block_manager.invalidate()  # the cache comes back zeroed
         if self._tp_pool is not None:
             allocated += sum(self._tp_pool.call("wake_up", tags))
         return allocated

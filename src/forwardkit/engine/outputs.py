@@ -50,6 +50,8 @@ class RequestOutput:
             prompt token (None unless ``prompt_logprobs`` was set).
         outputs: the completions (``n`` of them, by index).
         finished: whether every completion ended.
+        num_cached_tokens: prompt tokens served from the prefix cache instead of computed,
+            summed over the ``n`` completions (each completion's first admission counts).
     """
 
     request_id: str
@@ -58,3 +60,4 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    num_cached_tokens: int = 0

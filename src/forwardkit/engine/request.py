@@ -41,6 +41,7 @@ class Request:
         generator: torch.Generator | None = None,
         index: int = 0,
         decode: Callable[[list[int]], str] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
@@ -77,6 +78,19 @@ class Request:
         self.output_text: str | None = None
         self._checked_text_len = 0
         self.num_preemptions = 0
+        # Prefix caching (``engine/block_manager.py``): the hashes of the full blocks of prompt +
+        # output (token-derived, so they survive preemption), how many of this request's blocks
+        # were registered / marked computed, and the prompt tokens its first admission found
+        # cached (None until admitted).
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.num_marked_blocks = 0
+        self.num_cached_tokens: int | None = None
+        # Cached prompt positions produce no prompt logprobs: a request that wants them computes
+        # its whole prompt (SamplingParams.skip_reading_prefix_cache, True by default then).
+        skip = sampling_params.skip_reading_prefix_cache
+        self.skip_reading_prefix_cache = (self.prompt_logprobs is not None) if skip is None else skip
         # Generation may not go past max_tokens nor past the model's context length.
         limit = sampling_params.max_tokens
         if max_model_len is not None:
@@ -118,6 +132,20 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : stop - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
+    def block_extra_keys(self, block_index: int) -> tuple[str, ...]:
+        """What besides its tokens tells block ``block_index``'s KV apart from another request's
+        (the ``cache_salt``, first block only: the chain carries it to every later block)."""
+        if block_index == 0 and self.cache_salt is not None:
+            return (self.cache_salt,)
+        return ()
+
+    def drop_prompt_logprobs(self) -> None:
+        """Stop computing prompt logprobs (an ``n > 1`` sibling: completion 0 computes them);
+        the prefix cache becomes readable again unless the user turned it off explicitly."""
+        self.prompt_logprobs = None
+        if self.sampling_params.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = False
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -49,11 +49,13 @@ def build_output(request_id: str, children: list[Request], tokenizer: Any) -> Re
     first = children[0]
     prompt_logprobs = None
     if first.prompt_logprobs is not None:
-        scored = [first.prompt_logprobs[p] for p in range(1, first.num_prompt_tokens)]
-        _decode_tokens(scored, tokenizer)
+        # positions served from the prefix cache (skip_reading_prefix_cache=False) have None
+        scored = [first.prompt_logprobs.get(p) for p in range(1, first.num_prompt_tokens)]
+        _decode_tokens([d for d in scored if d is not None], tokenizer)
         prompt_logprobs = [None, *scored]
     return RequestOutput(
         request_id=request_id, prompt=first.prompt, prompt_token_ids=list(first.prompt_token_ids),
         prompt_logprobs=prompt_logprobs, outputs=completions,
         finished=all(r.is_finished for r in children),
+        num_cached_tokens=sum(r.num_cached_tokens or 0 for r in children),
     )

@@ -65,6 +65,9 @@ class SamplingParams:
         prompt_logprobs: the same for every prompt token after the first.
         skip_special_tokens: drop special tokens when detokenizing.
         include_stop_str_in_output: keep the stop string (or stop token text) in the output text.
+        skip_reading_prefix_cache: compute the whole prompt even where its blocks are cached
+            (its blocks are still cached for others). None = True exactly when
+            ``prompt_logprobs`` is set, since cached positions produce no prompt logprobs.
     """
 
     n: int = 1
@@ -85,6 +88,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         self._normalise_lists()
@@ -150,6 +154,10 @@ class SamplingParams:
         for token in self.stop_token_ids or ():
             if not _is_int(token) or token < 0:
                 raise bad("stop_token_ids", self.stop_token_ids, "expected non-negative integer token ids")
+        skip = self.skip_reading_prefix_cache
+        if not (skip is None or isinstance(skip, bool)):
+            raise bad("skip_reading_prefix_cache", self.skip_reading_prefix_cache,
+                      "expected True, False or None (= True when prompt_logprobs is set)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < -1):

@@ -5,6 +5,10 @@ order, then waiting requests while the token budget, ``max_num_seqs`` and free K
 When a running request cannot get a KV block, the most recently admitted running request is
 preempted (its blocks freed, recomputed later), so a full cache never deadlocks: a request
 alone always fits because ``add`` refuses requests larger than the whole cache.
+
+With prefix caching a waiting request is admitted from the longest run of its leading full
+blocks that the block manager has cached (its own, after a preemption; a sibling's or an
+earlier request's otherwise) and runs only the tokens after them.
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ class Scheduler:
         enable_chunked_prefill: split prompts over steps to fit the budget; when False a
             prompt is scheduled whole, so it must fit the budget.
         max_model_len: longest prompt + output a request may reach.
+        allow_pending_hits: a request may start from cached blocks that a request scheduled
+            earlier in the same step is computing (False when steps may be split into
+            micro-batches, which do not see each other's writes).
     """
 
     def __init__(
@@ -81,6 +88,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         max_model_len: int | None = None,
+        allow_pending_hits: bool = True,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} is invalid; expected an integer >= 1")
@@ -93,6 +101,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_model_len = max_model_len
+        self.allow_pending_hits = allow_pending_hits
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -171,17 +180,18 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
-                n = req.num_pending_tokens
+                hits = self.block_manager.find_cached_prefix(req, self.allow_pending_hits)
+                n = req.num_tokens - len(hits) * self.block_manager.block_size
                 if n > budget:
                     # Without chunked prefill a prompt runs whole; only a preempted request
                     # whose prompt + output outgrew the budget is chunked (else it never runs).
                     if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
                         break
                     n = budget
-                if not self.block_manager.can_allocate(req, n):
+                if not self.block_manager.can_admit(req, hits, n):
                     break  # wait for running requests to free blocks
                 self.waiting.popleft()
-                self.block_manager.allocate(req, n)
+                self.block_manager.admit(req, hits, n)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.requests.append(req)
@@ -211,6 +221,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += n
+            self.block_manager.mark_computed(req)
             token = sampled.get(req.request_id)
             if token is None:
                 continue  # partial prefill: nothing sampled yet
@@ -220,6 +231,25 @@ class Scheduler:
                 self.block_manager.free(req)
                 finished.append(req)
         return finished
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop one waiting or running request (finish reason ``"abort"``) and drop its hold on
+        its blocks; returns it, or None when no unfinished request has that id."""
+        for req in self.running:
+            if req.request_id == request_id:
+                self.running.remove(req)
+                self.block_manager.free(req)
+                break
+        else:
+            for req in self.waiting:
+                if req.request_id == request_id:
+                    self.waiting.remove(req)
+                    break
+            else:
+                return None
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = "abort"
+        return req
 
     def abort_all(self) -> None:
         """Drop every request and return all blocks (used after an error in a step)."""

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -358,10 +359,12 @@ class TPFollowerLink:
         return bool(flag.item())
 
 
-def prompts_digest(pairs: list[tuple[str | None, list[int]]], params: list[Any]) -> str:
-    """A digest of ``generate``'s inputs, to check that TP ranks were given the same ones."""
+def prompts_digest(pairs: Sequence[tuple[str | None, list[int], str | None]],
+                   params: list[Any]) -> str:
+    """A digest of ``generate``'s inputs (token ids, cache salt, sampling params), to check
+    that TP ranks were given the same ones."""
     h = hashlib.sha256()
-    for (_, ids), p in zip(pairs, params):
-        h.update(repr((ids, p)).encode())
+    for (_, ids, salt), p in zip(pairs, params):
+        h.update(repr((ids, salt, p)).encode())
     h.update(str(len(pairs)).encode())
     return h.hexdigest()
