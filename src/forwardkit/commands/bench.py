@@ -5,6 +5,7 @@
     forwardkit bench --model ./ckpt --trace mixed -O3
     forwardkit bench --model-shape llama-3.2-1b --generation    # end-to-end generate vs transformers
     forwardkit bench -tp 2                    # the same trace on 2 tensor-parallel ranks
+    forwardkit bench --workload all --quick   # shared-prefix traffic, prefix caching on vs off
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from forwardkit.bench.generation_cli import add_generation_args, run_generation
+from forwardkit.bench.prefix_workloads import add_workload_args, run_workloads
 from forwardkit.bench.trace import BUILTIN_TRACES
 from forwardkit.config.model_shapes import (
     BUILTIN_MODEL_SHAPE,
@@ -133,6 +135,7 @@ def register(
                    help=f"a real architecture's shape with seeded random weights, no download: "
                         f"{', '.join(model_shape_names())} (instead of --model)")
     add_generation_args(parser)
+    add_workload_args(parser)
     g.add_argument("--trace", default="decode-heavy", metavar="NAME|FILE",
                    help=f"step trace: one of {', '.join(BUILTIN_TRACES)} (default decode-heavy), or a "
                         "JSON file with a list of steps (an int = tokens in the step: a decode batch "
@@ -197,6 +200,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--contenders {DBO_CONTENDER} needs the step trace on data-parallel "
                          "ranks (-dp 2 or more, no --generation): micro-batching is agreed by "
                          "DP ranks")
+    if args.workload:
+        if args.generation or dp > 1 or args.contenders:
+            raise ValueError("--workload runs forwardkit with prefix caching on and off on its "
+                             "own: leave out --generation, --contenders and -dp")
+        return run_workloads(args)
     if args.generation:
         return run_generation(args)
     steps_n = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)

@@ -2,7 +2,8 @@
 
 Modules: ``llm`` (the ``LLM`` front end and its step loop; its arguments become an
 ``EngineConfig`` through ``forwardkit.config.builder``), ``scheduler`` (continuous batching, chunked prefill),
-``block_manager`` (KV block free list), ``sampler``, ``sampling_params``, ``request``,
+``block_manager`` (KV blocks with automatic prefix caching; ``block_hash``), ``metrics``
+(``LLM.get_metrics``), ``sampler``, ``sampling_params``, ``request``,
 ``outputs``, ``tokenizer``.
 """
 
@@ -10,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from forwardkit.engine.outputs import CompletionOutput, RequestOutput
+from forwardkit.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from forwardkit.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from forwardkit.engine.llm import LLM
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestMetrics", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

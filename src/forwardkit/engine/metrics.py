@@ -17,24 +17,21 @@ __all__ = ["Counter", "EngineStats", "Gauge", "Metric"]
 
 @dataclass
 class Metric:
-    """A named metric with labels."""
+    """A named metric with labels and its value."""
 
     name: str
     labels: dict[str, str] = field(default_factory=dict)
+    value: float = 0
 
 
 @dataclass
 class Counter(Metric):
-    """A monotonically growing count."""
-
-    value: int = 0
+    """A monotonically growing count (an integer)."""
 
 
 @dataclass
 class Gauge(Metric):
     """A level at the time of the call."""
-
-    value: float = 0.0
 
 
 @dataclass

@@ -6,7 +6,32 @@ from dataclasses import dataclass, field
 
 from forwardkit.engine.logprobs import PromptLogprobs, SampleLogprobs
 
-__all__ = ["CompletionOutput", "RequestOutput"]
+__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput"]
+
+
+@dataclass
+class RequestMetrics:
+    """When a prompt's requests reached the engine's milestones (``time.time()`` seconds, the
+    field names of vLLM's ``RequestMetrics``); with ``n > 1`` the earliest completion's first
+    token and the last completion's end.
+
+    Attributes:
+        arrival_time: queued by ``generate``.
+        first_scheduled_time: first scheduled for a step.
+        first_token_time: first token sampled (``first_token_time - arrival_time`` is the time
+            to first token).
+        finished_time: the last completion finished.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first token (None before it)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
 @dataclass
@@ -52,6 +77,7 @@ class RequestOutput:
         finished: whether every completion ended.
         num_cached_tokens: prompt tokens served from the prefix cache instead of computed,
             summed over the ``n`` completions (each completion's first admission counts).
+        metrics: arrival, first scheduling, first token and finish times.
     """
 
     request_id: str
@@ -61,3 +87,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -78,6 +79,11 @@ class Request:
         self.output_text: str | None = None
         self._checked_text_len = 0
         self.num_preemptions = 0
+        # Milestones (time.time()): queued, first scheduled, first token, finished.
+        self.arrival_time = time.time()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
         # Prefix caching (``engine/block_manager.py``): the hashes of the full blocks of prompt +
         # output (token-derived, so they survive preemption), how many of this request's blocks
         # were registered / marked computed, and the prompt tokens its first admission found
@@ -156,6 +162,8 @@ class Request:
         """Record a generated token (and its logprobs); returns True (and sets
         ``finish_reason``) if it ends the request."""
         self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.time()
         if self.output_logprobs is not None and logprobs is not None:
             self.output_logprobs.append(logprobs)
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprobs[token_id].logprob

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from forwardkit.engine.logprobs import Logprob
-from forwardkit.engine.outputs import CompletionOutput, RequestOutput
+from forwardkit.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from forwardkit.engine.request import Request
 
 __all__ = ["build_output", "completion_text"]
@@ -58,4 +58,19 @@ def build_output(request_id: str, children: list[Request], tokenizer: Any) -> Re
         prompt_logprobs=prompt_logprobs, outputs=completions,
         finished=all(r.is_finished for r in children),
         num_cached_tokens=sum(r.num_cached_tokens or 0 for r in children),
+        metrics=_metrics(children),
+    )
+
+
+def _metrics(children: list[Request]) -> RequestMetrics:
+    def first(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return min(known) if known else None
+
+    ends = [r.finished_time for r in children]
+    return RequestMetrics(
+        arrival_time=min(r.arrival_time for r in children),
+        first_scheduled_time=first([r.first_scheduled_time for r in children]),
+        first_token_time=first([r.first_token_time for r in children]),
+        finished_time=None if None in ends else max(e for e in ends if e is not None),
     )

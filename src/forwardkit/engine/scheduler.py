@@ -13,6 +13,7 @@ earlier request's otherwise) and runs only the tokens after them.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -141,7 +142,9 @@ class Scheduler:
 
     def queue_all(self, requests: list[Request]) -> None:
         """Queue requests already checked with ``check_fits``."""
+        now = time.time()
         for request in requests:
+            request.arrival_time = now
             request.status = RequestStatus.WAITING
             self.waiting.append(request)
 
@@ -192,6 +195,8 @@ class Scheduler:
                     break  # wait for running requests to free blocks
                 self.waiting.popleft()
                 self.block_manager.admit(req, hits, n)
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.time()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.requests.append(req)
@@ -227,6 +232,7 @@ class Scheduler:
                 continue  # partial prefill: nothing sampled yet
             if req.append_token(token, logprobs.get(req.request_id) if logprobs else None):
                 req.status = RequestStatus.FINISHED
+                req.finished_time = time.time()
                 self.running.remove(req)
                 self.block_manager.free(req)
                 finished.append(req)
