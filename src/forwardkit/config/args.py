@@ -104,6 +104,17 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag value that must be a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the engine flags (model, batch limits, parallelism, optimisation, compilation)."""
     _install_normalizer(parser)
@@ -131,6 +142,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--prefix-caching-hash-algo", default=None,
                    choices=HASH_ALGOS,
                    help="how full KV blocks are hashed for prefix caching (default sha256)")
+    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (default off)')
     g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=None, metavar="N",
                    help="data-parallel replicas (default 1)")
     g.add_argument("--data-parallel-rank", type=int, default=None, metavar="R",
@@ -271,6 +285,7 @@ def engine_config_from_args(ns: argparse.Namespace, *,
         block_size=getattr(ns, "block_size", None),
         enable_prefix_caching=getattr(ns, "enable_prefix_caching", None),
         prefix_caching_hash_algo=getattr(ns, "prefix_caching_hash_algo", None),
+        speculative_config=getattr(ns, "speculative_config", None),
         platform=getattr(ns, "platform", None),
         arg_names=_FLAG_NAMES,
         data_parallel_size=getattr(ns, "data_parallel_size", None),

@@ -45,6 +45,7 @@ from forwardkit.config.scheduler import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from forwardkit.config.utils import short_repr
 from forwardkit.logger import init_logger
@@ -139,6 +140,7 @@ def build_engine_config(
     num_gpu_blocks: int | None = None,
     enable_prefix_caching: bool | None = None,
     prefix_caching_hash_algo: str | None = None,
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
     platform: str | Platform | None = None,
     arg_names: Mapping[str, str] | None = None,
     **kwargs: Any,
@@ -162,6 +164,7 @@ def build_engine_config(
         block_size / num_gpu_blocks: KV cache layout; None = defaults (16 / decided later).
         enable_prefix_caching / prefix_caching_hash_algo: automatic prefix caching; None =
             defaults (on / ``"sha256"``).
+        speculative_config: a ``SpeculativeConfig``, a dict of its fields, or None (off).
         platform: "cpu", "cuda", a ``Platform`` or None (the current one).
         arg_names: how the caller's users spell each argument, used in error messages
             (the CLI maps ``dtype`` to ``--dtype``); unmapped names are used as they are.
@@ -220,11 +223,23 @@ def build_engine_config(
             "compilation_config": compilation,
             "platform": resolved_platform,
         }
+        if speculative_config is not None:
+            config_kwargs["speculative_config"] = _speculative(speculative_config,
+                                                               label("speculative_config"))
         if optimization_level is not None:
             config_kwargs["optimization_level"] = optimization_level
         return EngineConfig(**config_kwargs)
     except ValidationError as exc:
         raise ValueError(one_line_error(exc)) from None
+
+
+def _speculative(value: object, name: str) -> SpeculativeConfig:
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, Mapping):
+        return SpeculativeConfig(**dict(value))
+    raise ValueError(f"{name} must be a SpeculativeConfig, a dict of its fields or None, got "
+                     f"{short_repr(value)} ({type(value).__name__})")
 
 
 def _shape_hf_config(model: Any, model_shape: str | None, default_hf_config: Mapping[str, Any] | None,

@@ -365,7 +365,8 @@ class EngineConfig(FreezableConfig):
         Reading it needs that backend registered when graphs are on (a ``ValueError`` names
         it otherwise); a FULL mode the backend cannot run at all is a ``ValueError``."""
         return served_graph_mode(self.compilation_config, self.model_config, self.platform,
-                                 selected_attention_backend(self.attention_backend))
+                                 selected_attention_backend(self.attention_backend),
+                                 self.uniform_decode_query_len)
 
     @property
     def compiles_model(self) -> bool:

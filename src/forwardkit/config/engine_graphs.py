@@ -158,14 +158,17 @@ def set_compile_ranges(cc: CompilationConfig, model: ModelConfig | None, sched: 
 
 
 def resolve_graph_mode(compilation_config: CompilationConfig, support: AttentionCGSupport | int, *,
-                       enforce_eager: bool = False, can_capture: bool = True) -> CUDAGraphMode:
+                       enforce_eager: bool = False, can_capture: bool = True,
+                       uniform_decode_query_len: int = 1) -> CUDAGraphMode:
     """The configured graph mode lowered to what attention supports.
 
     NONE when the config's mode is NONE, ``enforce_eager`` is set or the device cannot capture
     graphs. Otherwise the configured mode lowered to ``support`` (the attention backend's
-    ``AttentionCGSupport``). No speculative decoding: the uniform decode query length is 1, so
-    every support level above NEVER can run uniform-decode FULL graphs. A FULL mixed mode with
-    a backend that supports no full graph is a ``ValueError``.
+    ``AttentionCGSupport``). Without speculative decoding the uniform decode query length is 1,
+    so every support level above NEVER can run uniform-decode FULL graphs; with it
+    (``uniform_decode_query_len`` = 1 + drafts) a backend that supports only single-token
+    decodes serves no FULL graph (decode steps fall to PIECEWISE). A FULL mixed mode with a
+    backend that supports no full graph is a ``ValueError``.
     """
     support = AttentionCGSupport(support)
     mode = CUDAGraphMode.parse(compilation_config.cudagraph_mode or CUDAGraphMode.NONE)
@@ -185,13 +188,21 @@ def resolve_graph_mode(compilation_config: CompilationConfig, support: Attention
             "using %s", mode, new,
         )
         mode = new
-    if mode.decode_mode() == CUDAGraphMode.FULL and support == AttentionCGSupport.NEVER:
+    if mode.decode_mode() == CUDAGraphMode.FULL and (
+            support == AttentionCGSupport.NEVER
+            or (uniform_decode_query_len > 1
+                and support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)):
+        if support != AttentionCGSupport.NEVER:
+            logger.warning_once(
+                "cudagraph_mode %s: attention supports full graphs for single-token decodes "
+                "only, and speculative decoding makes decode steps %d tokens per request; "
+                "decode steps run without full graphs", mode, uniform_decode_query_len)
         mode = CUDAGraphMode.PIECEWISE if piecewise_attn else CUDAGraphMode.NONE
     return mode
 
 
 def served_graph_mode(cc: CompilationConfig, model: ModelConfig | None, platform: Platform,
-                      attention_backend: str) -> CUDAGraphMode:
+                      attention_backend: str, uniform_decode_query_len: int = 1) -> CUDAGraphMode:
     """The graph mode a runner of this config serves (see the module docstring): NONE when
     ``cc.cudagraph_mode`` is NONE, the model is ``enforce_eager`` or ``platform`` cannot capture
     graphs now; else :func:`resolve_graph_mode` with ``attention_backend``'s support level (the
@@ -203,4 +214,5 @@ def served_graph_mode(cc: CompilationConfig, model: ModelConfig | None, platform
         logger.info_once("CUDA graphs are off: platform %s cannot capture them here (no device); "
                          "steps run eagerly (runtime mode NONE).", platform.name)
         return CUDAGraphMode.NONE
-    return resolve_graph_mode(cc, attention_cudagraph_support(attention_backend))
+    return resolve_graph_mode(cc, attention_cudagraph_support(attention_backend),
+                              uniform_decode_query_len=uniform_decode_query_len)

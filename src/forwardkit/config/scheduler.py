@@ -10,7 +10,7 @@ from pydantic.dataclasses import dataclass
 from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.utils import hash_factors
 
-__all__ = ["SchedulerConfig", "SpeculativeConfig"]
+__all__ = ["SPEC_METHODS", "SPEC_METHODS_RUN", "SchedulerConfig", "SpeculativeConfig"]
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 128
@@ -81,9 +81,16 @@ class SchedulerConfig(FreezableConfig):
 _EAGLE_LIKE_METHODS = frozenset({"eagle", "eagle3", "mtp", "deepseek_mtp", "draft_model"})
 
 
+# vLLM's methods; the engine runs the ones in SPEC_METHODS_RUN (the others are accepted by the
+# config, whose capture-size arithmetic they steer, and refused by ``LLM``)
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "deepseek_mtp", "medusa",
+                "mlp_speculator", "suffix")
+SPEC_METHODS_RUN = ("ngram",)
+
+
 @dataclass(config=ConfigDict(extra="forbid"))
 class SpeculativeConfig(FreezableConfig):
-    """Speculative decoding, as far as config resolution needs it (no drafter runs here).
+    """Speculative decoding: the drafting method and how many tokens it drafts.
 
     ``num_speculative_tokens`` draft tokens per request make a uniform decode step
     ``1 + num_speculative_tokens`` tokens long, which changes the default capture sizes.
@@ -92,15 +99,47 @@ class SpeculativeConfig(FreezableConfig):
     num_speculative_tokens: int = 1
     """Draft tokens proposed per request per step (>= 1)."""
     method: str = "ngram"
-    """Drafting method (``ngram``, ``eagle``, ``eagle3``, ``mtp``, ...)."""
+    """Drafting method (``ngram``, ``draft_model``, ``eagle``, ``eagle3``, ``mtp``, ...)."""
     disable_padded_drafter_batch: bool = False
     """Do not pad the drafter batch (incompatible with async scheduling)."""
+    prompt_lookup_min: int | None = None
+    """n-gram: shortest suffix matched (>= 1); None = ``prompt_lookup_max``, or 5 when both
+    are None."""
+    prompt_lookup_max: int | None = None
+    """n-gram: longest suffix matched; None = ``prompt_lookup_min``, or 5 when both are None."""
+    model: str | None = None
+    """draft_model: the draft checkpoint (same vocabulary as the target)."""
+    draft_tensor_parallel_size: int | None = None
+    """draft_model: TP ranks of the draft (1 or the target's)."""
+    disable_by_batch_size: int | None = None
+    """No drafts in a step while more requests than this are running (None = always draft)."""
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
             )
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method={self.method!r:.60} is invalid; expected "
+                             f"one of {', '.join(repr(m) for m in SPEC_METHODS)}")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is None and hi is None:
+                lo = hi = 5
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            assert lo is not None and hi is not None
+            for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if value < 1:
+                    raise ValueError(f"speculative_config.{name}={value} is invalid; expected "
+                                     "an integer >= 1")
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min={lo} is invalid; it must "
+                                 f"not exceed prompt_lookup_max={hi}")
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_config.disable_by_batch_size="
+                             f"{self.disable_by_batch_size} is invalid; expected None or >= 1")
 
     def use_eagle(self) -> bool:
         """The drafter is EAGLE/MTP-like (the only kind async scheduling supports)."""

@@ -233,6 +233,8 @@ class BlockManager:
             if self._hash[block] is None and h not in self._by_hash:
                 self._hash[block] = h
                 self._by_hash[h] = block
+                # already computed (its last tokens were accepted drafts of an earlier step)
+                self._computed[block] = (i + 1) * self.block_size <= request.num_computed_tokens
         request.num_registered_blocks = max(first, last)
 
     def mark_computed(self, request: Request) -> None:

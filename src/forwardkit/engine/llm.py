@@ -43,6 +43,7 @@ from forwardkit.engine.result import build_output
 from forwardkit.engine.sampler import Sampler
 from forwardkit.engine.sampling_params import SamplingParams, as_params_list
 from forwardkit.engine.scheduler import Scheduler
+from forwardkit.engine.speculative import NgramProposer, SpecDecodeStats, check_runnable, verify
 from forwardkit.engine.tokenizer import load_tokenizer
 from forwardkit.engine.tp import (
     TPFollowerLink,
@@ -158,6 +159,10 @@ class LLM:
             allow_pending_hits=not cfg.parallel_config.use_ubatching,
         )
         self.stats = EngineStats()
+        spec = cfg.speculative_config
+        check_runnable(spec)
+        self._proposer = None if spec is None else NgramProposer(spec, self.runner.max_model_len)
+        self.spec_stats = SpecDecodeStats()
         self.sampler = Sampler()
         self._seed_rng = torch.Generator().manual_seed(seed)
         self._next_id = 0
@@ -379,33 +384,80 @@ class LLM:
 
     def step(self) -> list[Request]:
         """Run one engine step (a dummy one on an idle DP rank); returns finished requests."""
+        self._propose_drafts()
         out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.has_unfinished:
             raise RuntimeError(f"scheduler could not schedule any of {len(self.scheduler.waiting)} "
                                "waiting requests (KV cache too small?)")
         batch = out.to_batch()
         plan = plan_prompt_logprobs(out.requests, out.num_scheduled_tokens)
-        rows = plan.rows if plan is not None else None
+        # hidden-state rows scored by the LM head besides each request's last token: the
+        # prompt-logprob rows, then each draft-carrying request's rows before its last
+        rows = list(plan.rows) if plan is not None else []
+        spec_rows: dict[str, list[int]] = {}
+        offset = 0
+        for req, n in zip(out.requests, out.num_scheduled_tokens):
+            if req.spec_token_ids:
+                last = offset + n - 1
+                spec_rows[req.request_id] = list(range(len(rows), len(rows) + len(req.spec_token_ids)))
+                rows += range(last - len(req.spec_token_ids), last)
+            offset += n
+        extra_rows = rows or None
         if self._tp_pool is not None:
-            self._tp_pool.send_step(batch, rows)
+            self._tp_pool.send_step(batch, extra_rows)
         elif self._tp_link is not None:
-            self._tp_link.send(("step", batch, rows))
-        self.runner.keep_hidden = plan is not None
+            self._tp_link.send(("step", batch, extra_rows))
+        self.runner.keep_hidden = extra_rows is not None
         logits = self._execute(batch)
-        if plan is not None and self.runner.last_hidden is not None:
-            record_prompt_logprobs(self.runner.model, self.runner.last_hidden, plan)
-            self.runner.last_hidden = None
+        extra = None
+        hidden, self.runner.last_hidden = self.runner.last_hidden, None
+        if extra_rows is not None and hidden is not None:
+            index = torch.tensor(extra_rows, dtype=torch.long, device=hidden.device)
+            extra = self.runner.model.compute_logits(hidden.index_select(0, index))
+            if plan is not None:
+                record_prompt_logprobs(extra[: len(plan.rows)], plan)
         chosen = [r for r, s in zip(out.requests, batch.sample or ()) if s]
-        tokens, logprobs = self.sampler.sample(logits, chosen)
-        by_id = None
-        if logprobs is not None:
-            by_id = {r.request_id: lp for r, lp in zip(chosen, logprobs) if lp is not None}
+        plain = [i for i, r in enumerate(chosen) if r.request_id not in spec_rows]
+        sampled: dict[str, int | list[int]] = {}
+        by_id: dict[str, Any] = {}
+        if len(plain) == len(chosen):
+            tokens, logprobs = self.sampler.sample(logits, chosen)
+        else:
+            tokens, logprobs = self.sampler.sample(logits[plain], [chosen[i] for i in plain])
+        for j, i in enumerate(plain):
+            sampled[chosen[i].request_id] = tokens[j]
+            if logprobs is not None and logprobs[j] is not None:
+                by_id[chosen[i].request_id] = logprobs[j]
+        for i, req in enumerate(chosen):
+            own = spec_rows.get(req.request_id)
+            if own is None:
+                continue
+            assert extra is not None
+            drafts = req.spec_token_ids
+            emitted, lps = verify(self.sampler, torch.cat([extra[own], logits[i: i + 1]]), req,
+                                  drafts)
+            self.spec_stats.record(len(drafts), len(emitted) - 1)
+            sampled[req.request_id] = emitted
+            if lps is not None:
+                by_id[req.request_id] = lps
         self.stats.record_step(out.requests, out.num_scheduled_tokens, len(out.preempted),
-                               len(chosen))
-        finished = self.scheduler.update(out, {r.request_id: t for r, t in zip(chosen, tokens)},
-                                         by_id)
+                               sum(1 if isinstance(t, int) else len(t) for t in sampled.values()))
+        finished = self.scheduler.update(out, sampled, by_id or None)
         self.stats.record_finished(finished)
         return finished
+
+    def _propose_drafts(self) -> None:
+        """Draft tokens for every running request that is decoding (speculative decoding)."""
+        proposer = self._proposer
+        if proposer is None:
+            return
+        running = self.scheduler.running
+        limit = proposer.disable_by_batch_size
+        if limit is not None and len(running) + len(self.scheduler.waiting) > limit:
+            return
+        for req in running:
+            if req.num_pending_tokens == 1 and req.output_token_ids:
+                req.spec_token_ids = proposer.propose(req)
 
     # ------------------------------------------------------------------ prefix cache, metrics
     def reset_prefix_cache(self) -> bool:
@@ -424,7 +476,8 @@ class LLM:
         ``vllm:prefix_cache_hits`` in tokens, ``vllm:prompt_tokens``, ...; ``forwardkit:``
         ones where vLLM has none, e.g. ``forwardkit:prompt_tokens_computed``)."""
         sched = self.scheduler
-        return self.stats.metrics(self.block_manager, len(sched.running), len(sched.waiting))
+        return self.stats.metrics(self.block_manager, len(sched.running), len(sched.waiting),
+                                  self.spec_stats if self._proposer is not None else None)
 
     def _execute(self, batch: StepBatch) -> torch.Tensor:
         """The runner's step; a collective failure names what the TP workers reported."""

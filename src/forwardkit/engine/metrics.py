@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 from forwardkit.engine.block_manager import BlockManager
 from forwardkit.engine.request import Request
+from forwardkit.engine.speculative import SpecDecodeStats
 
-__all__ = ["Counter", "EngineStats", "Gauge", "Metric"]
+__all__ = ["Counter", "EngineStats", "Gauge", "Metric", "Vector"]
 
 
 @dataclass
@@ -32,6 +33,13 @@ class Counter(Metric):
 @dataclass
 class Gauge(Metric):
     """A level at the time of the call."""
+
+
+@dataclass
+class Vector(Metric):
+    """A list of counts (``value`` is their sum)."""
+
+    values: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -68,8 +76,9 @@ class EngineStats:
             reason = req.finish_reason or "abort"
             self.finished[reason] = self.finished.get(reason, 0) + 1
 
-    def metrics(self, blocks: BlockManager, num_running: int, num_waiting: int) -> list[Metric]:
-        """Every metric, in a fixed order."""
+    def metrics(self, blocks: BlockManager, num_running: int, num_waiting: int,
+                spec: SpecDecodeStats | None = None) -> list[Metric]:
+        """Every metric, in a fixed order (the spec-decode ones when ``spec`` is given)."""
         cache = blocks.stats
         used = blocks.num_blocks - blocks.num_free_blocks
         out: list[Metric] = [
@@ -86,6 +95,16 @@ class EngineStats:
             Gauge("vllm:kv_cache_usage_perc", value=used / blocks.num_blocks),
             Gauge("forwardkit:prefix_cache_hit_rate", value=cache.hit_rate),
         ]
+        if spec is not None:
+            out += [
+                Counter("vllm:spec_decode_num_drafts", value=spec.num_drafts),
+                Counter("vllm:spec_decode_num_draft_tokens", value=spec.num_draft_tokens),
+                Counter("vllm:spec_decode_num_accepted_tokens", value=spec.num_accepted_tokens),
+                Vector("vllm:spec_decode_num_accepted_tokens_per_pos",
+                       value=sum(spec.accepted_per_pos), values=list(spec.accepted_per_pos)),
+                Gauge("forwardkit:spec_decode_mean_accepted_length",
+                      value=spec.mean_accepted_length),
+            ]
         for reason in sorted(self.finished):
             out.append(Counter("vllm:request_success", {"finished_reason": reason},
                                self.finished[reason]))

@@ -8,7 +8,6 @@ states and the LM head runs on just those rows. Steps without such requests pay 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -44,10 +43,10 @@ def plan_prompt_logprobs(requests: list[Request], num_scheduled: list[int]) -> P
 
 
 @torch.inference_mode()
-def record_prompt_logprobs(model: Any, hidden: torch.Tensor, plan: PromptLogprobPlan) -> None:
-    """Score the planned rows of ``hidden`` with the LM head and store them on their requests."""
-    index = torch.tensor(plan.rows, dtype=torch.long, device=hidden.device)
-    logprobs = model.compute_logits(hidden.index_select(0, index)).float().log_softmax(dim=-1)
+def record_prompt_logprobs(logits: torch.Tensor, plan: PromptLogprobPlan) -> None:
+    """Store the prompt logprobs of the planned rows, given their logits (``[len(plan.rows),
+    vocab]``, the LM head on those rows' hidden states) on their requests."""
+    logprobs = logits.float().log_softmax(dim=-1)
     tokens = [req.prompt_token_ids[pos] for req, pos in plan.targets]
     ks = [req.sampling_params.prompt_logprobs or 0 for req, _ in plan.targets]
     for (req, pos), d in zip(plan.targets, logprob_dicts(logprobs, tokens, ks)):

@@ -93,6 +93,9 @@ class Request:
         self.num_registered_blocks = 0
         self.num_marked_blocks = 0
         self.num_cached_tokens: int | None = None
+        # Speculative decoding: the draft tokens proposed for the next step (their KV slots
+        # are scheduled after the request's tokens; only accepted ones become tokens).
+        self.spec_token_ids: list[int] = []
         # Cached prompt positions produce no prompt logprobs: a request that wants them computes
         # its whole prompt (SamplingParams.skip_reading_prefix_cache, True by default then).
         skip = sampling_params.skip_reading_prefix_cache

@@ -128,6 +128,34 @@ class Sampler:
             per_row[i] = d
         return tokens, per_row
 
+    def target_distribution(self, logits: torch.Tensor, request: Request
+                            ) -> tuple[torch.Tensor | None, int]:
+        """What sampling one ``[1, vocab]`` row for ``request`` would draw from: ``(probs,
+        argmax)`` after the ``min_tokens`` masks, penalties, temperature and top-k/p / min-p
+        masks; probs is None for a greedy request (its token is the argmax)."""
+        params = request.sampling_params
+        logits = logits.float().clone()
+        self._mask_min_tokens(logits, [request])
+        if params.has_penalties:
+            apply_penalties(logits, [request])
+        if params.greedy:
+            return None, greedy_tokens(logits)[0]
+        logits.div_(params.temperature)
+        apply_top_k_top_p(
+            logits,
+            torch.tensor([params.top_k], device=logits.device) if params.top_k > 0 else None,
+            torch.tensor([params.top_p], device=logits.device) if params.top_p < 1.0 else None,
+        )
+        if params.min_p > 0:
+            apply_min_p(logits, torch.tensor([params.min_p], device=logits.device))
+        probs = logits.softmax(dim=-1)[0]
+        return probs, int(probs.argmax())
+
+    @staticmethod
+    def draw(probs: torch.Tensor, request: Request) -> int:
+        """One token from ``probs`` (1-D) with ``request``'s generator, as ``sample`` draws."""
+        return _exponential_sample(probs, request.generator)
+
     @staticmethod
     def _plain_greedy(requests: Sequence[Request], params: list) -> bool:
         """All rows greedy, none asking for logprobs or penalties, none still masking EOS or

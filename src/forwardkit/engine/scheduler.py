@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -54,10 +55,11 @@ class SchedulerOutput:
         token_ids, computed, tables, sample = [], [], [], []
         for req, n in zip(self.requests, self.num_scheduled_tokens):
             start = req.num_computed_tokens
-            token_ids.append(req.token_slice(start, start + n))
+            real = min(n, req.num_tokens - start)  # then the drafts, if any
+            token_ids.append(req.token_slice(start, start + real) + req.spec_token_ids[:n - real])
             computed.append(start)
             tables.append(list(req.block_ids))
-            sample.append(start + n == req.num_tokens)
+            sample.append(start + n >= req.num_tokens)
         return StepBatch(
             req_ids=[r.request_id for r in self.requests],
             token_ids=token_ids,
@@ -163,7 +165,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
-            n = min(req.num_pending_tokens, budget)
+            n = min(req.num_pending_tokens + len(req.spec_token_ids), budget)
+            if req.spec_token_ids:  # the budget may cut the drafts short
+                del req.spec_token_ids[max(0, n - req.num_pending_tokens):]
             while not self.block_manager.can_allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -209,15 +213,20 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         logger.debug("preempted %s (KV cache full)", request.request_id)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int],
-               logprobs: dict[str, dict[int, Logprob]] | None = None) -> list[Request]:
-        """Advance scheduled requests after a step; ``sampled`` maps request id -> new token
-        (``logprobs``: request id -> that token's logprob dict, for requests that asked).
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, int | list[int]],
+               logprobs: Mapping[str, dict[int, Logprob] | list[dict[int, Logprob]]] | None = None,
+               ) -> list[Request]:
+        """Advance scheduled requests after a step; ``sampled`` maps request id -> new token, or
+        the tokens a request with drafts emits (its accepted drafts, then one more), and
+        ``logprobs`` request id -> that token's logprob dict (a list of them for a list of
+        tokens), for requests that asked. A request with drafts advances over its last token
+        and the accepted drafts only; the rejected drafts' KV slots are written again later.
 
         Returns the requests that finished this step (their blocks are already freed).
         """
@@ -225,17 +234,25 @@ class Scheduler:
         for req, n in zip(out.requests, out.num_scheduled_tokens):
             if req.status != RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += n
+            got = sampled.get(req.request_id)
+            tokens = [got] if isinstance(got, int) else (got or [])
+            drafts = len(req.spec_token_ids)
+            req.spec_token_ids = []
+            # the drafts count as computed only as far as they were accepted
+            req.num_computed_tokens += n - drafts + max(0, min(len(tokens) - 1, drafts))
             self.block_manager.mark_computed(req)
-            token = sampled.get(req.request_id)
-            if token is None:
+            if not tokens:
                 continue  # partial prefill: nothing sampled yet
-            if req.append_token(token, logprobs.get(req.request_id) if logprobs else None):
-                req.status = RequestStatus.FINISHED
-                req.finished_time = time.time()
-                self.running.remove(req)
-                self.block_manager.free(req)
-                finished.append(req)
+            lps = logprobs.get(req.request_id) if logprobs else None
+            lp_list = lps if isinstance(lps, list) else [lps] * len(tokens)
+            for token, lp in zip(tokens, lp_list):
+                if req.append_token(token, lp):
+                    req.status = RequestStatus.FINISHED
+                    req.finished_time = time.time()
+                    self.running.remove(req)
+                    self.block_manager.free(req)
+                    finished.append(req)
+                    break
         return finished
 
     def abort(self, request_id: str) -> Request | None:
