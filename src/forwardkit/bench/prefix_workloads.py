@@ -9,9 +9,10 @@ Three workloads of the kind forwardkit's users run (``--quick`` shrinks each):
 - ``system-prompt``: one 1,000-token system prompt followed by 32 different 24-token
   questions, 32 new tokens each.
 
-The same model runs twice, with and without prefix caching (``forwardkit`` and
-``forwardkit-no-prefix-cache``), the repeats alternating between them; each repeat starts
-with an empty cache, so every hit comes from the workload's own sharing. Per contender:
+One engine runs each workload with prefix caching on and off (``forwardkit`` and
+``forwardkit-no-prefix-cache``: the block manager's caching switched between runs, so both
+share the weights, the compiled pieces and the KV memory), the repeats alternating the order;
+each run starts with an empty cache, so every hit comes from the workload's own sharing. Per contender:
 prompt tokens, prompt tokens computed, hit rate, time to first token (median over requests;
 for ``chat`` also the last turn's), wall time and output tokens per second, medians over the
 repeats, and the on/off ratios.
@@ -210,12 +211,11 @@ def run_workloads(args: argparse.Namespace) -> int:
     quick = bool(args.quick)
     repeats = args.repeats or (1 if quick else 3)
     progress = not getattr(args, "no_progress", False)
-    engines: dict[str, LLM] = {}
-    for contender in tqdm(CONTENDERS, desc="build + warm-up", unit="engine", disable=not progress):
-        llm = _build(args, contender == "forwardkit", names, quick)
+    llm = _build(args, True, names, quick)
+    for contender in tqdm(CONTENDERS, desc="warm-up", unit="mode", disable=not progress):
+        llm.block_manager.set_prefix_caching(contender == "forwardkit")
         for name in names:  # untimed: compiles and first shapes
             run_workload(llm, name, dataclasses.replace(_shape(name, True), prompts=1), args.seed)
-        engines[contender] = llm
     runs: dict[tuple[str, str], list[WorkloadRun]] = {}
     total = len(names) * repeats * len(CONTENDERS)
     bar = tqdm(total=total, desc="timed workloads", unit="run", disable=not progress)
@@ -223,12 +223,13 @@ def run_workloads(args: argparse.Namespace) -> int:
         for r in range(repeats):
             order = CONTENDERS if r % 2 == 0 else CONTENDERS[::-1]
             for contender in order:
-                run = run_workload(engines[contender], name, _shape(name, quick), args.seed + r)
+                llm.block_manager.set_prefix_caching(contender == "forwardkit")
+                run = run_workload(llm, name, _shape(name, quick), args.seed + r)
                 runs.setdefault((name, contender), []).append(run)
                 bar.update(1)
     bar.close()
-    mc = engines["forwardkit"].runner.model_config
-    dtype = str(engines["forwardkit"].runner.dtype).removeprefix("torch.")
+    mc = llm.runner.model_config
+    dtype = str(llm.runner.dtype).removeprefix("torch.")
     report: dict[str, Any] = {
         "model": mc.model or (args.model_shape or "built-in") + " (random weights)",
         "dtype": dtype, "repeats": repeats, "threads": torch.get_num_threads(),
@@ -239,8 +240,7 @@ def run_workloads(args: argparse.Namespace) -> int:
         with open(args.json_path, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
         print(f"\nwrote {args.json_path}")
-    for llm in engines.values():
-        llm.shutdown()
+    llm.shutdown()
     return 0
 
 

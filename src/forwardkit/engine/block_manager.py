@@ -82,7 +82,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.hasher = BlockHasher(hash_algo) if enable_prefix_caching else None
+        self.hasher = BlockHasher(hash_algo)
         self._free: deque[int] = deque(range(num_blocks))  # no hash: handed out first
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # hashed, LRU first
         self._ref = [0] * num_blocks
@@ -120,7 +120,6 @@ class BlockManager:
     def _extend_hashes(self, request: Request, num_tokens: int) -> None:
         """Make sure ``request.block_hashes`` covers every full block of its first
         ``num_tokens`` tokens."""
-        assert self.hasher is not None
         hashes, size = request.block_hashes, self.block_size
         full = min(num_tokens, request.num_tokens) // size
         while len(hashes) < full:
@@ -263,6 +262,15 @@ class BlockManager:
         request.block_ids = []
         request.num_registered_blocks = 0
         request.num_marked_blocks = 0
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Switch prefix caching on or off between requests (the cache starts empty either way;
+        the benchmark compares both on one engine)."""
+        if any(self._ref):
+            raise RuntimeError("set_prefix_caching: requests hold KV blocks; switch between "
+                               "generate calls")
+        self.invalidate()
+        self.enable_prefix_caching = enabled
 
     # --------------------------------------------------------------------- invalidation
     def reset_prefix_cache(self) -> bool:
