@@ -347,3 +347,64 @@ def test_dp_metadata_int_maximum_and_counts_follow_the_tensor():
     assert m.max_tokens_across_dp == 11
     direct = DPMetadata(torch.tensor(4), torch.tensor([4, 3]))
     assert direct.max_tokens_across_dp == 4 and direct.local_sizes is None
+
+
+# --- foreign (vLLM-like) config objects ---------------------------------------------------
+
+
+class _VllmLikeCompilationConfig:
+    """A compilation config of another make: only the attribute vLLM's own has."""
+
+    __slots__ = ("static_forward_context",)
+
+    def __init__(self) -> None:
+        self.static_forward_context: dict[str, object] = {"model.layers.0.attn": "L0"}
+
+
+class _VllmLikeParallelConfig:
+    def __init__(self, dp: int) -> None:
+        self.data_parallel_size = dp
+        self.data_parallel_rank = 0
+        self.is_moe_model = True
+
+
+class _VllmLikeConfig:
+    """Duck-typed ``VllmConfig``: what the seed's set_forward_context read and nothing more."""
+
+    def __init__(self, dp: int = 1, compilation_config: object | None = None) -> None:
+        self.compilation_config = compilation_config or _VllmLikeCompilationConfig()
+        self.parallel_config = _VllmLikeParallelConfig(dp)
+
+
+@pytest.mark.parametrize("cc_kind", ["slots", "dict"])
+def test_set_forward_context_accepts_a_vllm_like_config(cc_kind):
+    cc: object
+    if cc_kind == "slots":
+        cc = _VllmLikeCompilationConfig()
+    else:  # an instance with a __dict__ but without forwardkit's private compile state
+        cc = type("CC", (), {})()
+        cc.static_forward_context = {"model.layers.0.attn": "L0"}  # type: ignore[attr-defined]
+    cfg = _VllmLikeConfig(compilation_config=cc)
+    with set_forward_context({"model.layers.0.attn": None}, cfg, num_tokens=3):  # type: ignore[arg-type]
+        ctx = get_forward_context()
+        assert ctx.no_compile_layers is cc.static_forward_context  # type: ignore[attr-defined]
+        assert ctx.dp_metadata is None
+    assert not is_forward_context_available()
+    assert create_forward_context(None, cfg).no_compile_layers is cc.static_forward_context  # type: ignore[arg-type, attr-defined]
+
+
+def test_set_forward_context_vllm_like_config_under_dp():
+    cfg = _VllmLikeConfig(dp=2)
+    across = torch.tensor([5, 7], dtype=torch.int32)
+    with set_forward_context({}, cfg, num_tokens=5, num_tokens_across_dp=across):  # type: ignore[arg-type]
+        ctx = get_forward_context()
+        assert ctx.no_compile_layers == {"model.layers.0.attn": "L0"}
+        assert ctx.dp_metadata is not None and ctx.dp_metadata.max_tokens_across_dp == 7
+
+
+def test_set_forward_context_names_a_config_without_layers():
+    cfg = _VllmLikeConfig(compilation_config=object())
+    with pytest.raises(TypeError, match=r"static_forward_context is a dict.*got object"), \
+            set_forward_context(None, cfg):  # type: ignore[arg-type]
+        pass
+    assert not is_forward_context_available()

@@ -20,6 +20,8 @@ HERE = os.path.dirname(__file__)
     "the CPU has no AVX-512F/BW/VL (the native float32 kernel's instructions)",
     "this CPU has no native bf16 matmul (AVX-512-BF16 / AMX)",
     "transparent huge pages are Linux", "madvise is Linux",
+    "the llama.cpp binding (llama-cpp-python, an optional benchmark contender) is not installed; "
+    "the GGUF layout it would read is checked without it",
 ])
 def test_machine_capability_skips_are_allowed(reason):
     assert skip_allowed(reason)
@@ -28,6 +30,7 @@ def test_machine_capability_skips_are_allowed(reason):
 @pytest.mark.parametrize("reason", [
     "could not import 'transformers': No module named 'transformers'",
     "torchrun not installed", "flaky", "the deferred move is for CPU weights", "",
+    "llama.cpp not installed", "the llama.cpp binding is not installed",
 ])
 def test_other_skips_are_not(reason):
     assert not skip_allowed(reason)

@@ -318,10 +318,14 @@ class _ForwardStepScope:
         # the instance is the same object it would build (the mode is checked just above).
         # The layer dict is read from the compile state directly (the config's
         # static_forward_context property goes through two property lookups).
+        compilation_config = vllm_config.compilation_config
+        try:
+            layers = compilation_config.__dict__[_STATE_ATTR].static_forward_context
+        except (KeyError, AttributeError):  # a config object of another make (vLLM's own)
+            layers = _foreign_layers(compilation_config)
         ctx = _new_object(ForwardContext)
         ctx.__dict__ = {
-            "no_compile_layers":
-                vllm_config.compilation_config.__dict__[_STATE_ATTR].static_forward_context,
+            "no_compile_layers": layers,
             "attn_metadata": attn_metadata, "virtual_engine": virtual_engine,
             "dp_metadata": dp_metadata, "cudagraph_runtime_mode": cudagraph_runtime_mode,
             "batch_descriptor": batch_descriptor, "ubatch_slices": ubatch_slices,
@@ -340,6 +344,21 @@ class _ForwardStepScope:
             _restore(token)
         if self._start is not None:
             _record_forward_time(self._num_tokens, self._start)
+
+
+def _foreign_layers(compilation_config: object) -> dict[str, Any]:
+    """The layer dict of a compilation config that is not forwardkit's (no private compile
+    state): its ``static_forward_context`` attribute, as vLLM's own config objects have it."""
+    try:
+        layers: object = compilation_config.static_forward_context  # type: ignore[attr-defined]
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, dict):
+        raise TypeError(
+            "set_forward_context: vllm_config.compilation_config must be a CompilationConfig or "
+            "an object whose static_forward_context is a dict (layer name -> layer); got "
+            f"{type(compilation_config).__name__} with static_forward_context={layers!r}")
+    return layers
 
 
 def set_forward_context(

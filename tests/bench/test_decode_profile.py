@@ -38,6 +38,13 @@ def test_rows_cover_every_part_of_a_decode_step(llm, batch):
         assert row.calls == layers and row.detail.startswith(f"{batch}x")
     (attn,) = profile.by_kind("attention")
     assert attn.calls == layers
+    # the kernels' own counter: the native decode attention served every layer of each step
+    # (float32, on unless -cpu_attention); the few-row linear kernel serves only where routed
+    from forwardkit.kernels.cpu import native_attention
+
+    if native_attention.available():
+        assert profile.kernel_calls["attention"] == layers
+    assert set(profile.kernel_calls) == {"attention", "linear"}
     parts = sum(r.ms for r in profile.rows if not r.kind.startswith("step"))
     (step,) = profile.by_kind("step_profiled")
     assert all(r.ms >= 0 for r in profile.rows if r.kind != "elementwise")
@@ -47,6 +54,7 @@ def test_rows_cover_every_part_of_a_decode_step(llm, batch):
                   "sampling", "host: scheduler", "host: model runner", "host: engine step",
                   "step (profiled)", "step (no profiler)"):
         assert label in table
+    assert f"B={batch}: native CPU kernel calls per step: attention " in table
     llm.generate(prompt_token_ids=[[1, 2, 3]])  # the engine is left as it was
     assert "step" not in vars(llm) and "execute" not in vars(llm.runner)
 

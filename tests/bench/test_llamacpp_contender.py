@@ -1,6 +1,8 @@
 """The llama.cpp contender: the GGUF written from forwardkit's weights holds the same tensors
 under llama.cpp's names (Q/K rows in its rotary order); with llama.cpp installed it generates
-forwardkit's greedy tokens, without it the benchmark leaves it out with a note."""
+forwardkit's greedy tokens, without it the benchmark leaves it out with a note. The Q/K layout
+is checked without the binding: against llama.cpp's published row permutation written out here
+and by attention scores under each engine's rotary convention."""
 
 from __future__ import annotations
 
@@ -116,26 +118,100 @@ def test_gguf_holds_the_same_tensors(llm, tmp_path):
     assert not torch.equal(back("blk.0.attn_q.weight"), state["model.layers.0.self_attn.q_proj.weight"])
 
 
+def _llamacpp_row_order(rows: int, heads: int) -> list[int]:
+    """llama.cpp's published Q/K permutation (its HF converter's ``permute``), written out row
+    by row: in each head, output rows 2i and 2i+1 are the input rows i and i + half."""
+    per_head = rows // heads
+    half = per_head // 2
+    order = []
+    for h in range(heads):
+        for i in range(half):
+            order += [h * per_head + i, h * per_head + half + i]
+    return order
+
+
+def _rope_half_split(x: torch.Tensor, pos: int, base: float) -> torch.Tensor:
+    """Hugging Face Llama's rotary ([heads, d]): dimension i pairs with i + d/2."""
+    d = x.shape[-1]
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = torch.cos(pos * inv), torch.sin(pos * inv)
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def _rope_adjacent_pairs(x: torch.Tensor, pos: int, base: float) -> torch.Tensor:
+    """llama.cpp's rotary for the llama architecture ([heads, d]): dimension 2i pairs with 2i+1."""
+    d = x.shape[-1]
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = torch.cos(pos * inv), torch.sin(pos * inv)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+
+
+def test_gguf_q_k_rows_follow_llamacpps_rotary_layout(llm, tmp_path):
+    """Read back with ``gguf``'s reader (no llama.cpp binding needed), the exported Q and K rows
+    are the HF rows in llama.cpp's published order, and attention scores computed the llama.cpp
+    way (adjacent-pair rotary on the exported rows) equal Hugging Face's (half-split rotary on
+    the original rows) for every query head and the KV head it reads."""
+    hf = llm.runner.model_config.hf_config
+    state = hf_state_dict(llm.runner.model)
+    reader = gguf.GGUFReader(write_llama_gguf(tmp_path / "m.gguf", hf, state))
+    tensors = {t.name: t for t in reader.tensors}
+
+    def back(name: str) -> torch.Tensor:
+        t = tensors[name]
+        return torch.from_numpy(t.data.copy()).view(*reversed([int(d) for d in t.shape])).double()
+
+    heads, kv_heads, d = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    base = float(hf.get("rope_theta", 10000.0))
+    gen = torch.Generator().manual_seed(0)
+    x_q, x_k = (torch.randn(hf["hidden_size"], generator=gen, dtype=torch.float64) for _ in "qk")
+    for layer in range(hf["num_hidden_layers"]):
+        wq = state[f"model.layers.{layer}.self_attn.q_proj.weight"].double()
+        wk = state[f"model.layers.{layer}.self_attn.k_proj.weight"].double()
+        gq, gk = back(f"blk.{layer}.attn_q.weight"), back(f"blk.{layer}.attn_k.weight")
+        assert torch.equal(gq, wq[_llamacpp_row_order(wq.shape[0], heads)])
+        assert torch.equal(gk, wk[_llamacpp_row_order(wk.shape[0], kv_heads)])
+        for pos_q, pos_k in ((5, 2), (37, 0)):
+            hf_q = _rope_half_split((wq @ x_q).view(heads, d), pos_q, base)
+            hf_k = _rope_half_split((wk @ x_k).view(kv_heads, d), pos_k, base)
+            cpp_q = _rope_adjacent_pairs((gq @ x_q).view(heads, d), pos_q, base)
+            cpp_k = _rope_adjacent_pairs((gk @ x_k).view(kv_heads, d), pos_k, base)
+            group = heads // kv_heads
+            hf_scores = (hf_q * hf_k.repeat_interleave(group, 0)).sum(-1)
+            cpp_scores = (cpp_q * cpp_k.repeat_interleave(group, 0)).sum(-1)
+            torch.testing.assert_close(cpp_scores, hf_scores, rtol=1e-9, atol=1e-9)
+
+
 def test_experts_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="dense models; this one has experts"):
         write_llama_gguf(tmp_path / "m.gguf", {"num_local_experts": 8}, {})
 
 
+NO_BINDING = ("the llama.cpp binding (llama-cpp-python, an optional benchmark contender) is not "
+              "installed; the GGUF layout it would read is checked without it")
+
+
+def test_without_the_binding_the_benchmark_leaves_llamacpp_out_with_a_note(capsys, monkeypatch):
+    from forwardkit.bench import generation_cli, llamacpp
+
+    monkeypatch.setattr(llamacpp, "llamacpp_available", lambda: False)  # as where it is absent
+    names = ["forwardkit", "llama.cpp"]
+    assert generation_cli._with_llamacpp(names, explicit=False) == ["forwardkit"]
+    assert "pip install llama-cpp-python" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--contenders llama.cpp: llama.cpp contender skipped"):
+        generation_cli._with_llamacpp(names, explicit=True)
+    assert "about 6 minutes" in llamacpp_missing_note()
+
+
+@pytest.mark.skipif(not llamacpp_available(), reason=NO_BINDING)
 @pytest.mark.parametrize("model", ["llm", "scaled_llm", "biased_llm"])
-def test_llamacpp_generates_forwardkits_tokens_or_is_left_out_with_a_note(model, request, capsys):
+def test_llamacpp_generates_forwardkits_tokens(model, request):
     llm = request.getfixturevalue(model)
     from forwardkit.bench.generation_cli import _with_llamacpp
-
-    names = ["forwardkit", "llama.cpp"]
-    if not llamacpp_available():
-        assert _with_llamacpp(names, explicit=False) == ["forwardkit"]
-        assert "pip install llama-cpp-python" in capsys.readouterr().err
-        with pytest.raises(ValueError, match="--contenders llama.cpp: llama.cpp contender skipped"):
-            _with_llamacpp(names, explicit=True)
-        assert "about 6 minutes" in llamacpp_missing_note()
-        return
     from forwardkit.bench.llamacpp import LlamaCppGenerator
 
+    names = ["forwardkit", "llama.cpp"]
     assert _with_llamacpp(names, explicit=True) == names
     prompts = [[5, 17, 300, 42, 8], [9, 10, 11, 12, 13]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -224,3 +224,68 @@ def test_disabling_cpu_linear_changes_the_cache_key(tmp_path):
     on, off = key_dir([]), key_dir(["-cpu_linear"])
     assert on != off
     assert key_dir([]) == on  # the key is stable otherwise
+
+
+class _DiskFull:
+    """A text file whose write stores the first half of the text, then fails (ENOSPC)."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def write(self, text: str) -> int:
+        self._f.write(text[: len(text) // 2])
+        self._f.flush()
+        raise OSError(28, "No space left on device")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def test_index_write_that_fails_midway_leaves_the_previous_index_whole(cache, monkeypatch):
+    """The index is written to a temporary file and renamed over the old one: a write that
+    fails half-way (disk full, a killed process) leaves the previous index intact and no
+    stray temporary file. Written in place, the index would be half a JSON document."""
+    import builtins
+
+    import forwardkit.compilation.cache as cache_mod
+
+    cache.save("a", _write(b"artifact-a"))
+    index_path = os.path.join(cache.local_dir, "index.json")
+    before = _read(index_path)
+    real_open, real_fdopen = builtins.open, os.fdopen
+
+    def failing_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return _DiskFull(f) if "w" in mode and "b" not in mode else f
+
+    def failing_fdopen(fd, mode="r", *args, **kwargs):
+        f = real_fdopen(fd, mode, *args, **kwargs)
+        return _DiskFull(f) if "w" in mode and "b" not in mode else f
+
+    monkeypatch.setattr(cache_mod, "open", failing_open, raising=False)
+    monkeypatch.setattr(os, "fdopen", failing_fdopen)
+    with pytest.raises(OSError, match="No space left"):
+        cache.save("b", _write(b"artifact-b"))
+    monkeypatch.undo()
+    assert _read(index_path) == before
+    assert [n for n in os.listdir(cache.local_dir) if n.startswith(".tmp-")] == []
+    with compilation_counter.expect(num_cache_errors=0):
+        assert cache.load("a", _read) == b"artifact-a"
+        assert cache.load("b", _read) is None  # renamed into place but never indexed
+
+
+def test_index_is_replaced_not_rewritten(cache):
+    """A reader that opened the index before a save keeps reading the whole old index (the save
+    renames a new file over it instead of truncating the one being read)."""
+    cache.save("a", _write(b"artifact-a"))
+    index_path = os.path.join(cache.local_dir, "index.json")
+    with open(index_path) as held:
+        cache.save("b", _write(b"artifact-b"))
+        assert set(json.load(held)["entries"]) == {"a"}
+    assert set(_json(index_path)["entries"]) == {"a", "b"}

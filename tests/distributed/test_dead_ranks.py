@@ -5,7 +5,6 @@ a stopped rank is ended, so the launcher exits too."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -35,14 +34,16 @@ def test_spawn_names_the_dead_or_stopped_rank(victim, sig, cause):
     assert not first.startswith("spawn: ranks")  # not spawn's global timeout
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not installed")
 @pytest.mark.parametrize("victim", [0, 1])
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
 def test_torchrun_launcher_exits_when_a_rank_dies_or_stops(victim, sig):
     env = {**os.environ, "FORWARDKIT_DP_TIMEOUT_S": str(DP_TIMEOUT_S)}
     # torchrun waits 30 s for a rank that ignores SIGTERM; ending before that shows the stopped
     # rank was ended by its peer.
-    cmd = ["torchrun", "--nproc-per-node", "2", "--master-port", str(find_free_port()), WORKER, str(victim), sig]
+    # The launcher module, not the ``torchrun`` script: it exists wherever torch does, whether or
+    # not the environment's bin directory is on PATH.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(find_free_port()), WORKER, str(victim), sig]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DP_TIMEOUT_S + 25, env=env)
     assert proc.returncode != 0
     if sig == "SIGSTOP":  # the peer's collective timed out, named the rank and ended it

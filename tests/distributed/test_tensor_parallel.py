@@ -94,6 +94,32 @@ def test_qkv_row_and_vocab_shards_reassemble_the_full_weights():
     assert torch.equal(torch.cat([r[3] for r in ranks])[:11], vocab)
 
 
+@pytest.mark.parametrize("tp, heads, kv_heads", [(4, 8, 2), (8, 8, 2), (4, 4, 1), (4, 8, 4)])
+def test_each_rank_holds_the_kv_head_its_query_heads_attend_to(tp, heads, kv_heads):
+    """GQA: query head ``h`` attends to KV head ``h // (heads / kv_heads)``. Rank ``r`` holds
+    query heads ``r * heads/tp ...``; with fewer KV heads than ranks its KV head must be the one
+    those query heads use (tp=4, 2 KV heads: ranks 0, 1 -> head 0; ranks 2, 3 -> head 1)."""
+    from forwardkit.layers.parallel import QKVParallelLinear
+
+    head_dim, hidden = 4, 8
+    # every row of head n is filled with n: the loaded rows name the head they came from
+    q = torch.arange(heads).repeat_interleave(head_dim)[:, None].expand(-1, hidden).float()
+    k = torch.arange(kv_heads).repeat_interleave(head_dim)[:, None].expand(-1, hidden).float()
+    v = k + 100
+    group = heads // kv_heads
+    for rank in range(tp):
+        qkv = QKVParallelLinear(hidden, head_dim, heads, kv_heads, tp_rank=rank, tp_size=tp)
+        for sid, t in (("q", q), ("k", k), ("v", v)):
+            qkv.weight_loader(qkv.weight, t, sid)
+        nq, nkv = qkv.num_heads, qkv.num_kv_heads
+        w = qkv.weight[:, 0].reshape(nq + 2 * nkv, head_dim)[:, 0].long().tolist()
+        local_q, local_k, local_v = w[:nq], w[nq:nq + nkv], w[nq + nkv:]
+        assert local_q == list(range(rank * nq, (rank + 1) * nq))
+        wanted = sorted({h // group for h in local_q})  # the KV heads these queries read
+        assert local_k == wanted, (rank, local_q, local_k)
+        assert local_v == [h + 100 for h in wanted]
+
+
 def test_shard_loader_rejects_a_wrong_full_shape():
     from forwardkit.layers.linear import WeightShapeError
     from forwardkit.layers.parallel import MergedColumnParallelLinear

@@ -11,6 +11,7 @@ step with the fault on every rank and leave the runners working.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -39,6 +40,7 @@ STEPS = [
 ]
 
 FAULT_POINTS = 8
+PEER_DELAY_S = 1.0  # how long rank 1 holds back its part of the recorded step's first all-gather
 CAPTURE_SIZES = [1, 2, 4, 8]  # 2 layers x (dispatch + combine) per micro-batch, 2 micro-batches
 
 
@@ -134,14 +136,20 @@ def _rank_main(rank: int, nprocs: int, port: int, path: str) -> dict:
         class Tagged:
             def __init__(self, pending):
                 self.pending = pending
-                events.append(("gather_start", ubatching.dbo_current_ubatch_id(), id(self)))
+                events.append(("gather_start", ubatching.dbo_current_ubatch_id(), id(self),
+                               time.time()))
 
             def wait(self):
                 out = self.pending.wait()
-                events.append(("gather_done", ubatching.dbo_current_ubatch_id(), id(self)))
+                events.append(("gather_done", ubatching.dbo_current_ubatch_id(), id(self),
+                               time.time()))
                 return out
 
         def recording_start(self, tensor, **kw):
+            if record[0] and rank == 1 and not any(e[0] == "gather_start" for e in events):
+                # The test's barrier: rank 1 holds back its part of the step's first all-gather,
+                # so on rank 0 that all-gather cannot complete before PEER_DELAY_S has passed.
+                time.sleep(PEER_DELAY_S)
             pending = start_gather(self, tensor, **kw)
             return Tagged(pending) if record[0] else pending
 
@@ -151,7 +159,7 @@ def _rank_main(rank: int, nprocs: int, port: int, path: str) -> dict:
 
         def recording_attn(layer, *args, **kw):
             if record[0]:
-                events.append(("attention", ubatching.dbo_current_ubatch_id()))
+                events.append(("attention", ubatching.dbo_current_ubatch_id(), None, time.time()))
             return attn_forward(layer, *args, **kw)
 
         backend.forward = staticmethod(recording_attn)  # type: ignore[method-assign]
@@ -233,13 +241,23 @@ def test_dbo_dp2_expert_parallel(make_checkpoint):
         assert all(f is not None and f.startswith(f"yield point {p} ")
                    for p, f in enumerate(res["faults"])), res["faults"]
         assert res["after"] is True
-        # overlap: micro-batch 1 ran attention after micro-batch 0 started its first
-        # dispatch all-gather and before that all-gather was finished
+        # order: micro-batch 1 ran attention after micro-batch 0 started its first dispatch
+        # all-gather and before that all-gather was finished
         ev = res["events"]
         first = next(e for e in ev if e[0] == "gather_start" and e[1] == 0)
         start = ev.index(first)
         done = next(i for i, e in enumerate(ev) if e[0] == "gather_done" and e[2] == first[2])
-        assert ("attention", 1) in ev[start:done], ev
+        assert any(e[:2] == ("attention", 1) for e in ev[start:done]), ev
+    # concurrency: on rank 0, micro-batch 1 computed (attention) while micro-batch 0's first
+    # all-gather was in flight: after rank 0 started it, before rank 1 had even joined it (rank 1
+    # holds its part back PEER_DELAY_S), so that all-gather could not have finished. A start
+    # that waited for the collective would return only after rank 1 joined.
+    ev0, ev1 = results[0]["events"], results[1]["events"]
+    started = next(e[3] for e in ev0 if e[0] == "gather_start" and e[1] == 0)
+    peer_joined = next(e[3] for e in ev1 if e[0] == "gather_start")
+    computing = [e[3] for e in ev0 if e[:2] == ("attention", 1) and e[3] > started]
+    assert computing and computing[0] < peer_joined, (started, computing[:1], peer_joined)
+    assert peer_joined - started > PEER_DELAY_S / 2  # the barrier held
     assert results[0]["faults"] == results[1]["faults"]
 
 

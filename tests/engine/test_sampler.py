@@ -218,3 +218,36 @@ def test_as_params_list():
         as_params_list([p, {"temperature": 0}], 2)
     with pytest.raises(ValueError, match="sampling_params=5 is invalid"):
         as_params_list(5, 1)
+
+
+@pytest.mark.parametrize("temperature, low, high", [
+    (0.25, 0, 70),      # p(token 0) = 1 / (1 + 3**4) ~ 1.2%: about 24 of 2000
+    (1.0, 420, 580),    # 1 / (1 + 3) = 25%: about 500
+    (4.0, 780, 950),    # 1 / (1 + 3**0.25) ~ 43%: about 864
+])
+def test_temperature_divides_the_logits(temperature, low, high):
+    """Two tokens with logits 0 and ln 3: at temperature T token 0 has probability
+    1 / (1 + 3**(1/T)). A sampler that ignores T draws it 25% of the time at every T."""
+    n = 2000
+    logits = torch.tensor([[0.0, float(torch.log(torch.tensor(3.0)))]]).repeat(n, 1)
+    params = SamplingParams(temperature=temperature)
+    tokens = Sampler()(logits, [_req(params, seed=s) for s in range(n)])
+    assert low <= tokens.count(0) <= high, (temperature, tokens.count(0))
+
+
+def test_logprobs_come_from_the_raw_logits_not_the_masked_or_penalised_ones():
+    """min_tokens masks EOS (token 2) and a repetition penalty lowers the prompt's token (1);
+    the logprobs still describe the model's raw distribution (vLLM's default
+    ``logprobs_mode``: raw logprobs), while the draw sees the masked, penalised logits."""
+    logits = torch.tensor([[0.0, 5.0, 9.0, 8.0]])
+    params = SamplingParams(temperature=0, logprobs=4, min_tokens=1, repetition_penalty=4.0)
+    req = Request("r", [1], params, eos_token_id=2)
+    tokens, per_row = Sampler().sample(logits, [req])
+    assert tokens == [3]  # EOS masked, token 1 penalised 5 -> 1.25
+    assert per_row is not None and per_row[0] is not None
+    raw = logits[0].log_softmax(-1)
+    got = {tok: lp.logprob for tok, lp in per_row[0].items()}
+    assert set(got) == {0, 1, 2, 3}
+    for tok, value in got.items():
+        assert value == pytest.approx(float(raw[tok]), abs=1e-6), tok
+    assert per_row[0][2].rank == 1 and per_row[0][3].rank == 2

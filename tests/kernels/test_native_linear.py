@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from forwardkit.compilation import kernel_cache
-from forwardkit.kernels.cpu import hugepages, native_linear, router
+from forwardkit.kernels.cpu import hugepages, native_build, native_linear, router
 
 BF16 = torch.bfloat16
 ISAS = ["avx512", "avx2"]
@@ -181,6 +181,7 @@ def test_routed_bf16_layers_without_onednn_bf16_use_it_and_never_pack(monkeypatc
         return out
 
     monkeypatch.setattr(native_linear, "linear_rows", spy)
+    before = native_build.kernel_calls.snapshot()
     with router.bind(routes):
         for rows in (1, 2, 3, 40):
             x = torch.randn(rows, 96).to(BF16)
@@ -189,13 +190,31 @@ def test_routed_bf16_layers_without_onednn_bf16_use_it_and_never_pack(monkeypatc
     assert calls == [r <= native_linear.max_rows(BF16) for r in (1, 2, 3, 40)]
     assert calls[:2] == [True, True] and calls[3] is False
     assert routes.packed_count() == 0
+    assert native_build.kernel_calls.since(before) == {"attention": 0, "linear": sum(calls)}
+
+
+@needs_kernel
+def test_served_products_are_counted_declined_ones_not():
+    """``native_build.kernel_calls.linear`` counts the products the kernel computed: what the
+    engine's stats and the bench profile report as kernel use."""
+    dtype = BF16 if native_linear.available(BF16) else torch.float32
+    w = torch.randn(8, 32).to(dtype)
+    before = native_build.kernel_calls.snapshot()
+    assert native_linear.linear_rows(torch.randn(1, 32).to(dtype), w, None) is not None
+    assert native_linear.linear_rows(torch.randn(2, 32).to(dtype), w, None) is not None
+    too_many = native_linear.max_rows(dtype) + 1
+    assert native_linear.linear_rows(torch.randn(too_many, 32).to(dtype), w, None) is None
+    assert native_linear.linear_rows(torch.randn(1, 32).half(), w.half(), None) is None
+    assert native_build.kernel_calls.since(before) == {"attention": 0, "linear": 2}
 
 
 def test_switched_off_by_environment(fresh_kernel):
     fresh_kernel.setenv("FORWARDKIT_CPU_NATIVE_LINEAR", "0")
     assert not native_linear.available()
     x, w = torch.randn(1, 32).to(BF16), torch.randn(8, 32).to(BF16)
+    before = native_build.kernel_calls.snapshot()
     assert native_linear.linear_rows(x, w, None) is None
+    assert native_build.kernel_calls.since(before)["linear"] == 0
 
 
 @needs_kernel

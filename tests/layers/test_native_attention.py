@@ -125,8 +125,9 @@ def test_equals_the_torch_path_in_a_mixed_step(dtype, hq, hk, d):
     cache_torch, cache_native = kv_cache.clone(), kv_cache.clone()
     out_torch, out_native = torch.empty_like(q), torch.full_like(q, 7.0)
     paged_attention(q, k, v, cache_torch, md, d**-0.5, out_torch)
+    before = native_build.kernel_calls.snapshot()
     paged_attention(q, k, v, cache_native, md, d**-0.5, out_native, native_decode=True)
-    assert md.native_decode_index  # the kernel served the step
+    assert native_build.kernel_calls.since(before)["attention"] == 1  # the kernel served the step
     assert torch.equal(cache_native, cache_torch)
     decode = md.decode_token_idx
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # SDPA rounds its weights to bf16
@@ -254,24 +255,39 @@ def test_engine_decodes_the_same_tokens_through_it(monkeypatch):
     for ops in ([], ["-cpu_attention"]):
         calls.clear()
         llm = LLM(enforce_eager=True, compilation_config={"custom_ops": ops}, max_num_seqs=4)
+        before = native_build.kernel_calls.snapshot()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        served = native_build.kernel_calls.since(before)["attention"]
         tokens[bool(ops)] = [o.outputs[0].token_ids for o in outs]
         layers = llm.runner.model_config.hf_config["num_hidden_layers"]
         if ops:
-            assert calls == []
+            assert calls == [] and served == 0
         else:  # every decode step: one call per layer (the first step is all prompts)
             assert calls and all(calls) and len(calls) % layers == 0
+            assert served == len(calls)  # the production counter saw each served call
     assert tokens[False] == tokens[True]
 
 
 def test_switched_off_by_environment(fresh_kernel):
+    """``FORWARDKIT_CPU_NATIVE_ATTENTION=0``: the layer asks for the kernel, the kernel does not
+    serve (counted), and the step is the torch path's, bit for bit."""
     fresh_kernel.setenv("FORWARDKIT_CPU_NATIVE_ATTENTION", "0")
     assert not native_attention.available(torch.float32) and not native_attention.available(BF16)
     gen = torch.Generator().manual_seed(4)
     md, kv_cache, q, k, v = _mixed_metadata(gen, 4, 2, 32, torch.float32)
-    out = torch.empty_like(q)
-    paged_attention(q, k, v, kv_cache, md, 0.2, out, native_decode=True)
+    cache_off, cache_torch = kv_cache.clone(), kv_cache.clone()
+    out_off, out_torch = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+    before = native_build.kernel_calls.snapshot()
+    paged_attention(q, k, v, cache_off, md, 0.2, out_off, native_decode=True)
+    assert native_build.kernel_calls.since(before)["attention"] == 0
     assert md.native_decode_index  # the indices fit; the kernel was not there to take them
+    paged_attention(q, k, v, cache_torch, md, 0.2, out_torch)
+    assert torch.equal(out_off, out_torch) and torch.equal(cache_off, cache_torch)
+    # and the torch path really attended the decode rows (against the float64 reference)
+    rows = md.decode_token_idx
+    ref = native_attention.reference_decode(q, cache_off[0], cache_off[1], rows,
+                                            md.decode_block_table, md.decode_seq_lens, 0.2)
+    torch.testing.assert_close(out_off[rows].double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_missing_compiler_serves_the_torch_path(fresh_kernel, tmp_path, fk_log_records):

@@ -181,3 +181,21 @@ def test_dp_padding_follows_the_configured_mode_even_when_this_rank_runs_eagerly
     out = plan(planner, [1] * 3)
     assert calls[0]["allow_dp_padding"] is True
     assert (out.cudagraph_mode, out.batch_descriptor) == (M.NONE, d(8))
+
+
+@pytest.mark.parametrize("synced, expected", [
+    (M.FULL, (M.FULL, d(4, 4, True))),       # every rank can replay the FULL graph
+    (M.PIECEWISE, (M.PIECEWISE, d(4))),      # a peer can only run PIECEWISE: no FULL here
+    (M.NONE, (M.PIECEWISE, d(4))),           # a peer runs eagerly: FULL still off
+])
+def test_full_graphs_blocked_when_a_dp_peer_can_only_run_piecewise(synced, expected):
+    """This rank alone would replay FULL (a uniform decode of 3 -> 4 tokens); the DP vote's
+    minimum mode decides whether it still may: FULL only when every rank chose FULL."""
+    alone = plan(planner_for(), [1] * 3)
+    assert (alone.cudagraph_mode, alone.batch_descriptor) == (M.FULL, d(4, 4, True))
+
+    def coordinate(**kw):
+        return False, torch.tensor([4, 4], dtype=torch.int32), synced.value
+
+    out = plan(planner_for(dp_size=2, dp_rank=0, coordinate_fn=coordinate), [1] * 3)
+    assert (out.cudagraph_mode, out.batch_descriptor) == expected

@@ -17,7 +17,9 @@ without it, so the table also shows what the profiler itself adds. Per profiled 
   and the rest of the engine step.
 
 Figures are medians over the profiled steps; ``step`` rows give the whole step with and without
-the profiler.
+the profiler. Below the table, the native CPU kernels' calls per profiled step (their own
+counter, :data:`forwardkit.kernels.cpu.native_build.kernel_calls`): whether the native decode
+attention and few-row linear served the step or PyTorch did.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, ParamSpec, TypedDict, TypeVar, cast
 
 import torch
+
+from forwardkit.kernels.cpu.native_build import kernel_calls
 
 if TYPE_CHECKING:
     from torch.autograd.profiler_util import FunctionEvent
@@ -71,6 +75,9 @@ class DecodeProfile:
     batch_size: int
     steps: int
     rows: list[ProfileRow]
+    kernel_calls: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Median calls per profiled step served by each native CPU kernel (``attention``,
+    ``linear``), from the kernels' own counter."""
 
     def by_kind(self, kind: str) -> list[ProfileRow]:
         """The rows of one kind."""
@@ -85,6 +92,7 @@ class _StepSample(TypedDict):
     spent: dict[str, float]
     linear: dict[_Shape, list[float]]
     attn: tuple[float, int]
+    kernels: dict[str, int]
 
 
 class _Timers:
@@ -257,13 +265,15 @@ def profile_decode(llm: LLM, batch_size: int, prompt_len: int = 32, steps: int =
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                     record_shapes=True) as prof:
             timers.on = True
+            served = kernel_calls.snapshot()
             start = time.perf_counter()
             out = real_step()
             total = time.perf_counter() - start
             timers.on = False
+            served = kernel_calls.since(served)
         linear, attn_ms, attn_calls = _step_ops(prof.events())
         per_step.append({"total": total * 1000, "spent": {k: v * 1000 for k, v in timers.spent.items()},
-                         "linear": dict(linear), "attn": (attn_ms, attn_calls)})
+                         "linear": dict(linear), "attn": (attn_ms, attn_calls), "kernels": served})
         return out
 
     vars(llm)["step"] = step  # on the instance: the class's method stays as it is
@@ -276,7 +286,9 @@ def profile_decode(llm: LLM, batch_size: int, prompt_len: int = 32, steps: int =
         del vars(llm)["step"]
     if not per_step:
         raise RuntimeError("no decode step was profiled (did the prompts not fit one step?)")
-    return DecodeProfile(batch_size, len(per_step), _rows(llm, per_step, plain_ms))
+    kernels = {name: float(statistics.median(step["kernels"][name] for step in per_step))
+               for name in per_step[0]["kernels"]}
+    return DecodeProfile(batch_size, len(per_step), _rows(llm, per_step, plain_ms), kernels)
 
 
 def _rows(llm: LLM, per_step: list[_StepSample], plain_ms: list[float]) -> list[ProfileRow]:
@@ -348,4 +360,8 @@ def format_profiles(profiles: list[DecodeProfile], title: str) -> str:
             calls = f"{row.calls:.0f}" if row.calls else ""
             line += f"{row.detail[:21]:>22}{calls:>7}{row.ms:>10.2f}{share:>7}"
         lines.append(line)
+    lines.append("")
+    for p in profiles:
+        served = ", ".join(f"{name} {count:.0f}" for name, count in sorted(p.kernel_calls.items()))
+        lines.append(f"B={p.batch_size}: native CPU kernel calls per step: {served or '-'}")
     return "\n".join(lines)

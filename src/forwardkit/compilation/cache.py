@@ -273,9 +273,14 @@ class CompileCache:
 
     def _write_atomic(self, path: str, text: str) -> None:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:  # a failed write leaves the old file and no stray temporary
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def write_metadata(self, name: str, text: str) -> None:
         """Write a human-readable file (key factors, graph dump) atomically, once."""

@@ -24,6 +24,7 @@ import torch
 
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.compilation.wrapper import TraceOnceCompiler, collect_traced_files
+from forwardkit.config.compilation_enums import DynamicShapesType
 from forwardkit.logger import init_logger
 
 if TYPE_CHECKING:
@@ -293,7 +294,8 @@ def _trace(module: Any, forward: Any, args: tuple[Any, ...], kwargs: dict[str, A
     _mark_dynamic(bound, klass._fk_dims, klass._fk_unbacked, cc.dynamic_shapes_config.type.value)
     traced: set[str] = {inspect.getsourcefile(forward) or forward.__code__.co_filename}
     backend = _make_backend(module, cfg, module._fk_mode)
-    compiler = TraceOnceCompiler(module, forward, backend, _evaluate_guards(cfg))
+    compiler = TraceOnceCompiler(module, forward, backend, _evaluate_guards(cfg),
+                                 backed_shapes=cc.dynamic_shapes_config.type == DynamicShapesType.BACKED)
     with collect_traced_files(traced):
         if hasattr(backend, "traced_files"):
             backend.traced_files = traced  # hashed into the cache key when the backend runs

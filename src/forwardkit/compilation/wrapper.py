@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from torch._guards import detect_fake_mode
+from torch.utils._sympy.value_ranges import ValueRanges
 
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.logger import init_logger
@@ -63,6 +65,19 @@ _TORCH_GUARD_FAILURES = ("Detected recompile when torch.compile stance", "fail_o
                          "GuardManager check failed")
 
 
+def _admit_sizes_0_and_1(example_inputs: list[torch.Tensor]) -> None:
+    """Lower the range of every backed size symbol traced as ``>= 2`` to ``>= 0``, so the shape
+    guards Dynamo derives after the compile do not reject sizes 0 and 1."""
+    fake_mode = detect_fake_mode(example_inputs)
+    shape_env = fake_mode.shape_env if fake_mode is not None else None
+    if shape_env is None:
+        return
+    ranges = shape_env.var_to_range
+    for symbol, value_range in list(ranges.items()):
+        if value_range.lower == 2:
+            ranges[symbol] = ValueRanges(0, value_range.upper)
+
+
 class GuardViolationError(RuntimeError):
     """A call broke a shape guard of the compiled graph (``evaluate_guards=True``). The message
     is forwardkit's explanation followed by torch's original error text."""
@@ -78,9 +93,13 @@ class TraceOnceCompiler:
     """
 
     def __init__(self, module: torch.nn.Module, forward: Callable[..., object], backend: GraphBackend,
-                 evaluate_guards: bool = False) -> None:
+                 evaluate_guards: bool = False, backed_shapes: bool = True) -> None:
         self.module = module
         self.evaluate_guards = evaluate_guards
+        # Backed dynamic sizes are traced as ">= 2" (Dynamo specialises 0 and 1); with the guards
+        # kept, sizes 0 and 1 would then break "2 <= s0" on every call. As in vLLM, the kept
+        # guards admit them: the traced graph serves every size.
+        widen = evaluate_guards and backed_shapes
         self.traces = 0
         code = forward.__code__.replace()  # a fresh code object: a private Dynamo cache
         self.code = code
@@ -99,7 +118,10 @@ class TraceOnceCompiler:
             if self.traces > 1:
                 compilation_counter.num_recompiles += 1
                 logger.warning("%s was traced again (trace #%d)", type(module).__name__, self.traces)
-            return backend(gm, example_inputs)
+            compiled = backend(gm, example_inputs)
+            if widen:
+                _admit_sizes_0_and_1(example_inputs)
+            return compiled
 
         self.counting_backend = counting_backend
         self.compiled = torch.compile(

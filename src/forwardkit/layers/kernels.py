@@ -1,10 +1,12 @@
-"""Opaque ``torch.ops.forwardkit.*`` kernels behind the enabled form of each CustomOp.
+"""Opaque ``torch.ops.forwardkit.*`` ops behind the enabled form of the norm, rotary and
+activation CustomOps.
 
 vLLM's enabled custom ops call hand-written kernels (``torch.ops._C.rms_norm`` ...), which
-Inductor treats as opaque calls it cannot fuse. forwardkit has no hand-written kernels, so these
-ops wrap the best stock torch implementation; they keep the same property (an opaque node in the
-compiled graph), which is what the ``custom_ops`` setting is about. Each op has a fake
-implementation so Dynamo and Inductor can trace through it.
+Inductor treats as opaque calls it cannot fuse. The ops in this module wrap the best stock
+torch implementation instead (forwardkit's hand-written kernels are the CPU linear and paged
+decode attention in :mod:`forwardkit.kernels.cpu`, not these); they keep vLLM's property, an
+opaque node in the compiled graph, which is what the ``custom_ops`` setting is about. Each op
+has a fake implementation so Dynamo and Inductor can trace through it.
 """
 
 from __future__ import annotations

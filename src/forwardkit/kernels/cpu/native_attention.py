@@ -293,7 +293,10 @@ def paged_decode(query: torch.Tensor, key: torch.Tensor | None, value: torch.Ten
         if forced is None:
             return False
         fn = forced
-    return _call(fn, query, key, value, kv_cache, index, scale, output)
+    if not _call(fn, query, key, value, kv_cache, index, scale, output):
+        return False
+    native_build.kernel_calls.attention += 1  # the kernel, not the PyTorch path, served it
+    return True
 
 
 def _rows(t: torch.Tensor, dtype: torch.dtype, heads: int, d: int) -> tuple[int, int] | None:

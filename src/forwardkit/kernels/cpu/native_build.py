@@ -15,6 +15,9 @@ doc describes:
   only when it matches its entry, else removes it and builds it again, all under the manifest's
   ``fcntl`` lock, so no ``.so`` is ``dlopen``-ed before it is verified and two processes building
   at once compile once. A verified build loads without a compiler.
+
+:data:`kernel_calls` counts the calls each kernel served (the kernels count themselves on
+return), the production evidence that a kernel, not its PyTorch fallback, ran.
 """
 
 from __future__ import annotations
@@ -33,11 +36,40 @@ from forwardkit.compilation import kernel_cache
 from forwardkit.compilation.cache import CacheDirError, native_kernel_dir
 from forwardkit.logger import ForwardkitLogger
 
-__all__ = ["COMMON_FLAGS", "NoCompiler", "build_dir", "build_inputs", "compile_library", "compiler",
-           "library_name", "load_library", "open_checked"]
+__all__ = ["COMMON_FLAGS", "KernelCalls", "NoCompiler", "build_dir", "build_inputs",
+           "compile_library", "compiler", "kernel_calls", "library_name", "load_library",
+           "open_checked"]
 
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 _LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+class KernelCalls:
+    """Calls served by each native CPU kernel in this process, counted by the kernels as they
+    return a result (a call that declines and leaves the step to PyTorch is not counted).
+
+    ``attention``: one per :func:`~forwardkit.kernels.cpu.native_attention.paged_decode` call the
+    kernel served (one per layer and decode step); ``linear``: one per
+    :func:`~forwardkit.kernels.cpu.native_linear.linear_rows` product it computed.
+    """
+
+    __slots__ = ("attention", "linear")
+
+    def __init__(self) -> None:
+        self.attention = 0
+        self.linear = 0
+
+    def snapshot(self) -> dict[str, int]:
+        """The counts now, by kernel."""
+        return {"attention": self.attention, "linear": self.linear}
+
+    def since(self, snapshot: dict[str, int]) -> dict[str, int]:
+        """Calls served since ``snapshot`` was taken, by kernel."""
+        return {name: count - snapshot[name] for name, count in self.snapshot().items()}
+
+
+#: The process's counter (never reset; take a :meth:`KernelCalls.snapshot` and diff).
+kernel_calls = KernelCalls()
 
 
 class NoCompiler(RuntimeError):
