@@ -27,8 +27,39 @@ def _tokens(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
-def test_quantized_tokens_equal_dequantized_checkpoint(llama_dir, dequantized_dir, fmt):
+@pytest.fixture
+def exact_path(request, monkeypatch):
+    """The quantized paths whose products are dequantize-then-matmul's: the op's reference path
+    (the native kernel off) and the native kernel's float strategy (summed in another order)."""
+    from forwardkit.kernels.cpu import native_quant
+
+    native_quant.cache_clear()
+    if request.param == "reference":
+        monkeypatch.setenv("FORWARDKIT_CPU_NATIVE_LINEAR", "0")
+    else:
+        assert native_quant.available()  # the generic build runs on every CPU
+        monkeypatch.setattr(native_quant, "DEFAULT_STRATEGY", "float")
+    served = []
+    real = native_quant.quant_linear_rows
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native_quant, "quant_linear_rows", counting)
+    yield
+    monkeypatch.undo()
+    # the decode steps went to the kernel exactly when it was on
+    assert any(served) == (request.param == "native-float"), served
+    native_quant.cache_clear()
+
+
+@pytest.mark.parametrize("fmt, exact_path", [
+    ("q8_0", "reference"), ("q4_0", "reference"), ("q4_1", "reference"),
+    ("q8_0", "native-float"), ("q4_0", "native-float"),  # q4_1 has no native kernel
+], indirect=["exact_path"])
+def test_quantized_tokens_equal_dequantized_checkpoint(llama_dir, dequantized_dir, fmt, exact_path):
     quant = LLM(model=llama_dir, quantization=fmt, enforce_eager=True)
     module = quant.runner.module
     layers = quantized_linears(module)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from forwardkit.kernels.cpu import native_quant
 from forwardkit.quantization.formats import dequantize, get_format
 
 __all__ = ["quant_linear", "reference_linear"]
@@ -35,6 +36,10 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
                  fmt: str) -> torch.Tensor:
     """``x @ W.T + bias`` for the weight ``W`` that ``packed`` holds in format ``fmt``."""
     get_format(fmt)
+    if x.device.type == "cpu":
+        out = native_quant.quant_linear_rows(x, packed, bias, fmt)
+        if out is not None:
+            return out
     return reference_linear(x, packed, bias, fmt)
 
 
