@@ -10,9 +10,10 @@ Paths, chosen per call by the number of activation rows:
 * up to :func:`~forwardkit.kernels.cpu.native_quant.max_rows` rows on the CPU, ``q8_0`` and
   ``q4_0``: the native few-row kernel (``kernels/cpu/native_quant.py``), which reads the packed
   blocks directly;
-* otherwise (more rows, ``q4_1``, no native build, another device) the reference path: the
-  weight dequantized to ``x``'s dtype, then ``F.linear`` (a dequantized copy per call: correct,
-  not yet fast for prompts).
+* otherwise (more rows, ``q4_1``, no native build, another device) the weight dequantized to
+  ``x``'s dtype, then ``F.linear`` (a dequantized copy per call: correct, not yet fast for
+  prompts); ``q8_0`` / ``q4_0`` dequantize natively (the same values as the torch
+  dequantization of :func:`reference_linear`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
         out = native_quant.quant_linear_rows(x, packed, bias, fmt)
         if out is not None:
             return out
+        weight = native_quant.dequantize_rows(packed, fmt)  # the same values, natively
+        if weight is not None:
+            return F.linear(x, weight.to(x.dtype), bias)
     return reference_linear(x, packed, bias, fmt)
 
 

@@ -19,7 +19,9 @@ One portable C source compiled per ISA, like the native decode attention: ``avx5
 (AVX-512F/BW/VL + FMA + F16C), ``avx2`` (AVX2 + FMA + F16C) or ``generic`` (the compiler's
 baseline), through :mod:`forwardkit.kernels.cpu.native_build` (the checked, checksummed
 ``native/`` directory of the cache root). Each build is self-checked at first load against
-dequantize-then-``F.linear`` in float64 for every row count and both formats; the first build
+dequantize-then-``F.linear`` in float64 for every row count and both formats (and its
+dequantization, :func:`dequantize_rows`, used for more rows, against the torch one bit for
+bit); the first build
 this CPU runs that passes serves, and when none does the op's reference path serves every
 call. ``FORWARDKIT_CPU_NATIVE_LINEAR=0`` turns it off with the other native linear kernels.
 """
@@ -39,8 +41,8 @@ from forwardkit import envs
 from forwardkit.kernels.cpu import native_build, native_linear
 from forwardkit.logger import init_logger
 
-__all__ = ["FORMATS", "MAX_ROWS", "STRATEGIES", "available", "candidate_builds", "isa_supported",
-           "kernel_isa", "max_rows", "quant_linear_rows"]
+__all__ = ["FORMATS", "MAX_ROWS", "STRATEGIES", "available", "candidate_builds", "dequantize_rows",
+           "isa_supported", "kernel_isa", "max_rows", "quant_linear_rows"]
 
 logger = init_logger(__name__)
 
@@ -159,12 +161,50 @@ def _function(isa: str) -> Callable[..., int] | None:
     fn = lib.fk_quant_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
+    deq = lib.fk_quant_dequantize
+    deq.restype = ctypes.c_int
+    deq.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_int]
     try:
         _self_check(fn)
+        _self_check_dequantize(deq)
     except RuntimeError as exc:
         logger.warning_once("Native %s quantized linear off (%s)", isa, exc)
         return None
+    _DEQUANTIZE[isa] = deq
     return fn
+
+
+_DEQUANTIZE: dict[str, Callable[..., int]] = {}
+
+
+def _self_check_dequantize(deq: Callable[..., int]) -> None:
+    """Both formats' dequantization equals the torch one bit for bit."""
+    from forwardkit.quantization.formats import dequantize, quantize
+
+    w = torch.randn(7, 96, generator=torch.Generator().manual_seed(1))
+    for fmt, fmt_id in FORMATS.items():
+        packed = quantize(w, fmt)
+        out = torch.empty(7, 96)
+        if deq(packed.data_ptr(), out.data_ptr(), 7, 96, fmt_id) != 0 or not torch.equal(
+                out, dequantize(packed, fmt)):
+            raise RuntimeError(f"{fmt} dequantize self-check failed")
+
+
+def dequantize_rows(packed: torch.Tensor, fmt: str) -> torch.Tensor | None:
+    """The float32 weight ``packed`` holds (bit for bit the torch dequantization), by the native
+    build; None when it does not apply (another format, no usable build)."""
+    fmt_id = FORMATS.get(fmt)
+    found = _selected()
+    if fmt_id is None or found is None or packed.dtype != torch.uint8 or not packed.is_contiguous():
+        return None
+    block_bytes = 2 + (_BLOCK if fmt == "q8_0" else _BLOCK // 2)
+    if packed.dim() != 2 or packed.shape[1] % block_bytes:
+        return None
+    n, k = packed.shape[0], packed.shape[1] // block_bytes * _BLOCK
+    out = torch.empty((n, k), dtype=torch.float32)
+    if _DEQUANTIZE[found[0]](packed.data_ptr(), out.data_ptr(), n, k, fmt_id) != 0:
+        return None
+    return out
 
 
 @functools.cache
@@ -197,6 +237,7 @@ def cache_clear() -> None:
     _selected.cache_clear()
     _function.cache_clear()
     _build_dir.cache_clear()
+    _DEQUANTIZE.clear()
 
 
 def quant_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, fmt: str,

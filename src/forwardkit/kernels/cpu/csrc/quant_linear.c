@@ -250,3 +250,23 @@ int fk_quant_linear(const float* x, const uint8_t* w, const float* bias, float* 
     free(xd);
     return 0;
 }
+
+/*
+ * The weight w ([N, K / 32 * block bytes]) dequantized into out ([N, K] float32): d * q per
+ * element, the float32 values ggml's dequantization gives. For products of more rows than the
+ * few-row kernel serves. Returns 0, or -1 for a bad argument.
+ */
+int fk_quant_dequantize(const uint8_t* w, float* out, long N, long K, int fmt) {
+    if (N < 1 || K < FK_QK || K % FK_QK || (fmt != FK_Q8_0 && fmt != FK_Q4_0)) return -1;
+    long nb = K / FK_QK, bb = fk_block_bytes(fmt);
+#pragma omp parallel for schedule(static) if (N * K >= FK_PARALLEL_MIN)
+    for (long j = 0; j < N; j++) {
+        for (long b = 0; b < nb; b++) {
+            int8_t q[FK_QK];
+            float d = fk_block_ints(w + (j * nb + b) * bb, fmt, q);
+            float* o = out + j * K + b * FK_QK;
+            for (int i = 0; i < FK_QK; i++) o[i] = d * (float)q[i];
+        }
+    }
+    return 0;
+}
