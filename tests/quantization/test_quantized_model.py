@@ -203,3 +203,17 @@ def test_cli_generate_quantization_flag(llama_dir, capsys):
     assert [int(t) for t in ids.replace(",", " ").split()] == want
     assert main(["generate", "--quantization", "int3", "--prompt-token-ids", "1"]) != 0
     assert "--quantization must be one of ['q8_0', 'q4_0', 'q4_1']" in capsys.readouterr().err
+
+
+def test_update_weights_into_a_quantized_projection_is_refused_whole(llama_dir):
+    """In-place writes into packed weights are refused before anything changes (a norm in the
+    same call is not written either)."""
+    from forwardkit.models.weights import WeightLoadError
+
+    llm = LLM(model=llama_dir, quantization="q4_0", enforce_eager=True)
+    module = llm.runner.module
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    with pytest.raises(WeightLoadError, match=r"q_proj\.weight .*quantized weights cannot be written"):
+        llm.update_weights([("model.norm.weight", torch.full((64,), 3.0)),
+                            ("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 64))])
+    assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
