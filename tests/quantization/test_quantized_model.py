@@ -217,3 +217,19 @@ def test_update_weights_into_a_quantized_projection_is_refused_whole(llama_dir):
         llm.update_weights([("model.norm.weight", torch.full((64,), 3.0)),
                             ("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 64))])
     assert all(torch.equal(p, before[n]) for n, p in module.named_parameters())
+
+
+def test_tensor_parallel_shard_that_cuts_a_block_is_refused():
+    """Row-parallel layers split the input dim: a rank's shard must still be whole blocks."""
+    from forwardkit.config.current import set_current_engine_config
+    from forwardkit.layers.parallel import RowParallelLinear
+    from forwardkit.quantization.linear_method import QuantizedLinearMethod
+
+    cfg = build_engine_config(None, model_shape="llama-3.2-1b", quantization="q8_0", enforce_eager=True)
+    with set_current_engine_config(cfg):
+        whole = RowParallelLinear(128, 32, tp_rank=1, tp_size=2)  # 64 a rank: 2 blocks
+        cut = RowParallelLinear(96, 32, tp_rank=1, tp_size=2)  # 48 a rank: cuts a block
+    assert isinstance(whole.quant_method, QuantizedLinearMethod)
+    whole.quant_method.check_shape(whole, "down_proj.weight")
+    with pytest.raises(ValueError, match=r"down_proj\.weight to q8_0: its input dim 48"):
+        cut.quant_method.check_shape(cut, "down_proj.weight")
