@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("step state", ("forward_context", "ubatch", "ubatching", "distributed", "telemetry")),
     ("compilation", ("compilation",)),
     ("graphs", ("cudagraph",)),
-    ("kernels", ("kernels",)),
+    ("kernels", ("kernels", "quantization")),
     ("model", ("layers", "models")),
     ("execution", ("runner",)),
     ("engine & tools", ("engine", "bench", "cli", "commands")),

@@ -129,6 +129,9 @@ def register(
                     "speed-up over eager, start-up time, recompilations and padding.",
     )
     add_engine_args(parser)
+    parser.add_argument("--quantization", default=None, metavar="FORMAT",
+                        help="quantize the attention/MLP projections on load: q8_0, q4_0 or q4_1 "
+                             "(embeddings and the LM head stay in --dtype)")
     parser.set_defaults(max_num_batched_tokens=512, max_num_seqs=64)
     g = parser.add_argument_group("benchmark")
     g.add_argument("--model-shape", default=None, metavar="NAME",

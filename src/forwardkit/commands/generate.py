@@ -39,6 +39,9 @@ def register(
                     "Without --model the built-in small model (random weights) is used.",
     )
     add_engine_args(parser)
+    parser.add_argument("--quantization", default=None, metavar="FORMAT",
+                        help="quantize the attention/MLP projections on load: q8_0, q4_0 or q4_1 "
+                             "(embeddings and the LM head stay in --dtype)")
     g = parser.add_argument_group("prompts and sampling")
     g.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a text prompt (repeatable); needs a checkpoint that ships a tokenizer")

@@ -257,6 +257,7 @@ _FLAG_NAMES = {
     "max_model_len": "--max-model-len",
     "enforce_eager": "--enforce-eager",
     "compilation_config": "compilation-config",
+    "quantization": "--quantization",
 }
 
 
@@ -288,6 +289,7 @@ def engine_config_from_args(ns: argparse.Namespace, *,
         speculative_config=getattr(ns, "speculative_config", None),
         platform=getattr(ns, "platform", None),
         arg_names=_FLAG_NAMES,
+        quantization=getattr(ns, "quantization", None),
         data_parallel_size=getattr(ns, "data_parallel_size", None),
         data_parallel_rank=getattr(ns, "data_parallel_rank", None),
         tensor_parallel_size=getattr(ns, "tensor_parallel_size", None),

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from forwardkit.config.cache import CacheConfig, check_hash_algo
 from forwardkit.config.compilation import CompilationConfig
 from forwardkit.config.engine import EngineConfig
-from forwardkit.config.model import ModelConfig
+from forwardkit.config.model import QUANTIZATION_FORMATS, ModelConfig
 from forwardkit.config.model_shapes import (
     BUILTIN_MODEL_SHAPE,
     model_shape_config,
@@ -143,6 +143,7 @@ def build_engine_config(
     speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
     platform: str | Platform | None = None,
     arg_names: Mapping[str, str] | None = None,
+    quantization: str | None = None,
     **kwargs: Any,
 ) -> EngineConfig:
     """Build and resolve an :class:`EngineConfig` from flat arguments (rules: module docstring).
@@ -168,6 +169,8 @@ def build_engine_config(
         platform: "cpu", "cuda", a ``Platform`` or None (the current one).
         arg_names: how the caller's users spell each argument, used in error messages
             (the CLI maps ``dtype`` to ``--dtype``); unmapped names are used as they are.
+        quantization: block format the attention/MLP projections are quantized to on load
+            (``q8_0``, ``q4_0``, ``q4_1``; ``ModelConfig.quantization``); None = none.
         **kwargs: ``ParallelConfig`` / ``SchedulerConfig`` fields (see :func:`engine_kwarg_names`).
 
     Raises:
@@ -200,11 +203,16 @@ def build_engine_config(
     if data_parallel_size is not None:
         parallel_kwargs["data_parallel_size"] = data_parallel_size
 
+    if quantization is not None and quantization not in QUANTIZATION_FORMATS:
+        raise ValueError(f"{label('quantization')} must be one of {list(QUANTIZATION_FORMATS)} or "
+                         f"None, got {short_repr(quantization)}")
     builtin_hf_config = _shape_hf_config(model, model_shape, default_hf_config, label)
     resolved_platform = _resolve_platform(platform)
     compilation = _compilation(compilation_config, resolved_platform, label("compilation_config"))
     try:
         model_config = _model_config(model, builtin_hf_config, dtype, max_model_len, enforce_eager)
+        if quantization is not None:
+            model_config = dataclasses.replace(model_config, quantization=quantization)
         model_config = _cpu_dtype_fallback(model_config, dtype, resolved_platform)
         scheduler_config = _scheduler_config(model_config, max_num_seqs, max_num_batched_tokens,
                                              enable_chunked_prefill, scheduler_kwargs)

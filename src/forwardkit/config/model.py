@@ -19,7 +19,7 @@ from pydantic.dataclasses import dataclass
 from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.utils import hash_factors, normalize_value, short_repr
 
-__all__ = ["SUPPORTED_ROPE_TYPES", "ModelConfig", "resolve_dtype", "rope_parameters"]
+__all__ = ["QUANTIZATION_FORMATS", "SUPPORTED_ROPE_TYPES", "ModelConfig", "resolve_dtype", "rope_parameters"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -35,6 +35,10 @@ _ACCEPTED = "'auto', 'float32', 'bfloat16', 'float16' (or a torch.dtype of those
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 # Used when config.json does not say how long a sequence may be (vLLM falls back to 2048 too).
 _FALLBACK_MAX_MODEL_LEN = 2048
+
+
+# Weight formats ``ModelConfig.quantization`` accepts (``forwardkit.quantization.formats``).
+QUANTIZATION_FORMATS = ("q8_0", "q4_0", "q4_1")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict[str, Any] | None = None) -> torch.dtype:
@@ -186,12 +190,18 @@ class ModelConfig(FreezableConfig):
     """``pooling`` marks an embedding/classification model (it gets a pooler config)."""
     pooler_config: dict[str, Any] | None = None
     """Non-None for pooling models."""
+    quantization: str | None = None
+    """Block format the attention/MLP projections are quantized to on load (``q8_0``, ``q4_0``,
+    ``q4_1``); None keeps every weight in ``dtype``. Embeddings and the LM head stay in ``dtype``."""
 
     def __post_init__(self) -> None:
         if self.model is not None:
             self.model = os.fspath(self.model)
         _check_hf_config(self.hf_config, self.model)
         self.dtype = resolve_dtype(self.dtype, self.hf_config)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_FORMATS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_FORMATS)} or None, "
+                             f"got {short_repr(self.quantization)}")
         if self.runner == "pooling" and self.pooler_config is None:
             self.pooler_config = {}
         limit = self.hf_config.get("max_position_embeddings")
@@ -302,4 +312,6 @@ class ModelConfig(FreezableConfig):
             "enforce_eager": self.enforce_eager,
             "runner": self.runner,
         }
+        if self.quantization is not None:  # (unquantized models keep their earlier hash)
+            factors["quantization"] = self.quantization
         return hash_factors({k: normalize_value(v) for k, v in factors.items()})

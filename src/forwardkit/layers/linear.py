@@ -10,6 +10,11 @@ Each parameter carries a ``weight_loader(param, tensor, shard_id=None)`` so mode
 ``load_weights`` can copy Hugging Face tensors in, including into merged projections
 (``q``/``k``/``v`` -> ``qkv_proj``; gate/up -> ``gate_up_proj``). A shape mismatch raises
 :class:`WeightShapeError` naming the expected and given shapes.
+
+A :class:`Linear` built with a ``quant_method``
+(:class:`~forwardkit.quantization.linear_method.QuantizedLinearMethod`) lets the method create
+its weight (a staging weight, quantized by the loader once loaded) and apply it (the
+``forwardkit::quant_linear`` op, on every path); it never calls ``forwardkit::linear``.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import torch.nn.functional as F
 
 from forwardkit.compilation.custom_op import CustomOp
 from forwardkit.kernels.cpu import router
+from forwardkit.quantization.linear_method import QuantizedLinearMethod
 
 __all__ = ["CpuLinearLayer", "Linear", "LMHead", "MergedLinear", "VocabEmbedding", "WeightShapeError",
-           "copy_weight", "linear_op_weights"]
+           "copy_weight", "linear_op_weights", "quantized_linears"]
 
 
 class WeightShapeError(ValueError):
@@ -56,20 +62,29 @@ class CpuLinearLayer(CustomOp):
     ``forward_cpu`` calls ``torch.ops.forwardkit.linear``; else ``forward_native`` calls
     ``F.linear``."""
 
+    quant_method: QuantizedLinearMethod | None = None
+
     @property
     def calls_linear_op(self) -> bool:
-        """Whether this layer's forward calls ``forwardkit::linear`` (chosen at construction)."""
-        return self._forward_method.__name__ == "forward_cpu"
+        """Whether this layer's forward calls ``forwardkit::linear`` (chosen at construction;
+        never for a quantized layer)."""
+        return self.quant_method is None and self._forward_method.__name__ == "forward_cpu"
 
 
 class Linear(CpuLinearLayer):
     """``y = x @ W.T + b`` with ``W`` [out, in] (HF layout)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None,
+                 quant_method: QuantizedLinearMethod | None = None) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        self.quant_method = quant_method
+        if quant_method is not None:
+            self.weight = quant_method.create_weights(input_size, output_size, dtype)
+        else:
+            self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype),
+                                       requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype), requires_grad=False)
@@ -81,16 +96,26 @@ class Linear(CpuLinearLayer):
         """Copy a whole HF tensor into ``param``."""
         _default_loader(param, loaded, shard_id)
 
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None, op: bool) -> torch.Tensor:
+        """``x @ W.T + bias``: by the quant method when there is one, else by the
+        ``forwardkit::linear`` op (``op``) or ``F.linear``."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        if op:
+            return torch.ops.forwardkit.linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        """The projection by ``F.linear``."""
-        return F.linear(x, self.weight, self.bias)
+        """The projection by ``F.linear`` (or the quant method)."""
+        return self.project(x, self.bias, op=False)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        """The projection by the ``forwardkit::linear`` op."""
-        return torch.ops.forwardkit.linear(x, self.weight, self.bias)
+        """The projection by the ``forwardkit::linear`` op (or the quant method)."""
+        return self.project(x, self.bias, op=True)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+        quant = "" if self.quant_method is None else f", quantization={self.quant_method.format.name}"
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}{quant}"
 
 
 class MergedLinear(Linear):
@@ -101,13 +126,14 @@ class MergedLinear(Linear):
     """
 
     def __init__(self, input_size: int, shards: Sequence[tuple[Hashable, int]], bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None,
+                 quant_method: QuantizedLinearMethod | None = None) -> None:
         self.shard_offsets: dict[Hashable, tuple[int, int]] = {}
         offset = 0
         for shard_id, size in shards:
             self.shard_offsets[shard_id] = (offset, size)
             offset += size
-        super().__init__(input_size, offset, bias=bias, dtype=dtype)
+        super().__init__(input_size, offset, bias=bias, dtype=dtype, quant_method=quant_method)
         self.output_sizes = [size for _, size in shards]
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
@@ -160,3 +186,9 @@ def linear_op_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor
     (what the loader hands to ``CpuLinearRouter.route_weights``)."""
     return [(cast(torch.Tensor, m.weight), getattr(m, "bias", None)) for m in model.modules()
             if isinstance(m, CpuLinearLayer) and m.calls_linear_op]
+
+
+def quantized_linears(model: nn.Module) -> list[tuple[str, Linear]]:
+    """``(name, layer)`` of every layer of ``model`` that holds a quant method."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, Linear) and m.quant_method is not None]

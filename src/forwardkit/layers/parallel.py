@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from forwardkit.config.current import get_current_engine_config
+from forwardkit.config.current import get_current_engine_config, get_current_engine_config_or_none
 from forwardkit.distributed.communication_op import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
@@ -40,6 +40,7 @@ from forwardkit.distributed.communication_op import (
 from forwardkit.distributed.parallel_state import tp_rank_and_size
 from forwardkit.kernels.cpu import router
 from forwardkit.layers.linear import Linear, LMHead, MergedLinear, VocabEmbedding, WeightShapeError
+from forwardkit.quantization.linear_method import QuantizedLinearMethod
 
 __all__ = [
     "ColumnParallelLinear",
@@ -57,6 +58,7 @@ __all__ = [
     "full_shape",
     "materialize",
     "narrow",
+    "projection_quant_method",
     "set_shard_spec",
     "shard_spec_of",
 ]
@@ -81,6 +83,15 @@ def current_tp() -> tuple[int, int]:
     """``(tp_rank, tp_size)`` of the model being built: ``tensor_parallel_size`` of the
     current engine config and this process's place in the TP group."""
     return tp_rank_and_size(get_current_engine_config().parallel_config.tensor_parallel_size)
+
+
+def projection_quant_method() -> QuantizedLinearMethod | None:
+    """The quant method of the attention/MLP projections of the model being built: the current
+    engine config's ``model_config.quantization`` (None: unquantized). Embeddings, the LM head
+    and MoE router gates never take one."""
+    config = get_current_engine_config_or_none()
+    fmt = None if config is None or config.model_config is None else config.model_config.quantization
+    return None if fmt is None else QuantizedLinearMethod(fmt)
 
 
 def materialize(t: torch.Tensor | TensorSource) -> torch.Tensor:
@@ -205,7 +216,7 @@ class ColumnParallelLinear(MergedLinear):
         parts = [(sid, size, *self._local(sid, size, tp_rank, tp_size, what))
                  for sid, size in shards]
         super().__init__(input_size, [(sid, length) for sid, _, _, length in parts], bias=bias,
-                         dtype=dtype)
+                         dtype=dtype, quant_method=projection_quant_method())
         self.full_output_sizes = [size for _, size in shards]
         if tp_size == 1:
             return
@@ -282,7 +293,8 @@ class RowParallelLinear(Linear):
                  dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1,
                  reduce_results: bool = True, what: str = "input size") -> None:
         start, local = _split(input_size, tp_rank, tp_size, what)
-        super().__init__(local, output_size, bias=bias, dtype=dtype)
+        super().__init__(local, output_size, bias=bias, dtype=dtype,
+                         quant_method=projection_quant_method())
         self.full_input_size = input_size
         self.tp_rank, self.tp_size, self.reduce_results = tp_rank, tp_size, reduce_results
         if tp_size > 1:
@@ -295,17 +307,16 @@ class RowParallelLinear(Linear):
         copy_full(param, loaded)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        """The (summed) projection by ``F.linear``."""
+        """The (summed) projection by ``F.linear`` (or the quant method)."""
         if self.tp_size == 1:
             return super().forward_native(x)
-        return self._reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
+        return self._reduce(self.project(x, self.bias if self.tp_rank == 0 else None, op=False))
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        """The (summed) projection by the ``forwardkit::linear`` op."""
+        """The (summed) projection by the ``forwardkit::linear`` op (or the quant method)."""
         if self.tp_size == 1:
             return super().forward_cpu(x)
-        return self._reduce(torch.ops.forwardkit.linear(x, self.weight,
-                                                        self.bias if self.tp_rank == 0 else None))
+        return self._reduce(self.project(x, self.bias if self.tp_rank == 0 else None, op=True))
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         return tensor_model_parallel_all_reduce(out, self.tp_size) if self.reduce_results else out

@@ -6,6 +6,13 @@ formats (``pytorch_model.bin``, ``*.pt``) are refused: loading them can run arbi
 With ``model_config.model`` None (the built-in model or a named shape) the model gets seeded
 random weights.
 
+With ``model_config.quantization`` set (``q8_0``, ``q4_0``, ``q4_1``) the attention and MLP
+projections hold a ``QuantizedLinearMethod``: each is loaded at full precision, quantized as
+soon as all of it is loaded and its full-precision copy freed (``models/weights.py``), so the
+model is never held at full precision; seeded random weights are quantized one projection at a
+time after the fill. Embeddings, the LM head and MoE router gates stay in the model's dtype. A
+projection whose input dim is not a multiple of 32 is refused (named) before anything is read.
+
 On the CPU the loader also makes the model's ``CpuLinearRouter`` (``kernels/cpu/router.py``)
 when any layer calls the ``forwardkit::linear`` op (the ``cpu_linear`` custom op, on unless
 ``custom_ops`` has ``"-cpu_linear"``): it routes those layers' weights (packed copies only when
@@ -26,11 +33,12 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from forwardkit.kernels.cpu.router import CpuLinearRouter, attach_router
-from forwardkit.layers.linear import linear_op_weights
+from forwardkit.layers.linear import Linear, linear_op_weights, quantized_linears
 from forwardkit.logger import init_logger
 from forwardkit.models import get_model_class
 from forwardkit.models.default import init_random_weights
 from forwardkit.models.weights import WeightLoadError, missing_parameters
+from forwardkit.quantization.linear_method import QuantizedLinearMethod
 
 if TYPE_CHECKING:
     from forwardkit.config.engine import EngineConfig
@@ -139,6 +147,26 @@ def _corrupt(path: str, exc: Exception, tensor: str | None = None) -> ValueError
                       "the file is truncated or corrupt: re-download or re-save the checkpoint")
 
 
+def _method(layer: Linear) -> QuantizedLinearMethod:
+    """The quant method of a layer :func:`quantized_linears` listed."""
+    assert layer.quant_method is not None
+    return layer.quant_method
+
+
+def _finish_quantization(fmt: str | None, quantized: list[tuple[str, Linear]], dtype: torch.dtype) -> None:
+    """Quantize the projections still at full precision (a checkpoint's were quantized as each
+    was loaded; seeded random weights are quantized here, one at a time) and log the sizes."""
+    packed = 0
+    full = 0
+    for name, layer in quantized:
+        weight = _method(layer).process_weights_after_loading(layer, f"{name}.weight")
+        packed += weight.numel()
+        full += layer.input_size * layer.output_size * torch.empty((), dtype=dtype).element_size()
+    logger.info("Quantized %d projections to %s: %.1f MB (%.1f MB in %s); embeddings and the LM "
+                "head stay in %s", len(quantized), fmt, packed / 1e6, full / 1e6,
+                str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
+
+
 def load_model(engine_config: EngineConfig) -> nn.Module:
     """Build, load and return the model of ``engine_config`` in eval mode on the platform device.
 
@@ -157,6 +185,9 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
     files = safetensors_files(model_dir) if model_dir is not None else []
     with set_current_engine_config(engine_config), torch.device(device):
         model = model_cls(engine_config)
+    quantized = quantized_linears(model)
+    for name, layer in quantized:  # refuse a shape that cannot be quantized before reading anything
+        _method(layer).check_shape(layer, f"{name}.weight")
     if model_dir is None:
         init_random_weights(model)
         logger.info_once("Built %s with seeded random weights (no checkpoint)", model_cls.__name__)
@@ -175,6 +206,8 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
         if missing:
             raise WeightLoadError(missing=missing, source=f"checkpoint {model_dir}")
         logger.info("Loaded %s from %s (%d files)", model_cls.__name__, model_dir, len(files))
+    if quantized:
+        _finish_quantization(model_config.quantization, quantized, model_config.dtype)
     routed = linear_op_weights(model)
     if routed and device.type == "cpu":
         router = CpuLinearRouter()

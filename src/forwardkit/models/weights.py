@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from forwardkit.layers.fused_moe import FusedMoE
-from forwardkit.layers.linear import MergedLinear, WeightShapeError
+from forwardkit.layers.linear import Linear, MergedLinear, WeightShapeError
 from forwardkit.layers.parallel import TensorSource, materialize, set_shard_spec, shard_spec_of
 
 __all__ = [
@@ -103,7 +103,9 @@ def load_named_weights(
     """Copy each ``(hf_name, tensor)`` to the parameter ``map_name`` names (None: skip).
 
     Returns the names of parameters that are now completely loaded. Unexpected names and shape
-    mismatches are collected and raised together as :class:`WeightLoadError`. ``dry_run``
+    mismatches are collected and raised together as :class:`WeightLoadError`. The weight of a
+    layer with a quant method is quantized as soon as all of it is loaded (one projection at a
+    time at full precision). ``dry_run``
     (see :func:`check_named_weights`) runs every loader on meta twins and copies nothing.
     """
     real: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
@@ -143,6 +145,14 @@ def load_named_weights(
             mismatched.append(f"{hf_name} ({exc})")
             continue
         coverage.setdefault(name, set()).add(shard)
+        owner = owners[name]
+        if (not dry_run and isinstance(owner, Linear) and owner.quant_method is not None
+                and name.rpartition(".")[2] == "weight" and _is_complete(owner, "weight", coverage[name])):
+            # quantize each projection as soon as it is whole, and drop this function's
+            # references to the full-precision staging weight so it is freed now
+            packed = owner.quant_method.process_weights_after_loading(owner, name)
+            for alias in [n for n, p in real.items() if p is param]:
+                real[alias] = params[alias] = packed
     if unexpected or mismatched:
         raise WeightLoadError(unexpected=unexpected, mismatched=mismatched)
     return {

@@ -1,0 +1,59 @@
+"""The registered op of quantized projections: ``forwardkit::quant_linear(x, packed, bias, fmt)``.
+
+``packed`` is a weight in one of :mod:`~forwardkit.quantization.formats`'s layouts (``uint8``
+``[out, in / 32 * block_bytes]``); the op returns ``x @ W.T + bias`` in ``x``'s dtype, ``W``
+being the weight ``packed`` holds. Compiled graphs keep the op as one node (its fake
+implementation gives the output's shape), like ``forwardkit::linear``.
+
+Paths, chosen per call by the number of activation rows:
+
+* up to :func:`~forwardkit.kernels.cpu.native_quant.max_rows` rows on the CPU, ``q8_0`` and
+  ``q4_0``: the native few-row kernel (``kernels/cpu/native_quant.py``), which reads the packed
+  blocks directly;
+* otherwise (more rows, ``q4_1``, no native build, another device) the weight dequantized to
+  ``x``'s dtype, then ``F.linear`` (a dequantized copy per call: correct, not yet fast for
+  prompts); ``q8_0`` / ``q4_0`` dequantize natively (the same values as the torch
+  dequantization of :func:`reference_linear`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from forwardkit.kernels.cpu import native_quant
+from forwardkit.quantization.formats import dequantize, get_format
+
+__all__ = ["quant_linear", "reference_linear"]
+
+
+def reference_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                     fmt: str) -> torch.Tensor:
+    """``F.linear`` with the weight dequantized to ``x``'s dtype (the reference path)."""
+    return F.linear(x, dequantize(packed, fmt, x.dtype), bias)
+
+
+def quant_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                 fmt: str) -> torch.Tensor:
+    """``x @ W.T + bias`` for the weight ``W`` that ``packed`` holds in format ``fmt``."""
+    get_format(fmt)
+    if x.device.type == "cpu":
+        out = native_quant.quant_linear_rows(x, packed, bias, fmt)
+        if out is not None:
+            return out
+        weight = native_quant.dequantize_rows(packed, fmt)  # the same values, natively
+        if weight is not None:
+            return F.linear(x, weight.to(x.dtype), bias)
+    return reference_linear(x, packed, bias, fmt)
+
+
+# Registered with torch.library.Library (like forwardkit::linear): a lighter call than
+# torch.library.custom_op's Python wrappers; it runs once per projection per step.
+_LIB = torch.library.Library("forwardkit", "FRAGMENT")
+_LIB.define("quant_linear(Tensor x, Tensor packed, Tensor? bias, str fmt) -> Tensor")
+_LIB.impl("quant_linear", quant_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forwardkit::quant_linear", lib=_LIB)
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))

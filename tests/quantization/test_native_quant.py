@@ -1,0 +1,127 @@
+"""The native few-row quantized linear (``kernels/cpu/csrc/quant_linear.c``): every build this
+CPU runs, both formats and both strategies, against dequantize-then-matmul in float64, for
+1-64 rows (the op's reference path past 16) and odd shapes; builds the CPU lacks are compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forwardkit.kernels.cpu import native_quant
+from forwardkit.quantization import ops
+from forwardkit.quantization.formats import dequantize, quantize
+
+ISAS = ["avx512", "avx2", "generic"]
+SHAPES = [(1, 32), (3, 96), (13, 64), (33, 2080), (257, 160)]  # (out, in)
+
+
+def _expected(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+              strategy: str) -> torch.Tensor:
+    """float64 dequantize-then-matmul; for ``int8`` the activations are first rounded as the
+    kernel rounds them, so both comparisons are tight."""
+    xs = x.float().double()
+    if strategy == "int8":
+        xs = _int8_activations(x.float()).double()
+    return F.linear(xs, dequantize(packed, fmt).double(),
+                    None if bias is None else bias.double())
+
+
+def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 strategy sees it: per block of 32, d = max|x| / 127 (float32, kept in
+    float32, not rounded to fp16), q = roundf(x * (1 / d)); values q * d in float64."""
+    blocks = x.reshape(-1, 32)
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
+    v = blocks * inv
+    a = v.abs()
+    q = torch.sign(v) * (torch.floor(a) + torch.floor(2 * (a - torch.floor(a))))
+    return (q.double() * d.double()).reshape(x.shape)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> None:
+    scale = float(want.abs().max()) + 1e-6
+    err = float((got.double() - want).abs().max())
+    assert err <= rtol * scale * 10, f"max error {err:.3g} against outputs up to {scale:.3g}"
+
+
+@pytest.fixture(params=ISAS)
+def isa(request) -> str:
+    if not native_quant.isa_supported(request.param):
+        pytest.skip(f"the CPU lacks the instructions of the {request.param} build")
+    native_quant.cache_clear()
+    assert native_quant._function(request.param) is not None, "build failed or its self-check failed"
+    return request.param
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("strategy", ["float", "int8"])
+def test_few_rows_against_dequantized_matmul(isa, fmt, strategy):
+    gen = torch.Generator().manual_seed(11)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=gen)
+        w[0, :32] = 0.0  # an all-zero block
+        packed = quantize(w, fmt)
+        bias = torch.randn(n, generator=gen) if n % 2 else None
+        for rows in range(1, native_quant.MAX_ROWS + 1):
+            x = torch.randn(rows, k, generator=gen)
+            got = native_quant.quant_linear_rows(x, packed, bias, fmt, isa=isa, strategy=strategy)
+            assert got is not None and got.shape == (rows, n)
+            _close(got, _expected(x, packed, bias, fmt, strategy))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_op_for_1_to_64_rows_and_dtypes(fmt):
+    """The registered op (native kernel up to 16 rows, reference past that) against float64."""
+    native_quant.cache_clear()
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(40, 96, generator=gen)
+    packed = quantize(w, fmt)
+    bias = torch.randn(40, generator=gen)
+    strategy = native_quant.DEFAULT_STRATEGY if fmt in native_quant.FORMATS else "float"
+    for rows in (1, 2, 5, 16, 17, 33, 64):
+        x = torch.randn(2, rows, 96, generator=gen)  # leading dims kept
+        got = torch.ops.forwardkit.quant_linear(x, packed, bias, fmt)
+        assert got.shape == (2, rows, 40) and got.dtype == torch.float32
+        want = _expected(x.reshape(-1, 96), packed, bias, fmt,
+                         strategy if 2 * rows <= native_quant.MAX_ROWS else "float")
+        _close(got.reshape(-1, 40), want)
+        got16 = torch.ops.forwardkit.quant_linear(x.bfloat16(), packed, bias.bfloat16(), fmt)
+        assert got16.dtype == torch.bfloat16
+        torch.testing.assert_close(got16.float(), want.reshape(2, rows, 40).float(),
+                                   rtol=0.05, atol=0.05 * float(want.abs().max()))
+
+
+def test_declines_what_it_does_not_serve():
+    packed = quantize(torch.randn(8, 64), "q4_0")
+    assert native_quant.quant_linear_rows(torch.randn(17, 64), packed, None, "q4_0") is None
+    assert native_quant.quant_linear_rows(torch.randn(2, 64), packed, None, "q4_1") is None
+    assert native_quant.quant_linear_rows(torch.randn(2, 64), packed, None, "q8_0") is None  # wrong layout
+    # the op still answers those, by the reference path
+    x = torch.randn(17, 64)
+    torch.testing.assert_close(ops.quant_linear(x, packed, None, "q4_0"),
+                               ops.reference_linear(x, packed, None, "q4_0"))
+
+
+@pytest.mark.parametrize("name", ISAS)
+def test_every_build_compiles(tmp_path, name):
+    """Each ISA build compiles here, also one this CPU cannot run (compile only)."""
+    from forwardkit.kernels.cpu.native_build import NoCompiler
+
+    try:
+        path = native_quant.compile_only(tmp_path, name)
+    except NoCompiler:
+        pytest.fail("no C compiler")
+    assert path.stat().st_size > 0
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_native_dequantize_is_bit_exact(fmt):
+    """The dequantization behind products of more than 16 rows equals the torch one bit for bit."""
+    native_quant.cache_clear()
+    gen = torch.Generator().manual_seed(13)
+    for n, k in SHAPES:
+        packed = quantize(torch.randn(n, k, generator=gen), fmt)
+        got = native_quant.dequantize_rows(packed, fmt)
+        assert got is not None
+        assert torch.equal(got, dequantize(packed, fmt))
