@@ -85,6 +85,27 @@ def _sp_rank(rank: int, nprocs: int, port: int, path: str, backend: str, chunk: 
         destroy_distributed()
 
 
+# Parameters every TP rank holds whole (norm scales, the MoE router): everything else but the
+# experts is split in two by TP; the experts are split by EP.
+_REPLICATED = ("layernorm.weight", "model.norm.weight", "mlp.gate.weight")
+
+
+def _expected_rank_bytes(single: LLM, ep_size: int, tp_size: int) -> int:
+    """Bytes one rank of a DP x TP layout with expert parallelism should hold, from the
+    one-process model's parameters (this vocabulary divides by the TP size: no padding rows)."""
+    total = 0
+    for name, param in single.runner.module.named_parameters():
+        if ".experts." in name:
+            assert param.nbytes % ep_size == 0, name
+            total += param.nbytes // ep_size
+        elif name.endswith(_REPLICATED):
+            total += param.nbytes
+        else:
+            assert param.nbytes % tp_size == 0, name
+            total += param.nbytes // tp_size
+    return total
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend, chunk", [("allgather_reducescatter", 256), ("naive", 3)],
                          ids=["allgather-reducescatter", "naive-chunked"])
@@ -92,6 +113,8 @@ def test_dp2_tp2_sequence_parallel_moe_matches_one_process(mixtral, backend, chu
     single = LLM(mixtral, **ENGINE)
     expected = [_summary(single.generate(prompt_token_ids=p, sampling_params=GREEDY,
                                          use_tqdm=False)) for p in PROMPTS]
+    per_rank = _expected_rank_bytes(single, ep_size=4, tp_size=2)
+    assert 0 < per_rank < sum(t.nbytes for t in single.runner.module.parameters()) // 3
     results = spawn(_sp_rank, 4, args=(mixtral, backend, chunk), timeout_s=500)
     for rank, res in enumerate(results):
         tokens, lps = res["out"]
@@ -110,9 +133,9 @@ def test_dp2_tp2_sequence_parallel_moe_matches_one_process(mixtral, backend, chu
         assert any(s[0] != s[2] for s in sizes)  # uneven replicas: the sizes vary
         assert ("chunked_sizes" in entered) == (chunk == 3)
         assert "sp_local_sizes" in entered or chunk == 3
-        # each rank holds a quarter of the experts and half of the rest
-        assert len(res["bytes"]) == 2
-    assert results[0]["bytes"] == results[1]["bytes"]
+        # each rank holds a quarter of the experts, half of the sharded rest and all of the
+        # replicated parameters; both TP ranks of its replica report the same
+        assert res["bytes"] == [per_rank, per_rank], (rank, res["bytes"], per_rank)
 
 
 # ---------------------------------------------------------------------------- a killed rank
@@ -199,18 +222,36 @@ def _sp_dbo_rank(rank: int, nprocs: int, port: int, path: str) -> dict:
         llm = LLM(path, data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True,
                   enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4,
                   **ENGINE)
+        from forwardkit import ubatching
+        from forwardkit.layers.fused_moe import FusedMoE
+
         ubatched = [0]
         step = llm.runner.execute
+        events: list[tuple[int, str]] = []  # (micro-batch, event) of the first micro-batched step
+        interleaved: list[bool] = []  # per micro-batched step: did micro-batch 1 start early?
 
         def execute(batch, pad_to=None):
+            events.clear()
             logits = step(batch, pad_to)
-            ubatched[0] += llm.runner.last_step.ubatch_slices is not None
+            if llm.runner.last_step.ubatch_slices is not None:
+                ubatched[0] += 1
+                # micro-batch 1 started while micro-batch 0 was parked at one of the MoE
+                # exchange's yields (not after micro-batch 0 ended)
+                interleaved.append(events.index((1, "start")) < events.index((0, "end")))
+                yields.append(sum(e == "yield" for _, e in events))
             return logits
 
+        yields: list[int] = []
+        ubatching.set_ubatch_event_hook(lambda ub, event: events.append((ub, event)))
         llm.runner.execute = execute
-        outs = llm.generate(prompt_token_ids=DBO_PROMPTS[rank // 2], sampling_params=GREEDY,
-                            use_tqdm=False)
-        return {"out": _summary(outs), "ubatched": ubatched[0]}
+        try:
+            outs = llm.generate(prompt_token_ids=DBO_PROMPTS[rank // 2], sampling_params=GREEDY,
+                                use_tqdm=False)
+        finally:
+            ubatching.set_ubatch_event_hook(None)
+        sp = [m.is_sequence_parallel for m in llm.runner.model.modules() if isinstance(m, FusedMoE)]
+        return {"out": _summary(outs), "ubatched": ubatched[0], "interleaved": interleaved,
+                "yields": yields, "sp": sp}
     finally:
         destroy_distributed()
 
@@ -231,4 +272,10 @@ def test_dp2_tp2_sequence_parallel_moe_with_dbo_matches_one_process(mixtral):
                 assert dg.keys() == dw.keys()
                 assert all(abs(dg[t] - dw[t]) < 5e-4 for t in dg)
         assert res["ubatched"] > 0
+        assert res["sp"] and all(res["sp"])  # the sequence-parallel exchange served the MoE
+        # the MoE exchange yielded while its collectives were in flight (two exchanges per
+        # layer and micro-batch at least), so the micro-batches took turns instead of running
+        # one after the other
+        assert all(res["interleaved"]) and len(res["interleaved"]) == res["ubatched"], res
+        assert all(n >= 2 * 2 * 2 for n in res["yields"]), res["yields"]
     assert len({res["ubatched"] for res in results}) == 1  # every rank took the same path
