@@ -172,6 +172,24 @@ def test_reset_prefix_cache_and_metrics(make_checkpoint):
     assert 0 < _metric(llm, "forwardkit:prefix_cache_hit_rate") < 1
 
 
+def test_metrics_count_the_native_kernels_calls(make_checkpoint):
+    from forwardkit.kernels.cpu import native_attention
+
+    if not native_attention.available(torch.float32):
+        pytest.skip("needs a CPU with AVX2 / AVX-512 (native attention kernel)")
+    llm = LLM(make_checkpoint("llama_gqa_tied"), dtype="float32", enforce_eager=True)
+
+    def calls() -> dict[str, float]:
+        return {m.labels["kernel"]: m.value for m in llm.get_metrics()
+                if m.name == "forwardkit:native_kernel_calls"}
+
+    before = calls()
+    llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY, use_tqdm=False)
+    after = calls()
+    # 5 decode steps x 2 layers through the native decode attention
+    assert after["attention"] - before["attention"] == 10
+
+
 def test_cache_salt_keeps_tenants_apart(make_checkpoint):
     path = make_checkpoint("llama_gqa_tied")
     llm = _engine(path, True)

@@ -474,10 +474,15 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges (vLLM's names: ``vllm:prefix_cache_queries`` /
         ``vllm:prefix_cache_hits`` in tokens, ``vllm:prompt_tokens``, ...; ``forwardkit:``
-        ones where vLLM has none, e.g. ``forwardkit:prompt_tokens_computed``)."""
+        ones where vLLM has none, e.g. ``forwardkit:prompt_tokens_computed``, and
+        ``forwardkit:native_kernel_calls`` per native CPU kernel: the calls it served in this
+        process, the evidence that the kernel and not its PyTorch fallback ran)."""
         sched = self.scheduler
+        from forwardkit.kernels.cpu.native_build import kernel_calls
+
         return self.stats.metrics(self.block_manager, len(sched.running), len(sched.waiting),
-                                  self.spec_stats if self._proposer is not None else None)
+                                  self.spec_stats if self._proposer is not None else None,
+                                  kernel_calls.snapshot())
 
     def _execute(self, batch: StepBatch) -> torch.Tensor:
         """The runner's step; a collective failure names what the TP workers reported."""

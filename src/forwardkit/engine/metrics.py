@@ -77,8 +77,10 @@ class EngineStats:
             self.finished[reason] = self.finished.get(reason, 0) + 1
 
     def metrics(self, blocks: BlockManager, num_running: int, num_waiting: int,
-                spec: SpecDecodeStats | None = None) -> list[Metric]:
-        """Every metric, in a fixed order (the spec-decode ones when ``spec`` is given)."""
+                spec: SpecDecodeStats | None = None,
+                kernel_calls: dict[str, int] | None = None) -> list[Metric]:
+        """Every metric, in a fixed order (the spec-decode ones when ``spec`` is given; the
+        native CPU kernels' served calls, this process's, when ``kernel_calls`` is)."""
         cache = blocks.stats
         used = blocks.num_blocks - blocks.num_free_blocks
         out: list[Metric] = [
@@ -105,6 +107,8 @@ class EngineStats:
                 Gauge("forwardkit:spec_decode_mean_accepted_length",
                       value=spec.mean_accepted_length),
             ]
+        for kernel, calls in sorted((kernel_calls or {}).items()):
+            out.append(Counter("forwardkit:native_kernel_calls", {"kernel": kernel}, calls))
         for reason in sorted(self.finished):
             out.append(Counter("vllm:request_success", {"finished_reason": reason},
                                self.finished[reason]))
