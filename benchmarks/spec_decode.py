@@ -1,0 +1,113 @@
+"""Speculative decoding (n-gram) on one model, side by side with plain decoding.
+
+    python benchmarks/spec_decode.py --model-shape llama-3.2-1b -k 4 --repeats 3
+
+Prints, medians over ``--repeats`` rounds that alternate the two engines:
+
+1. the model step alone (``ModelRunner.execute``): a verify step of ``1 + k`` tokens against a
+   1-token decode step, one request at a context of ``--context`` tokens;
+2. greedy generation of ``--new-tokens`` tokens at batch 1 from a repetitive prompt (the loops
+   random-weight models fall into are what prompt lookup catches) and from a random prompt
+   (drafts mostly rejected): tokens/s with and without drafts, the acceptance measured, and
+   the speed-up that acceptance and the measured step costs allow (plain decoding's steps at
+   the decode cost against speculation's verify steps at the verify cost plus its steps
+   without drafts at the decode cost), beside the speed-up reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from forwardkit.engine import LLM, SamplingParams
+from forwardkit.runner.batch import StepBatch
+
+
+def _metric(llm: LLM, name: str) -> float:
+    return next(m.value for m in llm.get_metrics() if m.name == name)
+
+
+def _step_ms(llm: LLM, context: int, query: int, repeats: int) -> float:
+    """Median ms of one model step of ``query`` tokens for one request after ``context``."""
+    runner = llm.runner
+    blocks = list(range(-(-(context + query) // runner.block_size)))
+    batch = StepBatch(req_ids=["x"], token_ids=[[7] * query], num_computed_tokens=[context],
+                      block_tables=[blocks])
+    runner.execute(batch)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.execute(batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-shape", default="llama-3.2-1b")
+    ap.add_argument("-k", type=int, default=4, help="draft tokens (default 4)")
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default=None)
+    args = ap.parse_args()
+    spec_cfg = {"num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    kw = dict(model_shape=args.model_shape, max_model_len=512, max_num_seqs=4,
+              enable_prefix_caching=False, **({"dtype": args.dtype} if args.dtype else {}))
+    plain = LLM(**kw)
+    spec = LLM(**kw, speculative_config=spec_cfg)
+    vocab = plain.runner.vocab_size
+    rng = random.Random(0)
+    loop = [rng.randrange(vocab) for _ in range(8)] * 6
+    prompts = {"repetitive": loop, "random": [rng.randrange(vocab) for _ in range(48)]}
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    for llm in (plain, spec):  # compile, first shapes
+        llm.generate(prompt_token_ids=[loop[:16]], sampling_params=SamplingParams(max_tokens=8),
+                     use_tqdm=False)
+    decode = _step_ms(plain, args.context, 1, 5 * args.repeats)
+    verify = _step_ms(plain, args.context, 1 + args.k, 5 * args.repeats)
+    print(f"model step, 1 request at context {args.context}: decode {decode:.2f} ms, verify of "
+          f"{1 + args.k} tokens {verify:.2f} ms = {verify / decode:.2f}x")
+    print("| prompt | plain tok/s | spec tok/s | speed-up | acceptance | mean emitted/step | "
+          "ideal speed-up | reached/ideal |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, prompt in prompts.items():
+        rates: dict[str, list[float]] = {"plain": [], "spec": []}
+        drafted = accepted = steps = 0.0
+        for r in range(args.repeats):
+            for label in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
+                llm = plain if label == "plain" else spec
+                before = [_metric(spec, n) for n in ("vllm:spec_decode_num_draft_tokens",
+                                                     "vllm:spec_decode_num_accepted_tokens",
+                                                     "vllm:spec_decode_num_drafts")]
+                start = time.perf_counter()
+                out = llm.generate(prompt_token_ids=[prompt], sampling_params=params,
+                                   use_tqdm=False)
+                rates[label].append(len(out[0].outputs[0].token_ids)
+                                    / (time.perf_counter() - start))
+                if label == "spec":
+                    after = [_metric(spec, n) for n in ("vllm:spec_decode_num_draft_tokens",
+                                                        "vllm:spec_decode_num_accepted_tokens",
+                                                        "vllm:spec_decode_num_drafts")]
+                    drafted += after[0] - before[0]
+                    accepted += after[1] - before[1]
+                    steps += after[2] - before[2]
+        p, s = statistics.median(rates["plain"]), statistics.median(rates["spec"])
+        acceptance = accepted / drafted if drafted else 0.0
+        emitted = 1 + accepted / steps if steps else 1.0
+        runs = args.repeats  # one speculative run per round
+        per_run_steps, per_run_accepted = steps / runs, accepted / runs
+        undrafted = max(0.0, args.new_tokens - per_run_steps - per_run_accepted)
+        ideal = args.new_tokens * decode / (per_run_steps * verify + undrafted * decode)
+        print(f"| {name} | {p:.2f} | {s:.2f} | {s / p:.2f}x | {100 * acceptance:.0f}% | "
+              f"{emitted:.2f} | {ideal:.2f}x | {s / p / ideal:.0%} |")
+    print(f"\n{args.model_shape}, {str(plain.runner.dtype).removeprefix('torch.')}, "
+          f"{torch.get_num_threads()} threads, k={args.k}, medians of {args.repeats}")
+
+
+if __name__ == "__main__":
+    main()
