@@ -109,10 +109,17 @@ def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any
     cfg = engine_config_from_args(ns, default_hf_config=hf_config)
     if cfg.model_config is None:  # max_model_len is set above, and that needs a model config
         raise RuntimeError("the generation benchmark's engine config has no model config")
+    from forwardkit.config.builder import check_fits_machine
+
     block = int(cfg.cache_config.block_size)
     blocks = ns.max_num_seqs * -(-cfg.model_config.get_max_model_len() // block) + 1
-    return dataclasses.replace(cfg, cache_config=dataclasses.replace(cfg.cache_config,
-                                                                     num_gpu_blocks=blocks))
+    sized = dataclasses.replace(cfg, cache_config=dataclasses.replace(cfg.cache_config,
+                                                                      num_gpu_blocks=blocks))
+    # every batch size gets its full KV cache: the largest one decides what is allocated
+    names = {"max_num_seqs": "--batch-sizes", "max_num_batched_tokens": "--max-num-batched-tokens",
+             "num_gpu_blocks": f"--batch-sizes {max(s['batch_sizes'])}"}
+    check_fits_machine(sized, names)
+    return sized
 
 
 def _with_llamacpp(names: list[str], explicit: bool) -> list[str]:

@@ -11,7 +11,13 @@ import argparse
 import json
 import os
 
-from forwardkit.config.args import add_engine_args, engine_config_from_args, non_negative_float
+from forwardkit.config.args import (
+    FLAG_NAMES,
+    add_engine_args,
+    engine_config_from_args,
+    non_negative_float,
+)
+from forwardkit.config.builder import check_fits_machine
 
 __all__ = ["register", "run"]
 
@@ -75,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
     )
     config = engine_config_from_args(args)
+    check_fits_machine(config, FLAG_NAMES)
     dp = config.parallel_config.data_parallel_size
     if dp > 1 and "WORLD_SIZE" not in os.environ:
         raise ValueError(

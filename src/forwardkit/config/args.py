@@ -30,6 +30,7 @@ from forwardkit.config.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_
 from forwardkit.config.utils import short_repr
 
 __all__ = [
+    "FLAG_NAMES",
     "add_engine_args",
     "compilation_overrides_from_args",
     "engine_config_from_args",
@@ -231,10 +232,13 @@ def _check_compilation_keys(config: dict[str, Any]) -> None:
 
 
 # How the CLI spells build_engine_config's arguments, for its error messages.
-_FLAG_NAMES = {
+FLAG_NAMES = {
     "model": "--model DIR",
     "dtype": "--dtype",
     "max_model_len": "--max-model-len",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "block_size": "--block-size",
     "enforce_eager": "--enforce-eager",
     "compilation_config": "compilation-config",
 }
@@ -264,7 +268,7 @@ def engine_config_from_args(ns: argparse.Namespace, *,
         optimization_level=level,
         block_size=getattr(ns, "block_size", None),
         platform=getattr(ns, "platform", None),
-        arg_names=_FLAG_NAMES,
+        arg_names=FLAG_NAMES,
         data_parallel_size=getattr(ns, "data_parallel_size", None),
         data_parallel_rank=getattr(ns, "data_parallel_rank", None),
         tensor_parallel_size=getattr(ns, "tensor_parallel_size", None),

@@ -52,7 +52,8 @@ from forwardkit.platforms import Platform, current_platform, platform_by_name
 
 logger = init_logger(__name__)
 
-__all__ = ["build_engine_config", "default_batch_limits", "engine_kwarg_names", "one_line_error"]
+__all__ = ["build_engine_config", "check_fits_machine", "default_batch_limits", "engine_kwarg_names",
+           "machine_memory_bytes", "one_line_error"]
 
 # Named arguments of build_engine_config that are also config fields (not routed by name).
 _NAMED_PARALLEL = frozenset({"data_parallel_size"})
@@ -320,3 +321,70 @@ def _model_config(model: str | os.PathLike[str] | None, builtin_hf_config: Mappi
         return ModelConfig.from_pretrained(model, dtype=dtype, **overrides)
     return ModelConfig(hf_config=dict(builtin_hf_config), dtype="auto" if dtype is None else dtype,
                        **overrides)
+
+
+# Bytes per batched token the runner's persistent step buffers hold at the least (input ids and
+# positions, int64 each); the real footprint (activations, logits) is larger.
+_STEP_BUFFER_BYTES_PER_TOKEN = 16
+
+
+def machine_memory_bytes(platform: Platform) -> int | None:
+    """What a run on ``platform`` can allocate at most: the physical memory on a CPU, the
+    device's total memory on a GPU; None when this machine cannot tell (a CUDA config
+    resolved on a machine without a GPU)."""
+    if platform.is_cpu():
+        try:
+            return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            return None
+    if platform.is_cuda_alike() and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_fits_machine(cfg: EngineConfig, arg_names: Mapping[str, str] | None = None,
+                       memory_bytes: int | None = None) -> None:
+    """Refuse (``ValueError`` naming the argument) sizes whose buffers cannot fit this machine,
+    before anything is allocated: ``max_num_seqs`` / ``max_num_batched_tokens`` (every step's
+    input buffers) and an explicit KV cache of ``num_gpu_blocks`` blocks.
+
+    ``arg_names``: how the caller spells each argument (the CLI's flags); ``memory_bytes``:
+    the machine's memory (default :func:`machine_memory_bytes`). The estimate counts only what
+    is surely allocated, so a size refused here could never run.
+    """
+    total = memory_bytes if memory_bytes is not None else machine_memory_bytes(cfg.platform)
+    if total is None:
+        return
+    names = dict(arg_names or {})
+
+    def label(name: str) -> str:
+        return names.get(name, name)
+
+    sched = cfg.scheduler_config
+    tokens, seqs = int(sched.max_num_batched_tokens), int(sched.max_num_seqs)
+    step_bytes = tokens * _STEP_BUFFER_BYTES_PER_TOKEN
+    if step_bytes > total:
+        flag = label("max_num_seqs") if seqs == tokens else label("max_num_batched_tokens")
+        named = (f"{flag}={seqs} (which sets max_num_batched_tokens)" if seqs == tokens
+                 else f"{flag}={tokens}")
+        raise ValueError(f"{named} is too large for this machine: the step buffers for {tokens} "
+                         f"tokens need at least {_gib(step_bytes)}, and it has {_gib(total)} of "
+                         f"memory; lower {flag}")
+    blocks = cfg.cache_config.num_gpu_blocks
+    model = cfg.model_config
+    if blocks is None or model is None:
+        return
+    tp = max(1, int(cfg.parallel_config.tensor_parallel_size))
+    kv_heads = max(1, model.get_num_kv_heads() // tp)
+    per_block = (2 * model.get_num_layers() * int(cfg.cache_config.block_size) * kv_heads
+                 * model.get_head_size() * model.dtype.itemsize)
+    kv_bytes = int(blocks) * per_block
+    if kv_bytes > total:
+        flag = label("num_gpu_blocks")
+        raise ValueError(f"{flag} is too large for this machine: its KV cache of {blocks} blocks "
+                         f"x {per_block} bytes needs {_gib(kv_bytes)}, and it has {_gib(total)} of "
+                         f"memory; lower {flag}")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from forwardkit.config.builder import build_engine_config
+from forwardkit.config.builder import build_engine_config, check_fits_machine
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.frozen import freeze, thawed_copy
 from forwardkit.engine.block_manager import BlockManager
@@ -66,6 +66,18 @@ if TYPE_CHECKING:
 __all__ = ["LLM"]
 
 logger = init_logger(__name__)
+
+
+def _check_dp_launch(dp: int, launched: bool) -> None:
+    """Data parallelism needs one process per DP rank, started together: refuse at once (not
+    after the rendezvous times out) when this process was started by none of the launchers."""
+    if dp > 1 and not launched and "FORWARDKIT_DP_SIZE" not in os.environ:
+        raise ValueError(
+            f"data_parallel_size={dp} needs one process per DP rank, and this process is a plain "
+            f"one: launch {dp} processes with torchrun (torchrun --nproc-per-node {dp} "
+            "script.py, each building its LLM), set FORWARDKIT_DP_SIZE / FORWARDKIT_DP_RANK / "
+            "FORWARDKIT_DP_MASTER_PORT in each, or call forwardkit.distributed.init_distributed "
+            "in each rank first (as forwardkit.distributed.launch.spawn does)")
 
 
 class LLM:
@@ -125,6 +137,7 @@ class LLM:
             )
         elif kwargs:
             raise TypeError(f"LLM(engine_config=...) takes no extra config arguments, got {sorted(kwargs)}")
+        check_fits_machine(engine_config)  # before any buffer is allocated
         self._tp_pool = None
         self._tp_link: TPFollowerLink | None = None
         self._dp_group, cfg = self._init_parallel(engine_config)
@@ -182,6 +195,7 @@ class LLM:
             weakref.finalize(self, self._tp_pool.close)
             return None, cfg
         if not is_dp_group_initialized():
+            _check_dp_launch(dp, launched)
             init_distributed(parallel)
         group = get_dp_group()
         if group.world_size != dp:
