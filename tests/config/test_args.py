@@ -91,7 +91,8 @@ def test_enforce_eager_and_dp():
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     assert cfg.parallel_config.data_parallel_size == 2
     assert resolve("-dp", "2", "--data-parallel-rank", "1").parallel_config.data_parallel_rank == 1
-    moe = resolve("--enable-expert-parallel", "--all2all-backend", "deepep_low_latency", "-dp", "2")
+    moe = resolve("--enable-expert-parallel", "--all2all-backend", "deepep_low_latency", "-dp", "2",
+                  "--platform", "cuda")
     assert moe.parallel_config.enable_expert_parallel
     assert moe.parallel_config.all2all_backend == "deepep_low_latency"
 

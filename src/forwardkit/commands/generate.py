@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         )
     llm = LLM.from_engine_config(config, seed=0 if args.seed is None else args.seed)
     prompts: list[str | dict[str, list[int]]] = list(args.prompt) + [{"prompt_token_ids": ids} for ids in args.prompt_token_ids]
-    if args.prompt and llm.get_tokenizer() is None:
+    if args.prompt and llm.tokenizer is None:
         raise ValueError(
             f"--prompt needs a tokenizer but model "
             f"{(config.model_config.model if config.model_config else None) or '<built-in>'} "
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         return 0  # under torchrun with TP: the replica's TP rank 0 prints its outputs
     mode = args.output
     if mode == "auto":
-        mode = "text" if llm.get_tokenizer() is not None else "ids"
+        mode = "text" if llm.tokenizer is not None else "ids"
     for out in outputs:
         completion = out.outputs[0]
         if mode == "json":

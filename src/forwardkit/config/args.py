@@ -239,6 +239,7 @@ FLAG_NAMES = {
     "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens",
     "block_size": "--block-size",
+    "all2all_backend": "--all2all-backend",
     "enforce_eager": "--enforce-eager",
     "compilation_config": "compilation-config",
 }

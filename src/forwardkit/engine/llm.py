@@ -41,7 +41,7 @@ from forwardkit.engine.result import build_output
 from forwardkit.engine.sampler import Sampler
 from forwardkit.engine.sampling_params import SamplingParams, as_params_list
 from forwardkit.engine.scheduler import Scheduler
-from forwardkit.engine.tokenizer import load_tokenizer
+from forwardkit.engine.tokenizer import has_tokenizer_files, load_tokenizer
 from forwardkit.engine.tp import (
     TPFollowerLink,
     TPWorkerPool,
@@ -66,6 +66,48 @@ if TYPE_CHECKING:
 __all__ = ["LLM"]
 
 logger = init_logger(__name__)
+
+
+def _check_llm_args(model: str | os.PathLike[str] | None, tokenizer: str | os.PathLike[str] | None,
+                    skip_tokenizer_init: bool, trust_remote_code: bool,
+                    max_logprobs: int) -> str | None:
+    """Check the arguments that act on the ``LLM`` itself; returns the tokenizer directory."""
+    for name, flag in (("skip_tokenizer_init", skip_tokenizer_init),
+                       ("trust_remote_code", trust_remote_code)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r:.60}")
+    if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be an integer >= 0 or -1 (no cap), got "
+                         f"{max_logprobs!r:.60}")
+    tokenizer_dir = None
+    if tokenizer is not None:
+        if not isinstance(tokenizer, (str, os.PathLike)):
+            raise ValueError(f"tokenizer must be a directory or None, got {tokenizer!r:.60}")
+        tokenizer_dir = os.fspath(tokenizer)
+        if not has_tokenizer_files(tokenizer_dir):
+            raise ValueError(f"tokenizer={tokenizer_dir!r} is not a directory with tokenizer files "
+                             "(tokenizer.json, tokenizer_config.json, ...); names on the Hub are "
+                             "not downloaded")
+    for directory in {os.fspath(d) for d in (model, tokenizer_dir) if d is not None}:
+        for name in ("config.json", "tokenizer_config.json"):
+            path = os.path.join(directory, name)
+            if _has_auto_map(path):
+                raise ValueError(
+                    f"{path} names the checkpoint's own Python code (auto_map): forwardkit runs "
+                    "only its built-in model and tokenizer code, with or without "
+                    "trust_remote_code (which is accepted for checkpoints that need no code)")
+    return tokenizer_dir
+
+
+def _has_auto_map(path: str) -> bool:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False  # absent or unreadable: the loaders report it with their own context
+    return isinstance(data, dict) and bool(data.get("auto_map"))
 
 
 def _check_dp_launch(dp: int, launched: bool) -> None:
@@ -96,12 +138,19 @@ class LLM:
             its replica's TP group. :meth:`shutdown` (or the process's exit) ends the workers.
         block_size: tokens per KV block.
         seed: seeds the sampling of every request without its own ``SamplingParams.seed``
-            (the built-in model's random weights are always the same).
+            (the built-in model's random weights are always the same); None = a random seed.
         platform: "cpu", "cuda", a ``Platform`` or None (detected).
         engine_config: a ready ``EngineConfig`` (then the other config arguments must be left alone).
-        **kwargs: ``model_shape`` (a named real-architecture shape with seeded random weights,
-            e.g. ``"llama-3.2-1b"``; see ``forwardkit.config.model_shapes``) and more config
-            fields (``max_model_len``, ``num_gpu_blocks``,
+        tokenizer: a directory with the tokenizer to use instead of the model's.
+        skip_tokenizer_init: no tokenizer (token-id prompts only, outputs without text).
+        trust_remote_code: accepted for checkpoints that need no code of their own; one that
+            ships code (``auto_map``) is refused either way.
+        max_logprobs: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's
+            default 20; -1 = no cap).
+        **kwargs: every other vLLM engine argument, as the table in ``config/engine_args.py``
+            (and the README) says: it acts, is an accepted no-op, or is refused by name; ``model_shape`` (a named real-architecture shape with seeded random weights,
+            e.g. ``"llama-3.2-1b"``; see ``forwardkit.config.model_shapes``), ``max_model_len``,
+            ``num_gpu_blocks``,
             ``enable_chunked_prefill``, ``optimization_level``, ``enable_expert_parallel`` ...).
     """
 
@@ -120,14 +169,23 @@ class LLM:
         compilation_config: CompilationConfig | Mapping[str, object] | str | None = None,
         data_parallel_size: int = 1,
         block_size: int = 16,
-        seed: int = 0,
+        seed: int | None = 0,
         platform: str | Platform | None = None,
         engine_config: EngineConfig | None = None,
+        *,
+        tokenizer: str | os.PathLike[str] | None = None,
+        skip_tokenizer_init: bool = False,
+        trust_remote_code: bool = False,
+        max_logprobs: int = 20,
         **kwargs: Any,
     ) -> None:
+        if seed is None:  # unseeded: a fresh engine seed
+            seed = int(torch.randint(0, 2**62, (1,)))
         if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r:.60} "
-                             f"({type(seed).__name__})")
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got "
+                             f"{seed!r:.60} ({type(seed).__name__})")
+        tokenizer_dir = _check_llm_args(model, tokenizer, skip_tokenizer_init, trust_remote_code,
+                                        max_logprobs)
         if engine_config is None:
             engine_config = build_engine_config(
                 model, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -151,7 +209,10 @@ class LLM:
             self.shutdown()
             raise
         self.model_config = self.runner.model_config
-        self.tokenizer: Tokenizer | None = load_tokenizer(self.model_config.model)
+        self.max_logprobs = max_logprobs
+        self.tokenizer: Tokenizer | None = None
+        if not skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(tokenizer_dir or self.model_config.model)
         self.eos_token_id = self._eos_token_id()
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(
@@ -250,9 +311,27 @@ class LLM:
             eos = self.tokenizer.eos_token_id
         return eos
 
-    def get_tokenizer(self) -> Tokenizer | None:
-        """The checkpoint's tokenizer, or None when it ships none."""
+    def get_tokenizer(self) -> Tokenizer:
+        """The tokenizer (the checkpoint's, or the ``tokenizer`` argument's); ``ValueError``
+        when there is none (the model ships none, or ``skip_tokenizer_init=True``)."""
+        if self.tokenizer is None:
+            raise ValueError(f"this LLM has no tokenizer (model {self.model_config.model or '<built-in>'!r} "
+                             "ships none, or skip_tokenizer_init=True); pass tokenizer=DIR")
         return self.tokenizer
+
+    def _check_logprobs(self, params: list[SamplingParams]) -> None:
+        """vLLM's ``max_logprobs`` cap (-1 = the vocabulary size) on every request."""
+        cap = self.runner.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        for i, p in enumerate(params):
+            for name in ("logprobs", "prompt_logprobs"):
+                asked = getattr(p, name)
+                if asked is None:
+                    continue
+                count = self.runner.vocab_size if asked == -1 else asked
+                if count > cap:
+                    raise ValueError(f"prompt {i}: SamplingParams.{name}={asked} asks for {count} "
+                                     f"logprobs, more than max_logprobs={self.max_logprobs} "
+                                     "(LLM(max_logprobs=...) raises the cap; -1 = no cap)")
 
     # ------------------------------------------------------------------ requests
     def _generator(self, params: SamplingParams) -> torch.Generator:
@@ -295,6 +374,7 @@ class LLM:
             pairs = parse_prompts(prompts, prompt_token_ids, self.tokenizer, self.runner.vocab_size,
                                   self.model_config.model)
         params = as_params_list(sampling_params, len(pairs))
+        self._check_logprobs(params)
         if self.tokenizer is None:
             for i, p in enumerate(params):
                 if p.stop:
