@@ -19,7 +19,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -397,6 +397,33 @@ class LLM:
         if self._tp_link is not None:
             self._tp_link.send(("done", outputs))
         return outputs
+
+    # ------------------------------------------------------------------ chat
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, object]] | Sequence[Sequence[Mapping[str, object]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to chat conversations (vLLM's ``LLM.chat``).
+
+        ``messages``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of
+        them. Each is rendered with the tokenizer's chat template (or ``chat_template``), the
+        text tokenized without adding special tokens (the template writes them), then generated
+        as :meth:`generate` does; one ``RequestOutput`` per conversation, in order.
+        ``chat_template_kwargs`` go to the template (e.g. ``{"enable_thinking": False}``).
+        """
+        from forwardkit.engine.chat import ChatTokenizer, render_chats
+
+        tokenizer = cast(ChatTokenizer, self.get_tokenizer())
+        ids = render_chats(tokenizer, messages, chat_template, add_generation_prompt,
+                           continue_final_message, chat_template_kwargs)
+        return self.generate([{"prompt_token_ids": p} for p in ids], sampling_params,
+                             use_tqdm=use_tqdm)
 
     def _tp_link_agrees(self, pairs: list[tuple[str | None, list[int]]],
                         params: list[SamplingParams]) -> bool:
