@@ -8,13 +8,9 @@ import json
 import pytest
 import torch
 
+from forwardkit.commands.engine_flags import add_engine_args, normalize_engine_argv
 from forwardkit.config import CompilationMode, CUDAGraphMode, OptimizationLevel
-from forwardkit.config.args import (
-    add_engine_args,
-    compilation_overrides_from_args,
-    engine_config_from_args,
-    normalize_engine_argv,
-)
+from forwardkit.config.args import compilation_overrides_from_args, engine_config_from_args
 
 HF = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
       "num_hidden_layers": 2, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}

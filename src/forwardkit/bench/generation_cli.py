@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     # transformers model
     Contender: TypeAlias = LLM | LlamaCppGenerator | torch.nn.Module
 
+from forwardkit.commands.engine_flags import int_list, strict_int
+
 __all__ = ["add_generation_args", "run_generation"]
 
 
@@ -49,16 +51,6 @@ class Settings(TypedDict):
 QUICK: Settings = {"batch_sizes": [1, 4], "prompt_len": 16, "new_tokens": 4, "repeats": 1}
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return sorted(set(values))
-
-
 def add_generation_args(parser: argparse.ArgumentParser) -> None:
     """Add the ``--generation`` mode's flags to ``forwardkit bench``."""
     g = parser.add_argument_group("end-to-end generation (--generation)")
@@ -66,13 +58,13 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                    help="measure greedy generation end to end (decode tokens/s per batch size, "
                         "prefill tokens/s, time to first token, start-up, bandwidth use) for "
                         "eager, torch.compile, forwardkit and Hugging Face transformers generate")
-    g.add_argument("--batch-sizes", type=_int_list, default=None, metavar="LIST",
+    g.add_argument("--batch-sizes", type=int_list, default=None, metavar="LIST",
                    help="decode batch sizes (default 1,16; 1,4 with --quick)")
-    g.add_argument("--prompt-len", type=int, default=None, metavar="N",
+    g.add_argument("--prompt-len", type=strict_int, default=None, metavar="N",
                    help="prompt tokens per request (default 128; 16 with --quick)")
-    g.add_argument("--new-tokens", type=int, default=None, metavar="N",
+    g.add_argument("--new-tokens", type=strict_int, default=None, metavar="N",
                    help="decode tokens timed per request (default 32; 4 with --quick)")
-    g.add_argument("--repeats", type=int, default=None, metavar="N",
+    g.add_argument("--repeats", type=strict_int, default=None, metavar="N",
                    help="timed repeats per batch size, medians reported (default 3; 1 with --quick)")
     g.add_argument("--profile", action="store_true",
                    help="instead of timing the contenders, take forwardkit's decode steps apart "

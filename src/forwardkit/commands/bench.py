@@ -16,11 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from forwardkit.bench.generation_cli import add_generation_args, run_generation
 from forwardkit.bench.trace import BUILTIN_TRACES
-from forwardkit.config.model_shapes import (
-    BUILTIN_MODEL_SHAPE,
-    model_shape_config,
-    model_shape_names,
-)
+from forwardkit.commands.engine_flags import strict_int
 
 if TYPE_CHECKING:
     from forwardkit.bench.report import BenchReport
@@ -28,6 +24,9 @@ if TYPE_CHECKING:
 __all__ = ["register", "run"]
 
 DEFAULT_STEPS, QUICK_STEPS = 160, 32
+# the named shapes of forwardkit.config.model_shapes, for --help without importing the config
+# package (torch); a test keeps the two equal
+MODEL_SHAPE_NAMES = ("default", "default-moe", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mixtral-small")
 DEFAULT_WARMUP, QUICK_WARMUP = 16, 8
 DP_TIMEOUT_S = 3600.0
 
@@ -115,7 +114,7 @@ def register(
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand."""
-    from forwardkit.config.args import add_engine_args
+    from forwardkit.commands.engine_flags import add_engine_args
 
     parser = subparsers.add_parser(
         "bench",
@@ -131,17 +130,17 @@ def register(
     g = parser.add_argument_group("benchmark")
     g.add_argument("--model-shape", default=None, metavar="NAME",
                    help=f"a real architecture's shape with seeded random weights, no download: "
-                        f"{', '.join(model_shape_names())} (instead of --model)")
+                        f"{', '.join(MODEL_SHAPE_NAMES)} (instead of --model)")
     add_generation_args(parser)
     g.add_argument("--trace", default="decode-heavy", metavar="NAME|FILE",
                    help=f"step trace: one of {', '.join(BUILTIN_TRACES)} (default decode-heavy), or a "
                         "JSON file with a list of steps (an int = tokens in the step: a decode batch "
                         "when <= 64, else a prefill chunk; or {\"query_lens\": [...], "
                         "\"context_lens\": [...]})")
-    g.add_argument("--steps", type=int, default=None, metavar="N",
+    g.add_argument("--steps", type=strict_int, default=None, metavar="N",
                    help=f"timed steps of a built-in trace (default {DEFAULT_STEPS}; {QUICK_STEPS} "
                         "with --quick)")
-    g.add_argument("--warmup-steps", type=int, default=None, metavar="N",
+    g.add_argument("--warmup-steps", type=strict_int, default=None, metavar="N",
                    help=f"untimed steps before timing (default {DEFAULT_WARMUP}; {QUICK_WARMUP} with --quick)")
     g.add_argument("--contenders", type=_contender_list, default=None, metavar="LIST",
                    help="comma-separated subset of eager,torch.compile,forwardkit (default: all); "
@@ -150,7 +149,7 @@ def register(
                         "(forwardkit with --enable-dbo; in the default list then)")
     g.add_argument("--quick", action="store_true",
                    help="a short run for smoke tests (fewer steps)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the trace and token ids (default 0)")
+    g.add_argument("--seed", type=strict_int, default=0, help="seed of the trace and token ids (default 0)")
     g.add_argument("--json", dest="json_path", default=None, metavar="FILE",
                    help="also write the figures as JSON to FILE")
     g.add_argument("--plot", dest="plot_path", default=None, metavar="FILE.png",
@@ -202,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
     steps_n = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     warmup = args.warmup_steps if args.warmup_steps is not None else (
         QUICK_WARMUP if args.quick else DEFAULT_WARMUP)
+    from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
+
     hf_config = None
     if args.model is None:
         hf_config = model_shape_config(args.model_shape or BUILTIN_MODEL_SHAPE)

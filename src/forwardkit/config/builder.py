@@ -258,6 +258,8 @@ def build_engine_config(
             "observability_config": ObservabilityConfig(**routed["observability"]),
             "platform": resolved_platform,
         }
+        if optimization_level is None and enforce_eager:
+            optimization_level = 0  # what enforce_eager means; asked for, so nothing to warn about
         if optimization_level is not None:
             config_kwargs["optimization_level"] = optimization_level
         return EngineConfig(**config_kwargs)
@@ -385,6 +387,22 @@ def _check_argument_types(label: Any, **args: Any) -> None:
                              f"({type(value).__name__})")
 
 
+def _with_architecture(config: ModelConfig) -> ModelConfig:
+    """A config.json without ``architectures`` but with a ``model_type`` takes the causal-LM
+    class ``transformers`` maps that type to (as its ``AutoModelForCausalLM`` does)."""
+    if config.architectures or not isinstance(config.hf_config.get("model_type"), str):
+        return config
+    model_type = config.hf_config["model_type"]
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - transformers is a dependency of checkpoints here
+        return config
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if not isinstance(name, str):
+        return config  # the model registry names what is missing when the model is built
+    return dataclasses.replace(config, hf_config={**config.hf_config, "architectures": [name]})
+
+
 def _model_config(model: str | os.PathLike[str] | None, builtin_hf_config: Mapping[str, Any],
                   dtype: str | torch.dtype | None, max_model_len: int | None,
                   enforce_eager: bool) -> ModelConfig:
@@ -394,7 +412,8 @@ def _model_config(model: str | os.PathLike[str] | None, builtin_hf_config: Mappi
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
     if model is not None:
-        return ModelConfig.from_pretrained(model, dtype=dtype, **overrides)
+        config = ModelConfig.from_pretrained(model, dtype=dtype, **overrides)
+        return _with_architecture(config)
     return ModelConfig(hf_config=dict(builtin_hf_config), dtype="auto" if dtype is None else dtype,
                        **overrides)
 
