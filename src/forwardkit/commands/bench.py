@@ -85,7 +85,7 @@ def _bench_rank(rank: int, nprocs: int, port: int | None, args: argparse.Namespa
         init_distributed(tensor_parallel_size=tp)
     try:
         steps = load_trace(args.trace, steps_n, seed=args.seed + dp_rank,
-                           max_tokens=args.max_num_batched_tokens)
+                           max_tokens=args.max_num_batched_tokens, max_len=args.trace_max_len)
         report = run_bench(args, names, steps, trace_name=f"{args.trace} (rank {rank} of {nprocs})",
                            hf_config=hf_config, warmup_steps=warmup, seed=args.seed + dp_rank,
                            progress=rank == 0 and not args.no_progress)
@@ -125,8 +125,7 @@ def register(
                     "interleaved step by step, and report median/p99 step latency, tokens/s, "
                     "speed-up over eager, start-up time, recompilations and padding.",
     )
-    add_engine_args(parser)
-    parser.set_defaults(max_num_batched_tokens=512, max_num_seqs=64)
+    add_engine_args(parser, max_num_seqs=64, max_num_batched_tokens=512)
     g = parser.add_argument_group("benchmark")
     g.add_argument("--model-shape", default=None, metavar="NAME",
                    help=f"a real architecture's shape with seeded random weights, no download: "
@@ -159,6 +158,38 @@ def register(
     return parser
 
 
+def _check_mode_flags(args: argparse.Namespace) -> None:
+    """Refuse flags the chosen mode would silently ignore."""
+    if not args.generation:
+        for flag, value in (("--profile", args.profile), ("--batch-sizes", args.batch_sizes),
+                            ("--prompt-len", args.prompt_len), ("--new-tokens", args.new_tokens),
+                            ("--repeats", args.repeats),
+                            ("--bandwidth-probe", args.bandwidth_probe)):
+            if value not in (None, False):
+                raise ValueError(f"{flag} needs --generation (the step trace does not use it)")
+    else:
+        for flag, value in (("--steps", args.steps), ("--warmup-steps", args.warmup_steps),
+                            ("--plot", args.plot_path)):
+            if value is not None:
+                raise ValueError(f"{flag} is a step-trace flag; --generation does not use it")
+        if args.trace != "decode-heavy":
+            raise ValueError("--trace is a step-trace flag; --generation does not use it")
+    if args.trace not in BUILTIN_TRACES and not os.path.isfile(args.trace):
+        raise ValueError(f"trace {args.trace!r} is neither a built-in trace "
+                         f"{list(BUILTIN_TRACES)} nor a file")
+    if args.steps is not None and args.trace not in BUILTIN_TRACES:
+        raise ValueError(f"--steps sets the length of a built-in trace; the file {args.trace!r} "
+                         "runs all its steps")
+
+
+def _model_len(args: argparse.Namespace, hf_config: dict[str, Any] | None) -> int:
+    """The max_model_len the engine will run with (--max-model-len, else the model's)."""
+    from forwardkit.config.args import engine_config_from_args
+
+    cfg = engine_config_from_args(args, default_hf_config=hf_config)  # bad flags fail here
+    return int(cfg.require_model_config().get_max_model_len())
+
+
 def _check(args: argparse.Namespace) -> None:
     for flag, value in (("--steps", args.steps), ("--warmup-steps", args.warmup_steps)):
         if value is not None and value < (1 if flag == "--steps" else 0):
@@ -185,9 +216,9 @@ def run(args: argparse.Namespace) -> int:
     from forwardkit.bench.contenders import CONTENDER_NAMES, DBO_CONTENDER
     from forwardkit.bench.harness import run_bench
     from forwardkit.bench.trace import load_trace
-    from forwardkit.config.args import engine_config_from_args
 
     _check(args)
+    _check_mode_flags(args)
     if args.model_shape is not None and args.model is not None:
         raise ValueError(f"give --model or --model-shape, not both (got {args.model!r} and "
                          f"{args.model_shape!r})")
@@ -212,12 +243,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--contenders {only_generation} needs --generation (the step trace "
                              "runs forwardkit's model runner); step-trace contenders: "
                              f"{','.join(CONTENDER_NAMES)}")
-    steps = load_trace(args.trace, steps_n, seed=args.seed, max_tokens=args.max_num_batched_tokens)
     tp = int(args.tensor_parallel_size or 1)
+    if dp > 1:
+        hf_config = _prepare_dp(args, hf_config)
+    args.trace_max_len = _model_len(args, hf_config)  # bad flags fail before any build / spawn
+    steps = load_trace(args.trace, steps_n, seed=args.seed, max_tokens=args.max_num_batched_tokens,
+                       max_len=args.trace_max_len)
     if dp > 1 or tp > 1:
-        if dp > 1:
-            hf_config = _prepare_dp(args, hf_config)
-        engine_config_from_args(args, default_hf_config=hf_config)  # bad flags fail before spawning
         job = (args, names, steps_n, warmup, hf_config)
         if _under_torchrun(dp * tp):
             report = _bench_rank(int(os.environ["RANK"]), dp * tp, None, *job)
@@ -232,7 +264,6 @@ def run(args: argparse.Namespace) -> int:
             assert first is not None  # rank 0 returns its report
             report = first
     else:
-        engine_config_from_args(args, default_hf_config=hf_config)  # bad flags fail before any build
         report = run_bench(args, names, steps, trace_name=args.trace, hf_config=hf_config,
                            warmup_steps=warmup, seed=args.seed, progress=not args.no_progress)
     out = sys.stdout

@@ -138,8 +138,12 @@ def _install_normalizer(parser: argparse.ArgumentParser) -> None:
     parser.parse_known_args = parse_known_args  # type: ignore[method-assign,assignment]  # instance patch
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the engine flags (model, batch limits, parallelism, optimisation, compilation)."""
+def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None = None,
+                    max_num_batched_tokens: int | None = None) -> argparse.ArgumentParser:
+    """Add the engine flags (model, batch limits, parallelism, optimisation, compilation).
+
+    ``max_num_seqs`` / ``max_num_batched_tokens``: this command's own defaults of the batch
+    limits (shown in ``--help`` as the ones used); None = the engine's."""
     _install_normalizer(parser)
     g = parser.add_argument_group("engine configuration")
     g.add_argument("--model", default=None, metavar="DIR",
@@ -149,10 +153,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="model dtype: auto (from config.json), float32, bfloat16 or float16")
     g.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
                    help="longest sequence (default: max_position_embeddings of the model)")
-    g.add_argument("--max-num-seqs", type=positive_int, default=None, metavar="N",
-                   help=f"most requests per step (default {DEFAULT_MAX_NUM_SEQS})")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
-                   help=f"most tokens per step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, at least "
+    g.add_argument("--max-num-seqs", type=positive_int, default=max_num_seqs, metavar="N",
+                   help=f"most requests per step (default {max_num_seqs or DEFAULT_MAX_NUM_SEQS})")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=max_num_batched_tokens,
+                   metavar="N",
+                   help=f"most tokens per step (default "
+                        f"{max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS}, at least "
                         "max-num-seqs)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts over several steps (default on); with "
