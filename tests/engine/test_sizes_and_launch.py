@@ -58,3 +58,11 @@ def test_in_process_data_parallel_fails_at_once(monkeypatch):
                                          r"torchrun --nproc-per-node 2"):
         LLM(enforce_eager=True, platform="cpu", data_parallel_size=2)
     assert time.monotonic() - start < 10
+
+
+def test_cuda_platform_without_a_gpu_is_named(capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # a machine without a GPU
+    code, err = _cli(capsys, "generate", "--platform", "cuda", "--prompt-token-ids", "1,2",
+                     "--enforce-eager")
+    assert code == 2 and "platform 'cuda' needs a CUDA device" in err
+    assert "Torch not compiled" not in err

@@ -110,6 +110,15 @@ def _has_auto_map(path: str) -> bool:
     return isinstance(data, dict) and bool(data.get("auto_map"))
 
 
+def _check_device(cfg: EngineConfig) -> None:
+    """A CUDA config needs a CUDA device to run on (resolving one needs none)."""
+    if cfg.platform.is_cuda_alike() and not torch.cuda.is_available():
+        raise ValueError(f"platform {cfg.platform.name!r} needs a CUDA device, and this machine "
+                         f"has none that torch {torch.__version__} can use; run on the CPU "
+                         "(platform='cpu'), or inspect the CUDA config with forwardkit config "
+                         "--platform cuda")
+
+
 def _check_dp_launch(dp: int, launched: bool) -> None:
     """Data parallelism needs one process per DP rank, started together: refuse at once (not
     after the rendezvous times out) when this process was started by none of the launchers."""
@@ -195,6 +204,7 @@ class LLM:
             )
         elif kwargs:
             raise TypeError(f"LLM(engine_config=...) takes no extra config arguments, got {sorted(kwargs)}")
+        _check_device(engine_config)
         check_fits_machine(engine_config)  # before any buffer is allocated
         self._tp_pool = None
         self._tp_link: TPFollowerLink | None = None
