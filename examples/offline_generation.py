@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         llm = build_llm(model, args.enforce_eager, args.backend)
         print(f"engine ready in {time.perf_counter() - start:.1f} s (model {model})")
-        tokenizer = llm.get_tokenizer()
+        tokenizer = llm.tokenizer  # None when the checkpoint ships none (get_tokenizer() raises)
 
         # Greedy: temperature 0. ignore_eos keeps going past an EOS so every request makes
         # exactly max_tokens tokens (drop it for real use).

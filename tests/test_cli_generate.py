@@ -71,7 +71,7 @@ def test_checkpoint_with_tokenizer_prints_text(capsys, checkpoint_with_tokenizer
     code, out, err = _run(capsys, "--model", checkpoint_with_tokenizer, "--prompt", "the cat sat",
                           "--max-tokens", "5", "--ignore-eos", "--enforce-eager")
     assert code == 0, err
-    words = out.strip().split()
+    words = json.loads(out.strip()).split()  # the text as a JSON string: one line
     assert 1 <= len(words) <= 5 and set(words) <= set(WORDS) | {"<unk>", "<s>"}
     code, out, err = _run(capsys, "--model", checkpoint_with_tokenizer, "--prompt", "hello world",
                           "--max-tokens", "5", "--ignore-eos", "--output", "json", "--enforce-eager")

@@ -195,7 +195,7 @@ def test_generation_figures_from_timings(tmp_path, monkeypatch):
     monkeypatch.setattr(gen, "time_generation", fixed_timing)
     out = tmp_path / "gen.json"
     assert main(["bench", "--generation", "--quick", "--no-progress", "--new-tokens", "3",
-                 "--contenders", "eager", "--json", str(out)]) == 0
+                 "--contenders", "eager", "--bandwidth-probe", "per-run", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["stream_gb_s"] == pytest.approx(25.0)
     assert data["stream_gb_s_per_run"] == pytest.approx({"min": 20.0, "median": 20.0, "max": 20.0})

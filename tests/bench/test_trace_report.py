@@ -47,7 +47,7 @@ def test_json_trace(tmp_path):
         ('[{"query_lens": []}]', "must have 'query_lens'"),
         ("{}", "non-empty JSON list"),
         ("[1,", "not valid JSON"),
-        ("[4096]", "above max_num_batched_tokens=512"),
+        ("[4096]", "above --max-num-batched-tokens 512"),
     ],
 )
 def test_json_trace_errors(tmp_path, content, match):

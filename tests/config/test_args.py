@@ -8,13 +8,9 @@ import json
 import pytest
 import torch
 
+from forwardkit.commands.engine_flags import add_engine_args, normalize_engine_argv
 from forwardkit.config import CompilationMode, CUDAGraphMode, OptimizationLevel
-from forwardkit.config.args import (
-    add_engine_args,
-    compilation_overrides_from_args,
-    engine_config_from_args,
-    normalize_engine_argv,
-)
+from forwardkit.config.args import compilation_overrides_from_args, engine_config_from_args
 
 HF = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
       "num_hidden_layers": 2, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
@@ -91,7 +87,8 @@ def test_enforce_eager_and_dp():
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     assert cfg.parallel_config.data_parallel_size == 2
     assert resolve("-dp", "2", "--data-parallel-rank", "1").parallel_config.data_parallel_rank == 1
-    moe = resolve("--enable-expert-parallel", "--all2all-backend", "deepep_low_latency", "-dp", "2")
+    moe = resolve("--enable-expert-parallel", "--all2all-backend", "deepep_low_latency", "-dp", "2",
+                  "--platform", "cuda")
     assert moe.parallel_config.enable_expert_parallel
     assert moe.parallel_config.all2all_backend == "deepep_low_latency"
 

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from forwardkit.commands.engine_flags import add_engine_args
 from forwardkit.config import (
     CompilationConfig,
     CompilationMode,
@@ -16,7 +17,7 @@ from forwardkit.config import (
     build_engine_config,
     builder,
 )
-from forwardkit.config.args import add_engine_args, engine_config_from_args
+from forwardkit.config.args import engine_config_from_args
 from forwardkit.config.builder import default_batch_limits, engine_kwarg_names
 from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
 from forwardkit.platforms import CpuPlatform, CudaPlatform
@@ -84,21 +85,21 @@ def test_model_dir_wins_over_default(tmp_path):
 def test_routed_keyword_arguments():
     cfg = build_engine_config(default_hf_config=HF, data_parallel_size=2, data_parallel_rank=1,
                               enable_expert_parallel=True, all2all_backend="naive",
-                              max_num_partial_prefills=2, async_scheduling=False,
-                              tensor_parallel_size=None)
+                              async_scheduling=False, tensor_parallel_size=None)
     p = cfg.parallel_config
     assert (p.data_parallel_size, p.data_parallel_rank, p.enable_expert_parallel) == (2, 1, True)
     assert p.all2all_backend == "naive" and p.tensor_parallel_size == 1  # None = the default
-    assert cfg.scheduler_config.max_num_partial_prefills == 2
+    assert cfg.scheduler_config.async_scheduling is False
     parallel, scheduler = engine_kwarg_names()
     assert "enable_expert_parallel" in parallel and "data_parallel_size" not in parallel
     assert "async_scheduling" in scheduler and "max_num_seqs" not in scheduler
 
 
-def test_unknown_keyword_is_a_type_error_listing_accepted():
-    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['bogus'\]") as info:
+def test_unknown_keyword_is_a_short_type_error():
+    with pytest.raises(TypeError, match=r"unknown engine argument 'bogus': neither a vLLM engine "
+                                        r"argument nor a forwardkit one") as info:
         build_engine_config(default_hf_config=HF, bogus=1)
-    assert "enable_expert_parallel" in str(info.value) and "max_num_partial_prefills" in str(info.value)
+    assert len(str(info.value)) < 200
 
 
 @pytest.mark.parametrize("value", [{"mode": 1, "backend": "eager"}, '{"mode": 1, "backend": "eager"}'])

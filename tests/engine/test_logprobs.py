@@ -66,7 +66,8 @@ def test_sample_and_prompt_logprobs_match_transformers(make_checkpoint, name):
 
 
 def test_logprobs_off_by_default_and_whole_vocab(make_checkpoint):
-    llm = LLM(make_checkpoint("llama_gqa_tied"), max_num_seqs=2, enforce_eager=True, max_model_len=64)
+    llm = LLM(make_checkpoint("llama_gqa_tied"), max_num_seqs=2, enforce_eager=True, max_model_len=64,
+              max_logprobs=-1)  # vLLM's cap (20) refuses the whole vocabulary otherwise
     plain = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(
         temperature=0, max_tokens=3), use_tqdm=False)[0]
     assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None

@@ -17,6 +17,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from forwardkit.bench.generation import GenerateFn, GenerationResult, StreamProbe
+    from forwardkit.bench.generation import GenerateFn, GenerationResult
     from forwardkit.bench.llamacpp import LlamaCppGenerator
     from forwardkit.config.engine import EngineConfig
     from forwardkit.engine.llm import LLM
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     # what a contender's generate function keeps alive: a forwardkit ``LLM``, llama.cpp, or the
     # transformers model
     Contender: TypeAlias = LLM | LlamaCppGenerator | torch.nn.Module
+
+from forwardkit.commands.engine_flags import int_list, strict_int
 
 __all__ = ["add_generation_args", "run_generation"]
 
@@ -49,16 +52,6 @@ class Settings(TypedDict):
 QUICK: Settings = {"batch_sizes": [1, 4], "prompt_len": 16, "new_tokens": 4, "repeats": 1}
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return sorted(set(values))
-
-
 def add_generation_args(parser: argparse.ArgumentParser) -> None:
     """Add the ``--generation`` mode's flags to ``forwardkit bench``."""
     g = parser.add_argument_group("end-to-end generation (--generation)")
@@ -66,14 +59,18 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                    help="measure greedy generation end to end (decode tokens/s per batch size, "
                         "prefill tokens/s, time to first token, start-up, bandwidth use) for "
                         "eager, torch.compile, forwardkit and Hugging Face transformers generate")
-    g.add_argument("--batch-sizes", type=_int_list, default=None, metavar="LIST",
+    g.add_argument("--batch-sizes", type=int_list, default=None, metavar="LIST",
                    help="decode batch sizes (default 1,16; 1,4 with --quick)")
-    g.add_argument("--prompt-len", type=int, default=None, metavar="N",
+    g.add_argument("--prompt-len", type=strict_int, default=None, metavar="N",
                    help="prompt tokens per request (default 128; 16 with --quick)")
-    g.add_argument("--new-tokens", type=int, default=None, metavar="N",
+    g.add_argument("--new-tokens", type=strict_int, default=None, metavar="N",
                    help="decode tokens timed per request (default 32; 4 with --quick)")
-    g.add_argument("--repeats", type=int, default=None, metavar="N",
+    g.add_argument("--repeats", type=strict_int, default=None, metavar="N",
                    help="timed repeats per batch size, medians reported (default 3; 1 with --quick)")
+    g.add_argument("--bandwidth-probe", choices=("per-run", "once", "off"), default=None,
+                   help="the streaming-bandwidth roof of the BW use column: re-measured before "
+                        "every timed run (per-run, ~0.3 s each, 3 GiB held), measured once, or "
+                        "not at all (no BW use column) (default per-run; once with --quick)")
     g.add_argument("--profile", action="store_true",
                    help="instead of timing the contenders, take forwardkit's decode steps apart "
                         "per batch size: time per linear shape (incl. the LM head), attention, "
@@ -101,6 +98,7 @@ def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any
     ns.tensor_parallel_size = _tp_of(name)  # -tp N: only the "forwardkit tp=N" contender
     name = "forwardkit" if name.startswith("forwardkit") else name
     longest = s["prompt_len"] + s["new_tokens"] + 1
+    _check_length(ns, hf_config, longest)
     ns.max_model_len = ns.max_model_len or longest
     ns.max_num_seqs = max(s["batch_sizes"])
     ns.max_num_batched_tokens = max(ns.max_num_batched_tokens or 0, 512, ns.max_num_seqs)
@@ -109,10 +107,38 @@ def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any
     cfg = engine_config_from_args(ns, default_hf_config=hf_config)
     if cfg.model_config is None:  # max_model_len is set above, and that needs a model config
         raise RuntimeError("the generation benchmark's engine config has no model config")
+    from forwardkit.config.builder import check_fits_machine
+
     block = int(cfg.cache_config.block_size)
     blocks = ns.max_num_seqs * -(-cfg.model_config.get_max_model_len() // block) + 1
-    return dataclasses.replace(cfg, cache_config=dataclasses.replace(cfg.cache_config,
-                                                                     num_gpu_blocks=blocks))
+    sized = dataclasses.replace(cfg, cache_config=dataclasses.replace(cfg.cache_config,
+                                                                      num_gpu_blocks=blocks))
+    # every batch size gets its full KV cache: the largest one decides what is allocated
+    names = {"max_num_seqs": "--batch-sizes", "max_num_batched_tokens": "--max-num-batched-tokens",
+             "num_gpu_blocks": f"--batch-sizes {max(s['batch_sizes'])}"}
+    check_fits_machine(sized, names)
+    return sized
+
+
+def _check_length(ns: argparse.Namespace, hf_config: dict[str, Any] | None, longest: int) -> None:
+    """--prompt-len + --new-tokens (+1) must fit --max-model-len, or the model's limit when
+    that flag is not given; the error names the flags the user set."""
+    from forwardkit.config.args import engine_config_from_args
+
+    if ns.max_model_len is not None:
+        if longest > ns.max_model_len:
+            raise ValueError(f"--prompt-len + --new-tokens (+1) = {longest} tokens do not fit "
+                             f"--max-model-len "
+                             f"{ns.max_model_len}; lower them or raise --max-model-len")
+        return
+    probe = copy.copy(ns)
+    probe.tensor_parallel_size = None
+    model = engine_config_from_args(probe, default_hf_config=hf_config).require_model_config()
+    model_len = int(model.get_max_model_len())
+    if longest > model_len:
+        raise ValueError(f"--prompt-len + --new-tokens (+1) = {longest} tokens exceed the model's "
+                         f"max_position_embeddings ({model_len}); lower --prompt-len or "
+                         "--new-tokens")
 
 
 def _with_llamacpp(names: list[str], explicit: bool) -> list[str]:
@@ -255,15 +281,23 @@ def run_generation(args: argparse.Namespace) -> int:
         for b in s["batch_sizes"]:  # untimed: every compile and first-shape cost paid here
             fns[name]([[rng.randrange(vocab) for _ in range(s["prompt_len"])]] * b, 2)
     runner_cfg = _fk_model_info(keep)
-    stream = gen.measure_stream_bandwidth()  # 4 KiB and huge pages, once
-    probe = gen.StreamProbe()  # then re-measured right before every timed run
-    roofs = _timed_runs(fns, names, results, s, probe, rng, vocab, progress)
+    probe_mode = getattr(args, "bandwidth_probe", None) or ("once" if args.quick else "per-run")
+    stream: float | None = None
+    roof_fn: Callable[[], float] | None = None
+    if probe_mode != "off":
+        measured = gen.measure_stream_bandwidth()  # 4 KiB and huge pages, once
+        stream = measured
+        roof_fn = (lambda: measured) if probe_mode == "once" else gen.StreamProbe().probe
+    roofs = _timed_runs(fns, names, results, s, roof_fn, rng, vocab, progress)
+    del roof_fn  # the per-run probe's 3 GiB go before the report
     hf, itemsize, model_name = runner_cfg
     bytes_per_step = {b: weight_bytes_per_token(hf, itemsize, b) for b in s["batch_sizes"]}
     for r in results.values():
         for b in s["batch_sizes"]:
             decode_s = statistics.median(r.samples[f"decode_{b}"])
             r.decode_tok_s[b] = b * s["new_tokens"] / decode_s
+            if not roofs:  # --bandwidth-probe off
+                continue
             # each run against the bandwidth measured just before it, then the median
             r.bandwidth_use[b] = statistics.median(
                 bytes_per_step[b] * s["new_tokens"] / d / roof
@@ -271,7 +305,6 @@ def run_generation(args: argparse.Namespace) -> int:
         b0, b1 = min(s["batch_sizes"]), max(s["batch_sizes"])
         r.ttft_ms = statistics.median(r.samples[f"first_{b0}"]) * 1e3
         r.prefill_tok_s = b1 * s["prompt_len"] / statistics.median(r.samples[f"first_{b1}"])
-    del probe
     for obj in keep.values():  # TP workers end before the report (their cores come back)
         if not isinstance(obj, torch.nn.Module):  # LLM, llama.cpp
             obj.shutdown()
@@ -316,10 +349,12 @@ def _run_profile(args: argparse.Namespace, hf_config: dict[str, Any] | None,
 
 
 def _timed_runs(fns: dict[str, GenerateFn], names: list[str],
-                results: dict[str, GenerationResult], s: Settings, probe: StreamProbe,
-                rng: random.Random, vocab: int, progress: bool) -> list[float]:
+                results: dict[str, GenerationResult], s: Settings,
+                roof_fn: Callable[[], float] | None, rng: random.Random, vocab: int,
+                progress: bool) -> list[float]:
     """Every contender's timed generations per batch size, in rotating order; returns the
-    bandwidth measured before each (also kept per contender as ``roof_B`` samples)."""
+    bandwidth roof of each (also kept per contender as ``roof_B`` samples; none without
+    ``roof_fn``)."""
     from tqdm import tqdm
 
     from forwardkit.bench import generation as gen
@@ -332,9 +367,10 @@ def _timed_runs(fns: dict[str, GenerateFn], names: list[str],
         for rep in range(s["repeats"]):
             order = names[rep % len(names):] + names[: rep % len(names)]
             for name in order:
-                roof = max(probe.probe(), 1.0)
-                roofs.append(roof)
-                results[name].samples.setdefault(f"roof_{b}", []).append(roof)
+                if roof_fn is not None:
+                    roof = max(roof_fn(), 1.0)
+                    roofs.append(roof)
+                    results[name].samples.setdefault(f"roof_{b}", []).append(roof)
                 fns[name](prompts[:1], 1)  # untimed: brings the weights back into the caches
                 first, full = gen.time_generation(fns[name], prompts, s["new_tokens"])
                 results[name].samples.setdefault(f"first_{b}", []).append(first)
@@ -363,7 +399,7 @@ def _fk_model_info(keep: dict[str, Contender]) -> tuple[dict[str, Any], int, str
     raise ValueError("the generation benchmark needs at least one forwardkit LLM contender")
 
 
-def _report(results: dict[str, GenerationResult], s: Settings, stream: float,
+def _report(results: dict[str, GenerationResult], s: Settings, stream: float | None,
             bytes_per_step: dict[int, int], model_name: str, itemsize: int,
             roofs: list[float]) -> dict[str, Any]:
     import torch
@@ -390,9 +426,10 @@ def _report(results: dict[str, GenerationResult], s: Settings, stream: float,
         "prompt_len": s["prompt_len"],
         "new_tokens": s["new_tokens"],
         "repeats": s["repeats"],
-        "stream_gb_s": stream / 1e9,
-        "stream_gb_s_per_run": {"min": min(roofs) / 1e9, "median": statistics.median(roofs) / 1e9,
-                                "max": max(roofs) / 1e9},
+        "stream_gb_s": None if stream is None else stream / 1e9,
+        "stream_gb_s_per_run": None if not roofs else {
+            "min": min(roofs) / 1e9, "median": statistics.median(roofs) / 1e9,
+            "max": max(roofs) / 1e9},
         "weight_bytes_per_step": {str(b): v for b, v in bytes_per_step.items()},
         "machine": f"{host.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                    f"{torch.get_num_threads()} threads",
@@ -402,10 +439,11 @@ def _report(results: dict[str, GenerationResult], s: Settings, stream: float,
 
 def _format(report: dict[str, Any]) -> str:
     sizes = [str(b) for b in report["batch_sizes"]]
+    bw = report["stream_gb_s_per_run"] is not None
     head = (f"{'contender':<16}{'weights/rank GB':>16}{'startup s':>10}{'TTFT ms':>9}"
             f"{'prefill tok/s':>14}")
     for b in sizes:
-        head += f"{f'B={b} tok/s':>13}{'BW use':>8}"
+        head += f"{f'B={b} tok/s':>13}" + (f"{'BW use':>8}" if bw else "")
     has_ref = any("decode_speedup_vs_transformers" in c for c in report["contenders"].values())
     if has_ref:
         head += f"  {'vs transformers':>15}"
@@ -413,10 +451,7 @@ def _format(report: dict[str, Any]) -> str:
         f"\nforwardkit bench --generation: model {report['model']} ({report['dtype']}), "
         f"prompts of {report['prompt_len']} tokens, {report['new_tokens']} decode tokens timed, "
         f"median of {report['repeats']}",
-        f"machine: {report['machine']}; streaming bandwidth {report['stream_gb_s']:.1f} GB/s "
-        f"(best of a 1 GiB GEMV and a 1 GiB read), re-measured before each timed run: "
-        f"{report['stream_gb_s_per_run']['min']:.1f}-{report['stream_gb_s_per_run']['max']:.1f} GB/s; "
-        "weight bytes per decode step "
+        f"machine: {report['machine']}; {_bandwidth_note(report)}; weight bytes per decode step "
         + ", ".join(f"B={b}: {int(v) / 1e9:.2f} GB" for b, v in report["weight_bytes_per_step"].items()),
         "", head, "-" * len(head)]
     for name, c in report["contenders"].items():
@@ -424,16 +459,30 @@ def _format(report: dict[str, Any]) -> str:
         row = (f"{name:<16}{max(per_rank) / 1e9:>16.3f}{c['startup_s']:>10.1f}"
                f"{c['ttft_ms']:>9.0f}{c['prefill_tok_s']:>14.0f}")
         for b in sizes:
-            row += f"{c['decode_tok_s'][b]:>13.1f}{c['bandwidth_use'][b]:>8.0%}"
+            row += f"{c['decode_tok_s'][b]:>13.1f}"
+            if bw:
+                row += f"{c['bandwidth_use'][b]:>8.0%}"
         if has_ref:
             ratio = c.get("decode_speedup_vs_transformers", {})
             row += f"  {' / '.join(f'{ratio[b]:.2f}x' for b in sizes):>15}"
         lines.append(row)
     lines.extend(_tp_lines(report))
-    lines.append("\nBW use = weight bytes one decode step reads / step time / the streaming bandwidth "
-                 "measured just before that run (median over runs); "
-                 "vs transformers = decode tokens/s ratio per batch size")
+    if bw:
+        lines.append("\nBW use = weight bytes one decode step reads / step time / the streaming "
+                     "bandwidth measured for that run (median over runs)")
+    lines.append("vs transformers = decode tokens/s ratio per batch size")
     return "\n".join(lines)
+
+
+def _bandwidth_note(report: dict[str, Any]) -> str:
+    per_run = report["stream_gb_s_per_run"]
+    if per_run is None:
+        return "streaming bandwidth not measured (--bandwidth-probe off)"
+    note = (f"streaming bandwidth {report['stream_gb_s']:.1f} GB/s (best of a 1 GiB GEMV and a "
+            "1 GiB read)")
+    if per_run["min"] == per_run["max"] == report["stream_gb_s"]:
+        return note + ", measured once"
+    return note + f", re-measured before each timed run: {per_run['min']:.1f}-{per_run['max']:.1f} GB/s"
 
 
 def _tp_lines(report: dict[str, Any]) -> list[str]:

@@ -46,42 +46,54 @@ class Step:
         return {"query_lens": list(self.query_lens), "context_lens": list(self.context_lens)}
 
 
-def _decode(rng: random.Random, batch: int) -> Step:
-    return Step((1,) * batch, tuple(rng.randint(16, 384) for _ in range(batch)))
+def _decode(rng: random.Random, batch: int, max_len: int = 1 << 30) -> Step:
+    # contexts up to max_len - 1, so that context + the new token fit the model
+    top = min(384, max_len - 1)
+    return Step((1,) * batch, tuple(rng.randint(min(16, top), top) for _ in range(batch)))
 
 
 def _prefill(rng: random.Random, chunk: int, context: int = 0) -> Step:
     return Step((chunk,), (context,))
 
 
-def _mixed(rng: random.Random, decodes: int, chunk: int) -> Step:
-    step = _decode(rng, decodes)
-    return Step(step.query_lens + (chunk,), step.context_lens + (rng.choice((0, 64, 128)),))
+def _mixed(rng: random.Random, decodes: int, chunk: int, max_len: int = 1 << 30) -> Step:
+    step = _decode(rng, decodes, max_len)
+    contexts = [c for c in (0, 64, 128) if c + chunk <= max_len] or [0]
+    return Step(step.query_lens + (chunk,), step.context_lens + (rng.choice(contexts),))
 
 
-def make_trace(name: str, num_steps: int, seed: int = 0, max_tokens: int = 512) -> list[Step]:
+def make_trace(name: str, num_steps: int, seed: int = 0, max_tokens: int = 512,
+               max_len: int | None = None) -> list[Step]:
     """A built-in trace: ``decode-heavy`` (7 of 8 steps decode), ``prefill-heavy`` (3 of 4
     steps prefill chunks) or ``mixed`` (decodes plus a prefill chunk in one step).
 
-    Token counts never exceed ``max_tokens`` (the engine's ``max_num_batched_tokens``).
+    Token counts never exceed ``max_tokens`` (the engine's ``max_num_batched_tokens``), and no
+    request's context + scheduled tokens exceed ``max_len`` (the model's ``max_model_len``).
     """
     if name not in BUILTIN_TRACES:
         raise ValueError(f"unknown trace {name!r}; expected one of {list(BUILTIN_TRACES)} or a JSON file")
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    limit = 1 << 30 if max_len is None else max_len
+    if limit < 2:
+        raise ValueError(f"max_len must be >= 2 (a context and a new token), got {max_len}")
     rng = random.Random(seed)
     decodes = [b for b in _DECODE_BATCHES if b <= max_tokens]
-    chunks = [c for c in _PREFILL_CHUNKS if c <= max_tokens] or [max_tokens]
+    cap = min(max_tokens, limit)
+    chunks = [c for c in _PREFILL_CHUNKS if c <= cap] or [cap]
     steps: list[Step] = []
     for i in range(num_steps):
         if name == "decode-heavy":
-            step = _prefill(rng, rng.choice(chunks)) if i % 8 == 7 else _decode(rng, rng.choice(decodes))
+            step = (_prefill(rng, rng.choice(chunks)) if i % 8 == 7
+                    else _decode(rng, rng.choice(decodes), limit))
         elif name == "prefill-heavy":
-            step = _decode(rng, rng.choice(decodes)) if i % 4 == 3 else _prefill(rng, rng.choice(chunks))
+            step = (_decode(rng, rng.choice(decodes), limit) if i % 4 == 3
+                    else _prefill(rng, rng.choice(chunks)))
         else:
             batch = rng.choice(decodes[:5])
-            chunk = rng.choice([c for c in chunks if c + batch <= max_tokens] or [max_tokens - batch])
-            step = _mixed(rng, batch, chunk) if chunk > 0 else _decode(rng, batch)
+            chunk = rng.choice([c for c in chunks if c + batch <= max_tokens]
+                               or [min(max_tokens - batch, limit)])
+            step = _mixed(rng, batch, chunk, limit) if chunk > 0 else _decode(rng, batch, limit)
         steps.append(step)
     return steps
 
@@ -114,14 +126,16 @@ def _step_from_json(entry: object, index: int, path: str) -> Step:
     return Step(tuple(query), tuple(context))
 
 
-def load_trace(name_or_path: str, num_steps: int, seed: int = 0, max_tokens: int = 512) -> list[Step]:
-    """A built-in trace by name, or a JSON file holding a list of steps.
+def load_trace(name_or_path: str, num_steps: int, seed: int = 0, max_tokens: int = 512,
+               max_len: int | None = None) -> list[Step]:
+    """A built-in trace by name, or a JSON file holding a list of steps (``max_len``: the
+    model's ``max_model_len``; a file step beyond it is refused).
 
     In a file, each step is either an int (a decode batch of that many requests when <= 64,
     else one prefill chunk of that many tokens) or ``{"query_lens": [...], "context_lens": [...]}``.
     """
     if name_or_path in BUILTIN_TRACES:
-        return make_trace(name_or_path, num_steps, seed, max_tokens)
+        return make_trace(name_or_path, num_steps, seed, max_tokens, max_len)
     if not os.path.isfile(name_or_path):
         raise ValueError(
             f"trace {name_or_path!r} is neither a built-in trace {list(BUILTIN_TRACES)} nor a file"
@@ -138,6 +152,13 @@ def load_trace(name_or_path: str, num_steps: int, seed: int = 0, max_tokens: int
     if too_big:
         raise ValueError(
             f"{name_or_path}: step {too_big[0]} has {steps[too_big[0]].num_tokens} tokens, above "
-            f"max_num_batched_tokens={max_tokens}"
+            f"--max-num-batched-tokens {max_tokens}"
         )
+    if max_len is not None:
+        for i, step in enumerate(steps):
+            longest = max(q + c for q, c in zip(step.query_lens, step.context_lens))
+            if longest > max_len:
+                raise ValueError(f"{name_or_path}: step {i} reaches position {longest}, beyond the "
+                                 f"model's max_model_len {max_len} (raise --max-model-len up to "
+                                 "the model's max_position_embeddings, or shorten the step)")
     return steps

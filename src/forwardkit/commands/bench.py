@@ -18,11 +18,7 @@ from typing import TYPE_CHECKING, Any
 from forwardkit.bench.generation_cli import add_generation_args, run_generation
 from forwardkit.bench.prefix_workloads import add_workload_args, run_workloads
 from forwardkit.bench.trace import BUILTIN_TRACES
-from forwardkit.config.model_shapes import (
-    BUILTIN_MODEL_SHAPE,
-    model_shape_config,
-    model_shape_names,
-)
+from forwardkit.commands.engine_flags import strict_int
 
 if TYPE_CHECKING:
     from forwardkit.bench.report import BenchReport
@@ -30,6 +26,9 @@ if TYPE_CHECKING:
 __all__ = ["register", "run"]
 
 DEFAULT_STEPS, QUICK_STEPS = 160, 32
+# the named shapes of forwardkit.config.model_shapes, for --help without importing the config
+# package (torch); a test keeps the two equal
+MODEL_SHAPE_NAMES = ("default", "default-moe", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mixtral-small")
 DEFAULT_WARMUP, QUICK_WARMUP = 16, 8
 DP_TIMEOUT_S = 3600.0
 
@@ -88,7 +87,7 @@ def _bench_rank(rank: int, nprocs: int, port: int | None, args: argparse.Namespa
         init_distributed(tensor_parallel_size=tp)
     try:
         steps = load_trace(args.trace, steps_n, seed=args.seed + dp_rank,
-                           max_tokens=args.max_num_batched_tokens)
+                           max_tokens=args.max_num_batched_tokens, max_len=args.trace_max_len)
         report = run_bench(args, names, steps, trace_name=f"{args.trace} (rank {rank} of {nprocs})",
                            hf_config=hf_config, warmup_steps=warmup, seed=args.seed + dp_rank,
                            progress=rank == 0 and not args.no_progress)
@@ -117,7 +116,7 @@ def register(
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand."""
-    from forwardkit.config.args import add_engine_args
+    from forwardkit.commands.engine_flags import add_engine_args
 
     parser = subparsers.add_parser(
         "bench",
@@ -128,15 +127,11 @@ def register(
                     "interleaved step by step, and report median/p99 step latency, tokens/s, "
                     "speed-up over eager, start-up time, recompilations and padding.",
     )
-    add_engine_args(parser)
-    parser.add_argument("--quantization", default=None, metavar="FORMAT",
-                        help="quantize the attention/MLP projections on load: q8_0, q4_0 or q4_1 "
-                             "(embeddings and the LM head stay in --dtype)")
-    parser.set_defaults(max_num_batched_tokens=512, max_num_seqs=64)
+    add_engine_args(parser, max_num_seqs=64, max_num_batched_tokens=512)
     g = parser.add_argument_group("benchmark")
     g.add_argument("--model-shape", default=None, metavar="NAME",
                    help=f"a real architecture's shape with seeded random weights, no download: "
-                        f"{', '.join(model_shape_names())} (instead of --model)")
+                        f"{', '.join(MODEL_SHAPE_NAMES)} (instead of --model)")
     add_generation_args(parser)
     add_workload_args(parser)
     g.add_argument("--trace", default="decode-heavy", metavar="NAME|FILE",
@@ -144,10 +139,10 @@ def register(
                         "JSON file with a list of steps (an int = tokens in the step: a decode batch "
                         "when <= 64, else a prefill chunk; or {\"query_lens\": [...], "
                         "\"context_lens\": [...]})")
-    g.add_argument("--steps", type=int, default=None, metavar="N",
+    g.add_argument("--steps", type=strict_int, default=None, metavar="N",
                    help=f"timed steps of a built-in trace (default {DEFAULT_STEPS}; {QUICK_STEPS} "
                         "with --quick)")
-    g.add_argument("--warmup-steps", type=int, default=None, metavar="N",
+    g.add_argument("--warmup-steps", type=strict_int, default=None, metavar="N",
                    help=f"untimed steps before timing (default {DEFAULT_WARMUP}; {QUICK_WARMUP} with --quick)")
     g.add_argument("--contenders", type=_contender_list, default=None, metavar="LIST",
                    help="comma-separated subset of eager,torch.compile,forwardkit (default: all); "
@@ -156,7 +151,7 @@ def register(
                         "(forwardkit with --enable-dbo; in the default list then)")
     g.add_argument("--quick", action="store_true",
                    help="a short run for smoke tests (fewer steps)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the trace and token ids (default 0)")
+    g.add_argument("--seed", type=strict_int, default=0, help="seed of the trace and token ids (default 0)")
     g.add_argument("--json", dest="json_path", default=None, metavar="FILE",
                    help="also write the figures as JSON to FILE")
     g.add_argument("--plot", dest="plot_path", default=None, metavar="FILE.png",
@@ -164,6 +159,38 @@ def register(
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
     return parser
+
+
+def _check_mode_flags(args: argparse.Namespace) -> None:
+    """Refuse flags the chosen mode would silently ignore."""
+    if not args.generation:
+        for flag, value in (("--profile", args.profile), ("--batch-sizes", args.batch_sizes),
+                            ("--prompt-len", args.prompt_len), ("--new-tokens", args.new_tokens),
+                            ("--repeats", args.repeats),
+                            ("--bandwidth-probe", args.bandwidth_probe)):
+            if value not in (None, False):
+                raise ValueError(f"{flag} needs --generation (the step trace does not use it)")
+    else:
+        for flag, value in (("--steps", args.steps), ("--warmup-steps", args.warmup_steps),
+                            ("--plot", args.plot_path)):
+            if value is not None:
+                raise ValueError(f"{flag} is a step-trace flag; --generation does not use it")
+        if args.trace != "decode-heavy":
+            raise ValueError("--trace is a step-trace flag; --generation does not use it")
+    if args.trace not in BUILTIN_TRACES and not os.path.isfile(args.trace):
+        raise ValueError(f"trace {args.trace!r} is neither a built-in trace "
+                         f"{list(BUILTIN_TRACES)} nor a file")
+    if args.steps is not None and args.trace not in BUILTIN_TRACES:
+        raise ValueError(f"--steps sets the length of a built-in trace; the file {args.trace!r} "
+                         "runs all its steps")
+
+
+def _model_len(args: argparse.Namespace, hf_config: dict[str, Any] | None) -> int:
+    """The max_model_len the engine will run with (--max-model-len, else the model's)."""
+    from forwardkit.config.args import engine_config_from_args
+
+    cfg = engine_config_from_args(args, default_hf_config=hf_config)  # bad flags fail here
+    return int(cfg.require_model_config().get_max_model_len())
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -192,9 +219,9 @@ def run(args: argparse.Namespace) -> int:
     from forwardkit.bench.contenders import CONTENDER_NAMES, DBO_CONTENDER
     from forwardkit.bench.harness import run_bench
     from forwardkit.bench.trace import load_trace
-    from forwardkit.config.args import engine_config_from_args
 
     _check(args)
+    _check_mode_flags(args)
     if args.model_shape is not None and args.model is not None:
         raise ValueError(f"give --model or --model-shape, not both (got {args.model!r} and "
                          f"{args.model_shape!r})")
@@ -213,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
     steps_n = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     warmup = args.warmup_steps if args.warmup_steps is not None else (
         QUICK_WARMUP if args.quick else DEFAULT_WARMUP)
+    from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
+
     hf_config = None
     if args.model is None:
         hf_config = model_shape_config(args.model_shape or BUILTIN_MODEL_SHAPE)
@@ -222,12 +251,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--contenders {only_generation} needs --generation (the step trace "
                              "runs forwardkit's model runner); step-trace contenders: "
                              f"{','.join(CONTENDER_NAMES)}")
-    steps = load_trace(args.trace, steps_n, seed=args.seed, max_tokens=args.max_num_batched_tokens)
     tp = int(args.tensor_parallel_size or 1)
+    if dp > 1:
+        hf_config = _prepare_dp(args, hf_config)
+    args.trace_max_len = _model_len(args, hf_config)  # bad flags fail before any build / spawn
+    steps = load_trace(args.trace, steps_n, seed=args.seed, max_tokens=args.max_num_batched_tokens,
+                       max_len=args.trace_max_len)
     if dp > 1 or tp > 1:
-        if dp > 1:
-            hf_config = _prepare_dp(args, hf_config)
-        engine_config_from_args(args, default_hf_config=hf_config)  # bad flags fail before spawning
         job = (args, names, steps_n, warmup, hf_config)
         if _under_torchrun(dp * tp):
             report = _bench_rank(int(os.environ["RANK"]), dp * tp, None, *job)
@@ -242,7 +272,6 @@ def run(args: argparse.Namespace) -> int:
             assert first is not None  # rank 0 returns its report
             report = first
     else:
-        engine_config_from_args(args, default_hf_config=hf_config)  # bad flags fail before any build
         report = run_bench(args, names, steps, trace_name=args.trace, hf_config=hf_config,
                            warmup_steps=warmup, seed=args.seed, progress=not args.no_progress)
     out = sys.stdout

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from forwardkit.config.args import add_engine_args, engine_config_from_args
-from forwardkit.config.engine import EngineConfig
+from forwardkit.commands.engine_flags import add_engine_args
+
+if TYPE_CHECKING:
+    from forwardkit.config.engine import EngineConfig
 
 __all__ = ["padding_runs", "register", "summarize"]
 
@@ -41,15 +43,32 @@ def summarize(cfg: EngineConfig) -> dict[str, Any]:
     """The resolved facts ``forwardkit config`` shows, as JSON-able values."""
     cc = cfg.compilation_config
     model = cfg.require_model_config()
+    pc, sched = cfg.parallel_config, cfg.scheduler_config
     return {
         "optimization_level": f"O{int(cfg.optimization_level)}",
         "platform": cfg.platform.name,
         "model": model.model or "(built-in default model)",
         "architectures": model.architectures,
-        "max_num_seqs": cfg.scheduler_config.max_num_seqs,
-        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
-        "data_parallel_size": cfg.parallel_config.data_parallel_size,
-        "mode": None if cc.mode is None else cc.mode.name,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "max_model_len": model.max_model_len,
+        "enforce_eager": model.enforce_eager,
+        "max_num_seqs": sched.max_num_seqs,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "enable_chunked_prefill": sched.enable_chunked_prefill,
+        "block_size": cfg.cache_config.block_size,
+        "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
+        "tensor_parallel_size": pc.tensor_parallel_size,
+        "data_parallel_size": pc.data_parallel_size,
+        "data_parallel_rank": pc.data_parallel_rank,
+        "enable_expert_parallel": pc.enable_expert_parallel,
+        "all2all_backend": pc.all2all_backend,
+        "enable_dbo": pc.enable_dbo,
+        "ubatch_size": pc.ubatch_size,
+        "dbo_decode_token_threshold": pc.dbo_decode_token_threshold,
+        "dbo_prefill_token_threshold": pc.dbo_prefill_token_threshold,
+        # the mode that runs: NONE when the model runs eagerly whatever the config's mode says
+        "mode": _running_mode(cfg),
+        "configured_mode": None if cc.mode is None else cc.mode.name,
         "cudagraph_mode": None if cc.cudagraph_mode is None else cc.cudagraph_mode.name,
         "cudagraph_capture_sizes": cc.cudagraph_capture_sizes,
         "max_cudagraph_capture_size": cc.max_cudagraph_capture_size,
@@ -66,17 +85,40 @@ def summarize(cfg: EngineConfig) -> dict[str, Any]:
     }
 
 
+def _running_mode(cfg: EngineConfig) -> str | None:
+    """The compilation mode the model really runs with (NONE when it runs eagerly)."""
+    mode = cfg.compilation_config.mode
+    if mode is None:
+        return None
+    return mode.name if cfg.compiles_model or int(mode) == 0 else "NONE"
+
+
 def _text(info: dict[str, Any], cfg: EngineConfig) -> str:
     cc = cfg.compilation_config
-    mode = "None" if cc.mode is None else f"{cc.mode.name} ({int(cc.mode)})"
+    running = info["mode"]
+    mode = "None" if running is None else f"{running} ({0 if running == 'NONE' else int(cc.mode or 0)})"
+    if info["configured_mode"] not in (None, running):
+        mode += f" (the config says {info['configured_mode']}; --enforce-eager runs the model eagerly)"
     passes = ", ".join(f"{k}={v}" for k, v in info["pass_config"].items() if v not in (None, False)) or "none"
     rows = [
         ("optimization level", info["optimization_level"]),
         ("platform", info["platform"]),
         ("model", f"{info['model']} {info['architectures']}" if info["model"] else "none"),
+        ("dtype", info["dtype"]),
+        ("max model len", info["max_model_len"]),
+        ("enforce eager", info["enforce_eager"]),
         ("batch limits", f"max_num_seqs={info['max_num_seqs']} "
-                         f"max_num_batched_tokens={info['max_num_batched_tokens']}"),
-        ("data parallel size", info["data_parallel_size"]),
+                         f"max_num_batched_tokens={info['max_num_batched_tokens']} "
+                         f"chunked_prefill={info['enable_chunked_prefill']}"),
+        ("KV cache", f"block_size={info['block_size']} num_gpu_blocks="
+                     f"{info['num_gpu_blocks'] if info['num_gpu_blocks'] is not None else 'auto'}"),
+        ("parallel", f"tp={info['tensor_parallel_size']} dp={info['data_parallel_size']} "
+                     f"dp_rank={info['data_parallel_rank']} "
+                     f"expert_parallel={info['enable_expert_parallel']} "
+                     f"all2all={info['all2all_backend']}"),
+        ("micro-batching", f"dbo={info['enable_dbo']} ubatch_size={info['ubatch_size']} "
+                           f"thresholds decode={info['dbo_decode_token_threshold']} "
+                           f"prefill={info['dbo_prefill_token_threshold']}"),
         ("mode", mode),
         ("backend", info["backend"]),
         ("cudagraph mode", info["cudagraph_mode"]),
@@ -97,6 +139,8 @@ def _text(info: dict[str, Any], cfg: EngineConfig) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Resolve the config from ``args`` and print it (text or ``--json``)."""
+    from forwardkit.config.args import engine_config_from_args
+
     cfg = engine_config_from_args(args)
     info = summarize(cfg)
     print(json.dumps(info, indent=2) if args.json else _text(info, cfg))

@@ -1,6 +1,7 @@
 """vLLM-style engine arguments, shared by ``forwardkit config``, ``generate`` and ``bench``.
 
-``add_engine_args(parser)`` adds the flags; ``engine_config_from_args(ns)`` turns the parsed
+``forwardkit.commands.engine_flags.add_engine_args(parser)`` adds the flags (without importing
+torch, so ``forwardkit --help`` is quick); ``engine_config_from_args(ns)`` here turns the parsed
 namespace into a resolved :class:`~forwardkit.config.engine.EngineConfig`. Accepted forms::
 
     -O3   -O 3   -O=3   --optimization-level 3          optimisation level O0..O3
@@ -18,168 +19,19 @@ import argparse
 import dataclasses
 import json
 import re
-import sys
-from collections.abc import Sequence
 from typing import Any
 
 from forwardkit.config.builder import build_engine_config, one_line_error
-from forwardkit.config.cache import HASH_ALGOS
 from forwardkit.config.compilation import CompilationConfig, CompilationMode
 from forwardkit.config.engine import EngineConfig, OptimizationLevel
-from forwardkit.config.parallel import ALL2ALL_BACKENDS
-from forwardkit.config.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from forwardkit.config.utils import short_repr
 
 __all__ = [
-    "add_engine_args",
+    "FLAG_NAMES",
     "compilation_overrides_from_args",
     "engine_config_from_args",
-    "normalize_engine_argv",
     "one_line_error",
 ]
-
-_DOTTED = re.compile(r"^(?:-cc|--compilation-config|-O)\.(.*)$")
-_NUMBER = re.compile(r"^-?\d+(\.\d*)?$")
-
-
-def normalize_engine_argv(argv: Sequence[str]) -> list[str]:
-    """Rewrite ``-cc.k=v`` / ``--compilation-config.k=v`` to ``-O.k=v`` (argparse can't match them).
-
-    As in vLLM, the value may also follow as the next token (``-cc.mode 3``), unless that
-    token is another flag. Tokens after a literal ``--`` are left alone.
-    """
-    out: list[str] = []
-    rest = False
-    tokens = list(argv)
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        i += 1
-        if not rest and token == "--":
-            rest = True
-        match = None if rest else _DOTTED.match(token)
-        if not match:
-            out.append(token)
-            continue
-        key = match.group(1)
-        if "=" not in key and i < len(tokens) and tokens[i] != "--" and (
-                not tokens[i].startswith("-") or _NUMBER.match(tokens[i])):
-            key = f"{key}={tokens[i]}"
-            i += 1
-        out.append(f"-O.{key}")
-    return out
-
-
-def _install_normalizer(parser: argparse.ArgumentParser) -> None:
-    original = parser.parse_known_args
-
-    def parse_known_args(args: Sequence[str] | None = None, namespace: Any = None) -> Any:
-        argv = sys.argv[1:] if args is None else args
-        return original(normalize_engine_argv(list(argv)), namespace)
-
-    # NOTE: set on the instance, so it also runs when this parser is a subcommand parser
-    # (argparse calls the subparser's parse_known_args with the remaining tokens).
-    parser.parse_known_args = parse_known_args  # type: ignore[method-assign,assignment]  # instance patch
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """argparse type: a number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    """A flag value that must be a JSON object."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the engine flags (model, batch limits, parallelism, optimisation, compilation)."""
-    _install_normalizer(parser)
-    g = parser.add_argument_group("engine configuration")
-    g.add_argument("--model", default=None, metavar="DIR",
-                   help="local Hugging Face checkpoint directory (config.json + safetensors); "
-                        "default: the built-in small model")
-    g.add_argument("--dtype", default=None,
-                   help="model dtype: auto (from config.json), float32, bfloat16 or float16")
-    g.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
-                   help="longest sequence (default: max_position_embeddings of the model)")
-    g.add_argument("--max-num-seqs", type=positive_int, default=None, metavar="N",
-                   help=f"most requests per step (default {DEFAULT_MAX_NUM_SEQS})")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
-                   help=f"most tokens per step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, at least "
-                        "max-num-seqs)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="split long prompts over several steps (default on); with "
-                        "--no-enable-chunked-prefill max-num-batched-tokens defaults to at least "
-                        "max-model-len")
-    g.add_argument("--block-size", type=positive_int, default=None, metavar="N",
-                   help="tokens per KV-cache block (default 16)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse the KV of prompt prefixes already computed (default on)")
-    g.add_argument("--prefix-caching-hash-algo", default=None,
-                   choices=HASH_ALGOS,
-                   help="how full KV blocks are hashed for prefix caching (default sha256)")
-    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (default off)')
-    g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=None, metavar="N",
-                   help="data-parallel replicas (default 1)")
-    g.add_argument("--data-parallel-rank", type=int, default=None, metavar="R",
-                   help="this process's data-parallel rank (default 0)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None, metavar="N",
-                   help="tensor-parallel ranks (default 1; used for sequence-parallel sizes)")
-    g.add_argument("--enable-expert-parallel", action="store_true",
-                   help="shard MoE experts over data-parallel ranks")
-    g.add_argument("--all2all-backend", choices=ALL2ALL_BACKENDS, default=None,
-                   help="MoE all-to-all backend (default allgather_reducescatter)")
-    g.add_argument("--enable-dbo", action="store_true",
-                   help="dual-batch overlap: with data parallelism, split a step every DP rank "
-                        "agrees on into two micro-batches so one's MoE communication overlaps "
-                        "the other's compute")
-    g.add_argument("--ubatch-size", type=int, default=None, metavar="N",
-                   help="micro-batches per step when > 1 (without --enable-dbo; default 0)")
-    g.add_argument("--dbo-decode-token-threshold", type=positive_int, default=None, metavar="N",
-                   help="micro-batch a decode-only step from N tokens (default 32)")
-    g.add_argument("--dbo-prefill-token-threshold", type=positive_int, default=None, metavar="N",
-                   help="micro-batch a step with a prefill from N tokens (default 512)")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="no torch.compile and no CUDA graphs (forces -O0)")
-    g.add_argument("--platform", choices=("cuda", "cpu"), default=None,
-                   help="resolve for this platform (default: detected); 'cuda' works without a GPU "
-                        "for inspecting configs")
-    g.add_argument("-O", "--optimization-level", dest="engine_O", action="append", default=[],
-                   metavar="LEVEL|.KEY=VALUE",
-                   help="optimisation level 0-3 (-O3, -O 3, -O=3; default 2), or a dotted "
-                        "compilation-config key: -O.cudagraph_mode=FULL, -O.pass_config.eliminate_noops=false")
-    g.add_argument("--compilation-config", "-cc", dest="compilation_config", default=None,
-                   metavar="JSON",
-                   help="compilation config as a JSON object, e.g. '{\"mode\": 3, "
-                        "\"cudagraph_capture_sizes\": [1, 2, 4]}'; single keys: -cc.KEY=VALUE")
-    return parser
-
 
 def _parse_value(text: str) -> Any:
     try:
@@ -239,6 +91,9 @@ def compilation_overrides_from_args(ns: argparse.Namespace) -> tuple[int | None,
                 f"invalid -O value {item!r}; expected a level 0-3 (-O3, -O 3, -O=3) or "
                 "-O.KEY=VALUE"
             )
+    mode = config.get("mode")
+    if isinstance(mode, str) and re.fullmatch(r"[0-9]+", mode.strip()):
+        config["mode"] = int(mode)  # "3" as -O.mode=3 takes it
     _check_compilation_keys(config)
     return level, config
 
@@ -251,13 +106,20 @@ def _check_compilation_keys(config: dict[str, Any]) -> None:
 
 
 # How the CLI spells build_engine_config's arguments, for its error messages.
-_FLAG_NAMES = {
+FLAG_NAMES = {
     "model": "--model DIR",
     "dtype": "--dtype",
     "max_model_len": "--max-model-len",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "block_size": "--block-size",
+    "all2all_backend": "--all2all-backend",
     "enforce_eager": "--enforce-eager",
     "compilation_config": "compilation-config",
     "quantization": "--quantization",
+    "enable_prefix_caching": "--enable-prefix-caching",
+    "prefix_caching_hash_algo": "--prefix-caching-hash-algo",
+    "speculative_config": "--speculative-config",
 }
 
 
@@ -288,7 +150,7 @@ def engine_config_from_args(ns: argparse.Namespace, *,
         prefix_caching_hash_algo=getattr(ns, "prefix_caching_hash_algo", None),
         speculative_config=getattr(ns, "speculative_config", None),
         platform=getattr(ns, "platform", None),
-        arg_names=_FLAG_NAMES,
+        arg_names=FLAG_NAMES,
         quantization=getattr(ns, "quantization", None),
         data_parallel_size=getattr(ns, "data_parallel_size", None),
         data_parallel_rank=getattr(ns, "data_parallel_rank", None),

@@ -34,12 +34,14 @@ from pydantic import ValidationError
 from forwardkit.config.cache import CacheConfig, check_hash_algo
 from forwardkit.config.compilation import CompilationConfig
 from forwardkit.config.engine import EngineConfig
+from forwardkit.config.engine_args import ENGINE_ARGS, LLM_LEVEL_ARGS, screen_engine_args
 from forwardkit.config.model import QUANTIZATION_FORMATS, ModelConfig
 from forwardkit.config.model_shapes import (
     BUILTIN_MODEL_SHAPE,
     model_shape_config,
     model_shape_names,
 )
+from forwardkit.config.observability import ObservabilityConfig
 from forwardkit.config.parallel import ParallelConfig
 from forwardkit.config.scheduler import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -53,7 +55,8 @@ from forwardkit.platforms import Platform, current_platform, platform_by_name
 
 logger = init_logger(__name__)
 
-__all__ = ["build_engine_config", "default_batch_limits", "engine_kwarg_names", "one_line_error"]
+__all__ = ["build_engine_config", "check_fits_machine", "default_batch_limits", "engine_kwarg_names",
+           "machine_memory_bytes", "one_line_error"]
 
 # Named arguments of build_engine_config that are also config fields (not routed by name).
 _NAMED_PARALLEL = frozenset({"data_parallel_size"})
@@ -75,10 +78,27 @@ def _init_fields(cls: type) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(cls) if f.init)
 
 
+# Named arguments of build_engine_config that are CacheConfig fields.
+_NAMED_CACHE = frozenset({"block_size", "num_gpu_blocks", "enable_prefix_caching",
+                          "prefix_caching_hash_algo"})
+# Engine arguments that are compilation-config keys (vLLM takes them at the top level too).
+_COMPILATION_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
+
+
 def engine_kwarg_names() -> tuple[frozenset[str], frozenset[str]]:
     """(ParallelConfig, SchedulerConfig) field names ``build_engine_config`` takes as ``**kwargs``."""
     return (_init_fields(ParallelConfig) - _NAMED_PARALLEL,
             _init_fields(SchedulerConfig) - _NAMED_SCHEDULER)
+
+
+def routed_field_names() -> dict[str, frozenset[str]]:
+    """Config fields ``build_engine_config`` routes from its ``**kwargs`` by name, per config
+    (a field added to one of these configs is taken at once, and needs a row in the
+    engine-argument table)."""
+    parallel, scheduler = engine_kwarg_names()
+    return {"parallel": parallel, "scheduler": scheduler,
+            "cache": _init_fields(CacheConfig) - _NAMED_CACHE,
+            "observability": _init_fields(ObservabilityConfig)}
 
 
 def default_batch_limits(max_num_seqs: int | None, max_num_batched_tokens: int | None, *,
@@ -103,6 +123,23 @@ def _resolve_platform(platform: str | Platform | None) -> Platform:
         raise ValueError(f"platform must be a Platform, 'cuda', 'cpu' or None, got "
                          f"{short_repr(platform)} ({type(platform).__name__})")
     return platform
+
+
+def _with_compilation_keys(value: Any, keys: Mapping[str, Any], label: str) -> Any:
+    """``value`` (a compilation config in any accepted form) with top-level engine arguments
+    that are compilation keys (``cudagraph_capture_sizes``, ...) merged in; a key set both
+    ways is refused."""
+    if isinstance(value, str):
+        value = CompilationConfig.from_cli(value).to_dict() if value.strip() else None
+    if isinstance(value, CompilationConfig):
+        raise ValueError(f"give {', '.join(keys)} inside {label} (a CompilationConfig "
+                         "instance) or as arguments, not both")
+    merged = dict(value or {})
+    both = sorted(set(merged) & set(keys))
+    if both:
+        raise ValueError(f"{both[0]} is given both as an argument and in {label}")
+    merged.update(keys)
+    return merged
 
 
 def _compilation(value: Any, platform: Platform, label: str) -> CompilationConfig:
@@ -131,7 +168,7 @@ def build_engine_config(
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
-    enable_chunked_prefill: bool = True,
+    enable_chunked_prefill: bool | None = True,
     enforce_eager: bool = False,
     compilation_config: CompilationConfig | Mapping[str, Any] | str | None = None,
     optimization_level: int | None = None,
@@ -171,10 +208,14 @@ def build_engine_config(
             (the CLI maps ``dtype`` to ``--dtype``); unmapped names are used as they are.
         quantization: block format the attention/MLP projections are quantized to on load
             (``q8_0``, ``q4_0``, ``q4_1``; ``ModelConfig.quantization``); None = none.
-        **kwargs: ``ParallelConfig`` / ``SchedulerConfig`` fields (see :func:`engine_kwarg_names`).
+        **kwargs: the other engine arguments of vLLM, as the table in
+            ``config/engine_args.py`` says: acting ones are routed to ``ParallelConfig`` /
+            ``SchedulerConfig`` / ``CacheConfig`` / ``ObservabilityConfig`` by field name (see
+            :func:`routed_field_names`) or into the compilation config; no-ops are dropped;
+            refused ones raise unless left at a value that changes nothing.
 
     Raises:
-        TypeError: an unknown keyword argument (the message lists the accepted ones).
+        TypeError: a name that is no engine argument (vLLM's or forwardkit's).
         ValueError: any invalid value, as one line naming the argument or field.
     """
     if arg_names is not None and not (isinstance(arg_names, Mapping)
@@ -186,6 +227,16 @@ def build_engine_config(
     def label(name: str) -> str:
         return names.get(name, name)
 
+    if enable_chunked_prefill is None:  # vLLM's default: on
+        enable_chunked_prefill = True
+    routed = _split_engine_kwargs(kwargs)
+    parallel_kwargs, scheduler_kwargs = routed["parallel"], routed["scheduler"]
+    if data_parallel_size is not None:
+        parallel_kwargs["data_parallel_size"] = data_parallel_size
+    if "num_gpu_blocks" in routed["named"]:
+        if num_gpu_blocks is not None:
+            raise ValueError(f"give {label('num_gpu_blocks')} or num_gpu_blocks_override, not both")
+        num_gpu_blocks = routed["named"]["num_gpu_blocks"]
     _check_argument_types(label, model=model, default_hf_config=default_hf_config, dtype=dtype,
                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
@@ -199,9 +250,9 @@ def build_engine_config(
         except ValueError as exc:
             raise ValueError(str(exc)) from None
 
-    parallel_kwargs, scheduler_kwargs = _split_engine_kwargs(kwargs)
-    if data_parallel_size is not None:
-        parallel_kwargs["data_parallel_size"] = data_parallel_size
+    if routed["compilation"]:
+        compilation_config = _with_compilation_keys(compilation_config, routed["compilation"],
+                                                    label("compilation_config"))
 
     if quantization is not None and quantization not in QUANTIZATION_FORMATS:
         raise ValueError(f"{label('quantization')} must be one of {list(QUANTIZATION_FORMATS)} or "
@@ -216,24 +267,29 @@ def build_engine_config(
         model_config = _cpu_dtype_fallback(model_config, dtype, resolved_platform)
         scheduler_config = _scheduler_config(model_config, max_num_seqs, max_num_batched_tokens,
                                              enable_chunked_prefill, scheduler_kwargs)
-        cache_kwargs: dict[str, Any] = {"num_gpu_blocks": num_gpu_blocks}
+        cache_kwargs: dict[str, Any] = {"num_gpu_blocks": num_gpu_blocks, **routed["cache"]}
         for key, value in (("block_size", block_size),
                            ("enable_prefix_caching", enable_prefix_caching),
                            ("prefix_caching_hash_algo", prefix_caching_hash_algo)):
             if value is not None:
                 cache_kwargs[key] = value
         cache_config = CacheConfig(**cache_kwargs)
+        parallel_config = ParallelConfig(**parallel_kwargs)
+        _check_cpu_all2all(parallel_config, resolved_platform, label("all2all_backend"))
         config_kwargs: dict[str, Any] = {
             "model_config": model_config,
-            "parallel_config": ParallelConfig(**parallel_kwargs),
+            "parallel_config": parallel_config,
             "scheduler_config": scheduler_config,
             "cache_config": cache_config,
             "compilation_config": compilation,
+            "observability_config": ObservabilityConfig(**routed["observability"]),
             "platform": resolved_platform,
         }
         if speculative_config is not None:
             config_kwargs["speculative_config"] = _speculative(speculative_config,
                                                                label("speculative_config"))
+        if optimization_level is None and enforce_eager:
+            optimization_level = 0  # what enforce_eager means; asked for, so nothing to warn about
         if optimization_level is not None:
             config_kwargs["optimization_level"] = optimization_level
         return EngineConfig(**config_kwargs)
@@ -285,19 +341,43 @@ def _cpu_dtype_fallback(model_config: ModelConfig, dtype: Any, platform: Platfor
     return dataclasses.replace(model_config, dtype=torch.float32)
 
 
-def _split_engine_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(ParallelConfig kwargs, SchedulerConfig kwargs) without Nones; TypeError on unknown keys."""
-    parallel_fields, scheduler_fields = engine_kwarg_names()
-    unknown = sorted(set(kwargs) - parallel_fields - scheduler_fields)
-    if unknown:
-        raise TypeError(
-            f"unknown keyword argument(s) {unknown} for the engine config; besides the named "
-            f"arguments it accepts ParallelConfig fields {sorted(parallel_fields)} and "
-            f"SchedulerConfig fields {sorted(scheduler_fields)}"
-        )
-    parallel_kwargs = {k: v for k, v in kwargs.items() if k in parallel_fields and v is not None}
-    scheduler_kwargs = {k: v for k, v in kwargs.items() if k in scheduler_fields and v is not None}
-    return parallel_kwargs, scheduler_kwargs
+def _split_engine_kwargs(kwargs: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The keyword arguments per config (``parallel``, ``scheduler``, ``cache``,
+    ``observability``, ``compilation``, ``named``), Nones dropped, after the engine-argument
+    table (``config/engine_args.py``) refused what is not supported here."""
+    llm_level = sorted(set(kwargs) & LLM_LEVEL_ARGS)
+    if llm_level:
+        raise TypeError(f"{llm_level[0]!r} is an argument of LLM(...), not of the engine config")
+    screened = screen_engine_args(kwargs)
+    fields = routed_field_names()
+    out: dict[str, dict[str, Any]] = {k: {} for k in (*fields, "compilation", "named")}
+    for name, value in screened.items():
+        if value is None:
+            continue
+        config = next((c for c, names in fields.items() if name in names), None)
+        if config is not None:
+            out[config][name] = value
+        elif name in _COMPILATION_KEYS:
+            out["compilation"][name] = value
+        elif name == "num_gpu_blocks":  # num_gpu_blocks_override, renamed by the table
+            out["named"][name] = value
+        elif ENGINE_ARGS[name].kind == "acts":  # a table row without a route: a bug here
+            raise TypeError(f"engine argument {name!r} acts per the table but build_engine_config "
+                            "does not route it")
+    return out
+
+
+# The MoE all-to-all backends the layers implement without CUDA kernels.
+_CPU_ALL2ALL = ("allgather_reducescatter", "naive")
+
+
+def _check_cpu_all2all(parallel: ParallelConfig, platform: Platform, name: str) -> None:
+    """On the CPU only the backends built from plain collectives run; another one would
+    silently run as allgather_reducescatter, so it is refused."""
+    if platform.is_cpu() and parallel.all2all_backend not in _CPU_ALL2ALL:
+        raise ValueError(f"{name}={parallel.all2all_backend!r} needs its CUDA kernels; on the CPU "
+                         f"the MoE layers run {' or '.join(map(repr, _CPU_ALL2ALL))} (resolve "
+                         "the CUDA config with platform='cuda')")
 
 
 def _scheduler_config(model_config: ModelConfig, max_num_seqs: int | None,
@@ -348,6 +428,22 @@ def _check_argument_types(label: Any, **args: Any) -> None:
                              f"({type(value).__name__})")
 
 
+def _with_architecture(config: ModelConfig) -> ModelConfig:
+    """A config.json without ``architectures`` but with a ``model_type`` takes the causal-LM
+    class ``transformers`` maps that type to (as its ``AutoModelForCausalLM`` does)."""
+    if config.architectures or not isinstance(config.hf_config.get("model_type"), str):
+        return config
+    model_type = config.hf_config["model_type"]
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - transformers is a dependency of checkpoints here
+        return config
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if not isinstance(name, str):
+        return config  # the model registry names what is missing when the model is built
+    return dataclasses.replace(config, hf_config={**config.hf_config, "architectures": [name]})
+
+
 def _model_config(model: str | os.PathLike[str] | None, builtin_hf_config: Mapping[str, Any],
                   dtype: str | torch.dtype | None, max_model_len: int | None,
                   enforce_eager: bool) -> ModelConfig:
@@ -357,6 +453,74 @@ def _model_config(model: str | os.PathLike[str] | None, builtin_hf_config: Mappi
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
     if model is not None:
-        return ModelConfig.from_pretrained(model, dtype=dtype, **overrides)
+        config = ModelConfig.from_pretrained(model, dtype=dtype, **overrides)
+        return _with_architecture(config)
     return ModelConfig(hf_config=dict(builtin_hf_config), dtype="auto" if dtype is None else dtype,
                        **overrides)
+
+
+# Bytes per batched token the runner's persistent step buffers hold at the least (input ids and
+# positions, int64 each); the real footprint (activations, logits) is larger.
+_STEP_BUFFER_BYTES_PER_TOKEN = 16
+
+
+def machine_memory_bytes(platform: Platform) -> int | None:
+    """What a run on ``platform`` can allocate at most: the physical memory on a CPU, the
+    device's total memory on a GPU; None when this machine cannot tell (a CUDA config
+    resolved on a machine without a GPU)."""
+    if platform.is_cpu():
+        try:
+            return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            return None
+    if platform.is_cuda_alike() and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_fits_machine(cfg: EngineConfig, arg_names: Mapping[str, str] | None = None,
+                       memory_bytes: int | None = None) -> None:
+    """Refuse (``ValueError`` naming the argument) sizes whose buffers cannot fit this machine,
+    before anything is allocated: ``max_num_seqs`` / ``max_num_batched_tokens`` (every step's
+    input buffers) and an explicit KV cache of ``num_gpu_blocks`` blocks.
+
+    ``arg_names``: how the caller spells each argument (the CLI's flags); ``memory_bytes``:
+    the machine's memory (default :func:`machine_memory_bytes`). The estimate counts only what
+    is surely allocated, so a size refused here could never run.
+    """
+    total = memory_bytes if memory_bytes is not None else machine_memory_bytes(cfg.platform)
+    if total is None:
+        return
+    names = dict(arg_names or {})
+
+    def label(name: str) -> str:
+        return names.get(name, name)
+
+    sched = cfg.scheduler_config
+    tokens, seqs = int(sched.max_num_batched_tokens), int(sched.max_num_seqs)
+    step_bytes = tokens * _STEP_BUFFER_BYTES_PER_TOKEN
+    if step_bytes > total:
+        flag = label("max_num_seqs") if seqs == tokens else label("max_num_batched_tokens")
+        named = (f"{flag}={seqs} (which sets max_num_batched_tokens)" if seqs == tokens
+                 else f"{flag}={tokens}")
+        raise ValueError(f"{named} is too large for this machine: the step buffers for {tokens} "
+                         f"tokens need at least {_gib(step_bytes)}, and it has {_gib(total)} of "
+                         f"memory; lower {flag}")
+    blocks = cfg.cache_config.num_gpu_blocks
+    model = cfg.model_config
+    if blocks is None or model is None:
+        return
+    tp = max(1, int(cfg.parallel_config.tensor_parallel_size))
+    kv_heads = max(1, model.get_num_kv_heads() // tp)
+    per_block = (2 * model.get_num_layers() * int(cfg.cache_config.block_size) * kv_heads
+                 * model.get_head_size() * model.dtype.itemsize)
+    kv_bytes = int(blocks) * per_block
+    if kv_bytes > total:
+        flag = label("num_gpu_blocks")
+        raise ValueError(f"{flag} is too large for this machine: its KV cache of {blocks} blocks "
+                         f"x {per_block} bytes needs {_gib(kv_bytes)}, and it has {_gib(total)} of "
+                         f"memory; lower {flag}")

@@ -19,11 +19,11 @@ import contextlib
 import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from forwardkit.config.builder import build_engine_config
+from forwardkit.config.builder import build_engine_config, check_fits_machine
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.frozen import freeze, thawed_copy
 from forwardkit.engine.block_manager import BlockManager
@@ -44,7 +44,7 @@ from forwardkit.engine.sampler import Sampler
 from forwardkit.engine.sampling_params import SamplingParams, as_params_list
 from forwardkit.engine.scheduler import Scheduler
 from forwardkit.engine.speculative import NgramProposer, SpecDecodeStats, check_runnable, verify
-from forwardkit.engine.tokenizer import load_tokenizer
+from forwardkit.engine.tokenizer import has_tokenizer_files, load_tokenizer
 from forwardkit.engine.tp import (
     TPFollowerLink,
     TPWorkerPool,
@@ -71,6 +71,69 @@ __all__ = ["LLM"]
 logger = init_logger(__name__)
 
 
+def _check_llm_args(model: str | os.PathLike[str] | None, tokenizer: str | os.PathLike[str] | None,
+                    skip_tokenizer_init: bool, trust_remote_code: bool,
+                    max_logprobs: int) -> str | None:
+    """Check the arguments that act on the ``LLM`` itself; returns the tokenizer directory."""
+    for name, flag in (("skip_tokenizer_init", skip_tokenizer_init),
+                       ("trust_remote_code", trust_remote_code)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r:.60}")
+    if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be an integer >= 0 or -1 (no cap), got "
+                         f"{max_logprobs!r:.60}")
+    tokenizer_dir = None
+    if tokenizer is not None:
+        if not isinstance(tokenizer, (str, os.PathLike)):
+            raise ValueError(f"tokenizer must be a directory or None, got {tokenizer!r:.60}")
+        tokenizer_dir = os.fspath(tokenizer)
+        if not has_tokenizer_files(tokenizer_dir):
+            raise ValueError(f"tokenizer={tokenizer_dir!r} is not a directory with tokenizer files "
+                             "(tokenizer.json, tokenizer_config.json, ...); names on the Hub are "
+                             "not downloaded")
+    for directory in {os.fspath(d) for d in (model, tokenizer_dir) if d is not None}:
+        for name in ("config.json", "tokenizer_config.json"):
+            path = os.path.join(directory, name)
+            if _has_auto_map(path):
+                raise ValueError(
+                    f"{path} names the checkpoint's own Python code (auto_map): forwardkit runs "
+                    "only its built-in model and tokenizer code, with or without "
+                    "trust_remote_code (which is accepted for checkpoints that need no code)")
+    return tokenizer_dir
+
+
+def _has_auto_map(path: str) -> bool:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False  # absent or unreadable: the loaders report it with their own context
+    return isinstance(data, dict) and bool(data.get("auto_map"))
+
+
+def _check_device(cfg: EngineConfig) -> None:
+    """A CUDA config needs a CUDA device to run on (resolving one needs none)."""
+    if cfg.platform.is_cuda_alike() and not torch.cuda.is_available():
+        raise ValueError(f"platform {cfg.platform.name!r} needs a CUDA device, and this machine "
+                         f"has none that torch {torch.__version__} can use; run on the CPU "
+                         "(platform='cpu'), or inspect the CUDA config with forwardkit config "
+                         "--platform cuda")
+
+
+def _check_dp_launch(dp: int, launched: bool) -> None:
+    """Data parallelism needs one process per DP rank, started together: refuse at once (not
+    after the rendezvous times out) when this process was started by none of the launchers."""
+    if dp > 1 and not launched and "FORWARDKIT_DP_SIZE" not in os.environ:
+        raise ValueError(
+            f"data_parallel_size={dp} needs one process per DP rank, and this process is a plain "
+            f"one: launch {dp} processes with torchrun (torchrun --nproc-per-node {dp} "
+            "script.py, each building its LLM), set FORWARDKIT_DP_SIZE / FORWARDKIT_DP_RANK / "
+            "FORWARDKIT_DP_MASTER_PORT in each, or call forwardkit.distributed.init_distributed "
+            "in each rank first (as forwardkit.distributed.launch.spawn does)")
+
+
 class LLM:
     """An offline engine: model runner + KV blocks + scheduler + sampler (+ tokenizer).
 
@@ -87,12 +150,19 @@ class LLM:
             its replica's TP group. :meth:`shutdown` (or the process's exit) ends the workers.
         block_size: tokens per KV block.
         seed: seeds the sampling of every request without its own ``SamplingParams.seed``
-            (the built-in model's random weights are always the same).
+            (the built-in model's random weights are always the same); None = a random seed.
         platform: "cpu", "cuda", a ``Platform`` or None (detected).
         engine_config: a ready ``EngineConfig`` (then the other config arguments must be left alone).
-        **kwargs: ``model_shape`` (a named real-architecture shape with seeded random weights,
-            e.g. ``"llama-3.2-1b"``; see ``forwardkit.config.model_shapes``) and more config
-            fields (``max_model_len``, ``num_gpu_blocks``,
+        tokenizer: a directory with the tokenizer to use instead of the model's.
+        skip_tokenizer_init: no tokenizer (token-id prompts only, outputs without text).
+        trust_remote_code: accepted for checkpoints that need no code of their own; one that
+            ships code (``auto_map``) is refused either way.
+        max_logprobs: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's
+            default 20; -1 = no cap).
+        **kwargs: every other vLLM engine argument, as the table in ``config/engine_args.py``
+            (and the README) says: it acts, is an accepted no-op, or is refused by name; ``model_shape`` (a named real-architecture shape with seeded random weights,
+            e.g. ``"llama-3.2-1b"``; see ``forwardkit.config.model_shapes``), ``max_model_len``,
+            ``num_gpu_blocks``,
             ``enable_chunked_prefill``, ``optimization_level``, ``enable_expert_parallel`` ...).
     """
 
@@ -111,14 +181,23 @@ class LLM:
         compilation_config: CompilationConfig | Mapping[str, object] | str | None = None,
         data_parallel_size: int = 1,
         block_size: int = 16,
-        seed: int = 0,
+        seed: int | None = 0,
         platform: str | Platform | None = None,
         engine_config: EngineConfig | None = None,
+        *,
+        tokenizer: str | os.PathLike[str] | None = None,
+        skip_tokenizer_init: bool = False,
+        trust_remote_code: bool = False,
+        max_logprobs: int = 20,
         **kwargs: Any,
     ) -> None:
+        if seed is None:  # unseeded: a fresh engine seed
+            seed = int(torch.randint(0, 2**62, (1,)))
         if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r:.60} "
-                             f"({type(seed).__name__})")
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got "
+                             f"{seed!r:.60} ({type(seed).__name__})")
+        tokenizer_dir = _check_llm_args(model, tokenizer, skip_tokenizer_init, trust_remote_code,
+                                        max_logprobs)
         if engine_config is None:
             engine_config = build_engine_config(
                 model, dtype=dtype, max_num_seqs=max_num_seqs,
@@ -128,6 +207,8 @@ class LLM:
             )
         elif kwargs:
             raise TypeError(f"LLM(engine_config=...) takes no extra config arguments, got {sorted(kwargs)}")
+        _check_device(engine_config)
+        check_fits_machine(engine_config)  # before any buffer is allocated
         self._tp_pool = None
         self._tp_link: TPFollowerLink | None = None
         self._dp_group, cfg = self._init_parallel(engine_config)
@@ -141,7 +222,10 @@ class LLM:
             self.shutdown()
             raise
         self.model_config = self.runner.model_config
-        self.tokenizer: Tokenizer | None = load_tokenizer(self.model_config.model)
+        self.max_logprobs = max_logprobs
+        self.tokenizer: Tokenizer | None = None
+        if not skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(tokenizer_dir or self.model_config.model)
         self.eos_token_id = self._eos_token_id()
         cache = cfg.cache_config
         self.block_manager = BlockManager(
@@ -197,6 +281,7 @@ class LLM:
             weakref.finalize(self, self._tp_pool.close)
             return None, cfg
         if not is_dp_group_initialized():
+            _check_dp_launch(dp, launched)
             init_distributed(parallel)
         group = get_dp_group()
         if group.world_size != dp:
@@ -251,9 +336,27 @@ class LLM:
             eos = self.tokenizer.eos_token_id
         return eos
 
-    def get_tokenizer(self) -> Tokenizer | None:
-        """The checkpoint's tokenizer, or None when it ships none."""
+    def get_tokenizer(self) -> Tokenizer:
+        """The tokenizer (the checkpoint's, or the ``tokenizer`` argument's); ``ValueError``
+        when there is none (the model ships none, or ``skip_tokenizer_init=True``)."""
+        if self.tokenizer is None:
+            raise ValueError(f"this LLM has no tokenizer (model {self.model_config.model or '<built-in>'!r} "
+                             "ships none, or skip_tokenizer_init=True); pass tokenizer=DIR")
         return self.tokenizer
+
+    def _check_logprobs(self, params: list[SamplingParams]) -> None:
+        """vLLM's ``max_logprobs`` cap (-1 = the vocabulary size) on every request."""
+        cap = self.runner.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        for i, p in enumerate(params):
+            for name in ("logprobs", "prompt_logprobs"):
+                asked = getattr(p, name)
+                if asked is None:
+                    continue
+                count = self.runner.vocab_size if asked == -1 else asked
+                if count > cap:
+                    raise ValueError(f"prompt {i}: SamplingParams.{name}={asked} asks for {count} "
+                                     f"logprobs, more than max_logprobs={self.max_logprobs} "
+                                     "(LLM(max_logprobs=...) raises the cap; -1 = no cap)")
 
     # ------------------------------------------------------------------ requests
     def _generator(self, params: SamplingParams) -> torch.Generator:
@@ -296,6 +399,7 @@ class LLM:
             pairs = parse_prompts(prompts, prompt_token_ids, self.tokenizer, self.runner.vocab_size,
                                   self.model_config.model)
         params = as_params_list(sampling_params, len(pairs))
+        self._check_logprobs(params)
         if self.tokenizer is None:
             for i, p in enumerate(params):
                 if p.stop:
@@ -319,6 +423,33 @@ class LLM:
         if self._tp_link is not None:
             self._tp_link.send(("done", outputs))
         return outputs
+
+    # ------------------------------------------------------------------ chat
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, object]] | Sequence[Sequence[Mapping[str, object]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to chat conversations (vLLM's ``LLM.chat``).
+
+        ``messages``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of
+        them. Each is rendered with the tokenizer's chat template (or ``chat_template``), the
+        text tokenized without adding special tokens (the template writes them), then generated
+        as :meth:`generate` does; one ``RequestOutput`` per conversation, in order.
+        ``chat_template_kwargs`` go to the template (e.g. ``{"enable_thinking": False}``).
+        """
+        from forwardkit.engine.chat import ChatTokenizer, render_chats
+
+        tokenizer = cast(ChatTokenizer, self.get_tokenizer())
+        ids = render_chats(tokenizer, messages, chat_template, add_generation_prompt,
+                           continue_final_message, chat_template_kwargs)
+        return self.generate([{"prompt_token_ids": p} for p in ids], sampling_params,
+                             use_tqdm=use_tqdm)
 
     def _tp_link_agrees(self, pairs: list[ParsedPrompt],
                         params: list[SamplingParams]) -> bool:

@@ -13,13 +13,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SamplingParams", "SAMPLING_EPS"]
+__all__ = ["MAX_N", "SamplingParams", "SAMPLING_EPS"]
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 # Largest top_k (torch.long) and the seed range of torch.Generator.manual_seed.
 _INT64_MAX = 2**63 - 1
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# Most completions one prompt may ask for: each is a request with its own KV blocks.
+MAX_N = 4096
 
 
 def _short(value: object, limit: int = 60) -> str:
@@ -91,6 +93,12 @@ class SamplingParams:
     skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Check every field again (``LLM.generate`` calls this on each ``SamplingParams`` it
+        receives, so a field changed after construction is checked too) and normalise
+        ``stop`` / ``stop_token_ids`` to lists; raises ``ValueError`` naming the field."""
         self._normalise_lists()
         self._verify()
         if self.temperature < SAMPLING_EPS:
@@ -123,8 +131,8 @@ class SamplingParams:
 
     def _verify(self) -> None:
         bad = self._bad
-        if not _is_int(self.n) or self.n < 1:
-            raise bad("n", self.n, "expected an integer >= 1")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", self.n, f"expected an integer in [1, {MAX_N}] (completions per prompt)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
@@ -149,6 +157,9 @@ class SamplingParams:
             raise bad("max_tokens", self.max_tokens, "expected an integer >= 1 or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "expected an integer >= 0")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), "expected True or False")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
         for token in self.stop_token_ids or ():
@@ -193,6 +204,7 @@ def as_params_list(
     if sampling_params is None:
         return [SamplingParams() for _ in range(count)]
     if isinstance(sampling_params, SamplingParams):
+        sampling_params.verify()  # fields may have been changed since it was built
         return [sampling_params for _ in range(count)]
     if not isinstance(sampling_params, (list, tuple)):
         raise ValueError(
@@ -210,4 +222,8 @@ def as_params_list(
             raise ValueError(
                 f"sampling_params[{i}] is {type(p).__name__} {_short(p)}; expected SamplingParams"
             )
+        try:
+            p.verify()  # fields may have been changed since it was built
+        except ValueError as exc:
+            raise ValueError(f"sampling_params[{i}]: {exc}") from None
     return params
