@@ -149,6 +149,27 @@ def test_config_shows_every_setting_and_the_mode_that_runs(capsys):
     assert "mode                NONE (0)" in out
 
 
+def test_config_shows_prefix_caching_quantization_and_speculation(capsys):
+    code, out, err = _run(capsys, "config", "--no-enable-prefix-caching", "--prefix-caching-hash-algo",
+                          "sha256_cbor", "--quantization", "q4_0", "--speculative-config",
+                          '{"num_speculative_tokens": 3, "prompt_lookup_max": 2}', "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert (info["enable_prefix_caching"], info["prefix_caching_hash_algo"]) == (False, "sha256_cbor")
+    assert info["quantization"] == "q4_0"
+    assert info["speculative_config"]["num_speculative_tokens"] == 3
+    assert info["speculative_config"]["prompt_lookup_min"] == 2
+    code, out, _ = _run(capsys, "config")
+    assert "prefix caching      on (hash sha256)" in out and "speculative         off" in out
+
+
+def test_prefix_hash_flag_choices_match_the_config():
+    from forwardkit.commands.engine_flags import PREFIX_HASH_ALGOS
+    from forwardkit.config.cache import HASH_ALGOS
+
+    assert PREFIX_HASH_ALGOS == HASH_ALGOS
+
+
 def test_mode_as_a_string_number_is_accepted(capsys):
     code, out, err = _run(capsys, "config", "-cc", '{"mode": "2"}', "--json")
     assert code == 0, err

@@ -57,6 +57,13 @@ def summarize(cfg: EngineConfig) -> dict[str, Any]:
         "enable_chunked_prefill": sched.enable_chunked_prefill,
         "block_size": cfg.cache_config.block_size,
         "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
+        "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
+        "prefix_caching_hash_algo": cfg.cache_config.prefix_caching_hash_algo,
+        "quantization": None if cfg.model_config is None else cfg.model_config.quantization,
+        "speculative_config": (None if cfg.speculative_config is None else
+                               {k: getattr(cfg.speculative_config, k) for k in (
+                                   "method", "num_speculative_tokens", "prompt_lookup_min",
+                                   "prompt_lookup_max", "disable_by_batch_size")}),
         "tensor_parallel_size": pc.tensor_parallel_size,
         "data_parallel_size": pc.data_parallel_size,
         "data_parallel_rank": pc.data_parallel_rank,
@@ -112,6 +119,11 @@ def _text(info: dict[str, Any], cfg: EngineConfig) -> str:
                          f"chunked_prefill={info['enable_chunked_prefill']}"),
         ("KV cache", f"block_size={info['block_size']} num_gpu_blocks="
                      f"{info['num_gpu_blocks'] if info['num_gpu_blocks'] is not None else 'auto'}"),
+        ("prefix caching", f"{'on' if info['enable_prefix_caching'] else 'off'} "
+                           f"(hash {info['prefix_caching_hash_algo']})"),
+        ("quantization", info["quantization"] or "none (model dtype)"),
+        ("speculative", "off" if info["speculative_config"] is None else
+         " ".join(f"{k}={v}" for k, v in info["speculative_config"].items())),
         ("parallel", f"tp={info['tensor_parallel_size']} dp={info['data_parallel_size']} "
                      f"dp_rank={info['data_parallel_rank']} "
                      f"expert_parallel={info['enable_expert_parallel']} "
