@@ -233,3 +233,11 @@ def test_tensor_parallel_shard_that_cuts_a_block_is_refused():
     whole.quant_method.check_shape(whole, "down_proj.weight")
     with pytest.raises(ValueError, match=r"down_proj\.weight to q8_0: its input dim 48"):
         cut.quant_method.check_shape(cut, "down_proj.weight")
+
+
+def test_bench_generation_refuses_weight_borrowers_with_quantization(capsys):
+    from forwardkit.cli import main
+
+    assert main(["bench", "--generation", "--quick", "--quantization", "q8_0",
+                 "--contenders", "forwardkit,transformers"]) != 0
+    assert "--contenders transformers cannot run with --quantization" in capsys.readouterr().err

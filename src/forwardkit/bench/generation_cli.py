@@ -256,6 +256,18 @@ def run_generation(args: argparse.Namespace) -> int:
     if getattr(args, "profile", False):
         return _run_profile(args, hf_config, s)
     names = _with_llamacpp(names, explicit=args.contenders is not None)
+    if getattr(args, "quantization", None):
+        # they borrow forwardkit's weights as float tensors; quantized ones are packed blocks
+        borrowers = [n for n in names if n in ("transformers", "llama.cpp")]
+        if borrowers and args.contenders is not None:
+            raise ValueError(f"--contenders {borrowers[0]} cannot run with --quantization (it "
+                             "takes forwardkit's weights, which are packed quantized blocks); "
+                             "leave it out")
+        if borrowers:
+            print(f"forwardkit bench --generation: --quantization {args.quantization}: "
+                  f"{' and '.join(borrowers)} left out (they take forwardkit's float weights)",
+                  file=sys.stderr)
+            names = [n for n in names if n not in borrowers]
     for borrower in ("transformers", "llama.cpp"):  # they take forwardkit's weights: after it
         if borrower in names and "forwardkit" in names:
             names = [n for n in names if n != borrower] + [borrower]
