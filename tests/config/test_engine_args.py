@@ -92,6 +92,10 @@ ACTING = {
     "disable_nccl_for_dp_synchronization": (
         False, lambda c: c.parallel_config.disable_nccl_for_dp_synchronization, False),
     "block_size": (32, lambda c: c.cache_config.block_size, 32),
+    "quantization": ("q8_0", lambda c: c.model_config.quantization, "q8_0"),
+    "speculative_config": ({"num_speculative_tokens": 2},
+                           lambda c: getattr(c.speculative_config, "num_speculative_tokens", None),
+                           2),
     "num_gpu_blocks_override": (7, lambda c: c.cache_config.num_gpu_blocks, 7),
     "num_gpu_blocks": (9, lambda c: c.cache_config.num_gpu_blocks, 9),
     "max_num_seqs": (3, lambda c: c.scheduler_config.max_num_seqs, 3),
