@@ -169,14 +169,14 @@ def _longest(shape: Shape) -> int:
     return shape.prompt_len + shape.turn_len + shape.new_tokens
 
 
-def _build(args: argparse.Namespace, caching: bool, names: list[str], quick: bool) -> LLM:
+def _build(args: argparse.Namespace, names: list[str], quick: bool) -> LLM:
     from forwardkit.config.args import engine_config_from_args
     from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
     from forwardkit.engine.llm import LLM
 
     shapes = [_shape(n, quick) for n in names]
     ns = copy.copy(args)
-    ns.enable_prefix_caching = caching
+    ns.enable_prefix_caching = True  # switched per run by run_workloads
     ns.max_model_len = ns.max_model_len or max(_longest(s) for s in shapes) + 1
     ns.max_num_seqs = ns.max_num_seqs or max(s.prompts * s.n for s in shapes)
     ns.max_num_batched_tokens = ns.max_num_batched_tokens or 2048
@@ -211,7 +211,7 @@ def run_workloads(args: argparse.Namespace) -> int:
     quick = bool(args.quick)
     repeats = args.repeats or (1 if quick else 3)
     progress = not getattr(args, "no_progress", False)
-    llm = _build(args, True, names, quick)
+    llm = _build(args, names, quick)
     for contender in tqdm(CONTENDERS, desc="warm-up", unit="mode", disable=not progress):
         llm.block_manager.set_prefix_caching(contender == "forwardkit")
         for name in names:  # untimed: compiles and first shapes
