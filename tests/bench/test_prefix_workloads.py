@@ -60,3 +60,8 @@ def test_cli_quick_run_writes_the_table_and_json(tmp_path, capsys):
 def test_cli_refuses_workload_with_generation(capsys):
     assert main(["bench", "--workload", "rl", "--generation"]) != 0
     assert "--workload runs forwardkit with prefix caching on and off" in capsys.readouterr().err
+
+
+def test_cli_refuses_workload_with_a_caching_flag(capsys):
+    assert main(["bench", "--workload", "rl", "--no-enable-prefix-caching"]) != 0
+    assert "--[no-]enable-prefix-caching" in capsys.readouterr().err

@@ -231,9 +231,11 @@ def run(args: argparse.Namespace) -> int:
                          "ranks (-dp 2 or more, no --generation): micro-batching is agreed by "
                          "DP ranks")
     if args.workload:
-        if args.generation or dp > 1 or args.contenders:
+        if (args.generation or dp > 1 or args.contenders
+                or getattr(args, "enable_prefix_caching", None) is not None):
             raise ValueError("--workload runs forwardkit with prefix caching on and off on its "
-                             "own: leave out --generation, --contenders and -dp")
+                             "own: leave out --generation, --contenders, -dp and "
+                             "--[no-]enable-prefix-caching")
         return run_workloads(args)
     if args.generation:
         return run_generation(args)
