@@ -750,3 +750,31 @@ def test_handle_deprecated_and_getattr_iter(fk_logs):
     assert getattr_iter(cfg, ["missing", "new"]) == 5
     assert getattr_iter(cfg, ["missing"], default=7) == 7
     assert getattr_iter(cfg, ["missing"], default_factory=list) == []
+
+
+# ---------------------------------------------------------------- what resolution says
+
+
+def test_enforce_eager_lowers_an_asked_mode_and_says_so(fk_logs):
+    from forwardkit.config.builder import build_engine_config
+
+    cfg = build_engine_config(enforce_eager=True, compilation_config={"mode": 3})
+    assert cfg.compilation_config.mode == 0 and not cfg.compiles_model  # the config says what runs
+    assert "compilation_config.mode=3 (VLLM_COMPILE) is overridden to 0 (NONE)" in _messages(fk_logs)
+
+
+@pytest.mark.parametrize("cc", [{"mode": 2}, {"mode": 0}, {"backend": "eager"}])
+def test_no_ignored_pass_warning_when_no_pass_was_asked_for(fk_logs, cc):
+    from forwardkit.config.builder import build_engine_config
+
+    build_engine_config(compilation_config=cc)
+    assert "passes run only" not in _messages(fk_logs)
+    assert "disabled by user settings" not in _messages(fk_logs)
+
+
+def test_ignored_pass_warning_names_the_pass_the_user_asked_for(fk_logs):
+    from forwardkit.config.builder import build_engine_config
+
+    build_engine_config(compilation_config={"mode": 2, "pass_config": {"fuse_norm_quant": True}})
+    text = _messages(fk_logs)
+    assert "pass_config fuse_norm_quant: these passes run only" in text and "mode 2" in text

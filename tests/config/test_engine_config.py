@@ -132,8 +132,9 @@ CASES = [
      dict(level=0, mode=0, cg=NONE, ops=["all"], split=[], sizes=[], max=0, warm=0, flags={})),
     ("enforce_eager + FULL", dict(enforce_eager=True, cudagraph_mode="FULL"), dict(level=0, cg=NONE, sizes=[], max=0)),
     ("enforce_eager + sizes", dict(enforce_eager=True, cudagraph_capture_sizes=[1, 2]), dict(cg=NONE, sizes=[], max=0)),
+    # forwardkit: enforce_eager runs eagerly, so the resolved mode says NONE (the reference keeps 3)
     ("enforce_eager + mode 3 at O3", dict(enforce_eager=True, mode=3, level=3),
-     dict(level=0, mode=3, ops=["none"], split=ATTN, cg=NONE, sizes=[], max=0)),
+     dict(level=0, mode=0, ops=["all"], split=[], cg=NONE, sizes=[], max=0)),
     ("O0", dict(level=0), dict(mode=0, cg=NONE, ops=["all"], split=[], sizes=[], max=0, warm=1, flags={})),
     ("O1", dict(level=1), dict(mode=3, cg=PW, ops=["none"], split=ATTN, sizes=S256, max=256,
                                   flags={"eliminate_noops"})),

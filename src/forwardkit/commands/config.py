@@ -73,9 +73,8 @@ def summarize(cfg: EngineConfig) -> dict[str, Any]:
         "ubatch_size": pc.ubatch_size,
         "dbo_decode_token_threshold": pc.dbo_decode_token_threshold,
         "dbo_prefill_token_threshold": pc.dbo_prefill_token_threshold,
-        # the mode that runs: NONE when the model runs eagerly whatever the config's mode says
-        "mode": _running_mode(cfg),
-        "configured_mode": None if cc.mode is None else cc.mode.name,
+        # the mode that runs (resolution lowers it to NONE under enforce_eager)
+        "mode": None if cc.mode is None else cc.mode.name,
         "cudagraph_mode": None if cc.cudagraph_mode is None else cc.cudagraph_mode.name,
         "cudagraph_capture_sizes": cc.cudagraph_capture_sizes,
         "max_cudagraph_capture_size": cc.max_cudagraph_capture_size,
@@ -92,20 +91,9 @@ def summarize(cfg: EngineConfig) -> dict[str, Any]:
     }
 
 
-def _running_mode(cfg: EngineConfig) -> str | None:
-    """The compilation mode the model really runs with (NONE when it runs eagerly)."""
-    mode = cfg.compilation_config.mode
-    if mode is None:
-        return None
-    return mode.name if cfg.compiles_model or int(mode) == 0 else "NONE"
-
-
 def _text(info: dict[str, Any], cfg: EngineConfig) -> str:
     cc = cfg.compilation_config
-    running = info["mode"]
-    mode = "None" if running is None else f"{running} ({0 if running == 'NONE' else int(cc.mode or 0)})"
-    if info["configured_mode"] not in (None, running):
-        mode += f" (the config says {info['configured_mode']}; --enforce-eager runs the model eagerly)"
+    mode = "None" if cc.mode is None else f"{cc.mode.name} ({int(cc.mode)})"
     passes = ", ".join(f"{k}={v}" for k, v in info["pass_config"].items() if v not in (None, False)) or "none"
     rows = [
         ("optimization level", info["optimization_level"]),

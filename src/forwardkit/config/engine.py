@@ -201,11 +201,13 @@ class EngineConfig(FreezableConfig):
         if self.optimization_level > OptimizationLevel.O0 and model is not None and model.enforce_eager:
             logger.warning("Enforce eager set, overriding optimization level to -O0")  # step 7
             self.optimization_level = OptimizationLevel.O0
-        if cc.backend == "eager" or (cc.mode is not None and cc.mode != CompilationMode.VLLM_COMPILE):
-            logger.warning_once(  # step 8
-                "Inductor compilation was disabled by user settings, optimizations settings "
-                "that are only active during Inductor compilation will be ignored."
-            )
+        if model is not None and model.enforce_eager and cc.mode not in (None, CompilationMode.NONE):
+            # NOTE: the reference keeps the mode it was given and compiles under enforce_eager;
+            # here enforce_eager means no compilation, and the config says so.
+            logger.warning("enforce_eager runs the model eagerly: compilation_config.mode=%d (%s) "
+                           "is overridden to 0 (NONE)", int(cc.mode), cc.mode.name)
+            cc.mode = CompilationMode.NONE
+        self._warn_ignored_passes()  # step 8
         if cc.mode is None:  # step 10
             mode = (CompilationMode.VLLM_COMPILE if self.optimization_level > OptimizationLevel.O0
                     else CompilationMode.NONE)
@@ -245,6 +247,22 @@ class EngineConfig(FreezableConfig):
             self._resolve_sequence_parallel_ops()
         self._final_checks()  # steps 23-24
         self._resolve_debug_dump_path()  # step 27
+
+    def _warn_ignored_passes(self) -> None:
+        """Step 8: the optimization passes run only inside piecewise (Inductor) compilation.
+        The reference warns whenever the backend is eager or the mode is not VLLM_COMPILE,
+        whether or not the user asked for a pass; here the warning names the passes the user
+        enabled that will not run, and says nothing when there are none."""
+        cc = self.compilation_config
+        if not (cc.backend == "eager" or (cc.mode is not None and cc.mode != CompilationMode.VLLM_COMPILE)):
+            return
+        asked = sorted(k for k, v in cc.pass_config.to_dict().items() if v is True)
+        if asked:
+            why = ("backend 'eager'" if cc.backend == "eager"
+                   else f"compilation mode {int(cc.mode or 0)} ({cc.mode.name if cc.mode is not None else None})")
+            logger.warning_once(
+                "pass_config %s: these passes run only inside piecewise Inductor compilation (mode 3 with "
+                "backend 'inductor'); with %s they are ignored", ", ".join(asked), why)
 
     def _resolve_splitting_ops(self) -> None:
         cc, model, parallel = self.compilation_config, self.model_config, self.parallel_config
