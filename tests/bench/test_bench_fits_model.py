@@ -110,9 +110,10 @@ def test_prompt_len_beyond_the_model_names_prompt_len(capsys, short_model):
     (("--quick",), 1, 0),                                   # measured once
     (("--quick", "--bandwidth-probe", "off"), 0, 0),        # skipped
     (("--quick", "--bandwidth-probe", "per-run"), 1, 1),    # one probe object, re-run per run
+    (("--batch-sizes", "1", "--repeats", "1", "--prompt-len", "4"), 1, 0),  # once without --quick
 ])
-def test_bandwidth_probe_once_per_bench_and_skippable(capsys, monkeypatch, tmp_path, argv,
-                                                      measures, probes):
+def test_bandwidth_probe_once_per_bench_and_skippable(capsys, monkeypatch, tmp_path, short_model,
+                                                      argv, measures, probes):
     from forwardkit.bench import generation as gen
 
     calls = {"measure": 0, "probe": 0}
@@ -131,6 +132,8 @@ def test_bandwidth_probe_once_per_bench_and_skippable(capsys, monkeypatch, tmp_p
     monkeypatch.setattr(gen, "measure_stream_bandwidth", measure)
     monkeypatch.setattr(gen, "StreamProbe", Probe)
     out = tmp_path / "g.json"
+    if "--quick" not in argv:
+        argv = (*argv, "--model", short_model)
     code, printed, err = _run(capsys, "bench", "--generation", *argv, "--contenders", "eager",
                               "--no-progress", "--new-tokens", "2", "--json", str(out))
     assert code == 0, err

@@ -68,9 +68,10 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=strict_int, default=None, metavar="N",
                    help="timed repeats per batch size, medians reported (default 3; 1 with --quick)")
     g.add_argument("--bandwidth-probe", choices=("per-run", "once", "off"), default=None,
-                   help="the streaming-bandwidth roof of the BW use column: re-measured before "
-                        "every timed run (per-run, ~0.3 s each, 3 GiB held), measured once, or "
-                        "not at all (no BW use column) (default per-run; once with --quick)")
+                   help="the streaming-bandwidth roof of the BW use column: measured once per "
+                        "bench (the default), re-measured before every timed run (per-run, "
+                        "~0.3 s each, 3 GiB held: for hosts whose bandwidth drifts), or not at "
+                        "all (off: no BW use column)")
     g.add_argument("--profile", action="store_true",
                    help="instead of timing the contenders, take forwardkit's decode steps apart "
                         "per batch size: time per linear shape (incl. the LM head), attention, "
@@ -293,7 +294,7 @@ def run_generation(args: argparse.Namespace) -> int:
         for b in s["batch_sizes"]:  # untimed: every compile and first-shape cost paid here
             fns[name]([[rng.randrange(vocab) for _ in range(s["prompt_len"])]] * b, 2)
     runner_cfg = _fk_model_info(keep)
-    probe_mode = getattr(args, "bandwidth_probe", None) or ("once" if args.quick else "per-run")
+    probe_mode = args.bandwidth_probe or "once"
     stream: float | None = None
     roof_fn: Callable[[], float] | None = None
     if probe_mode != "off":
