@@ -55,6 +55,7 @@ from forwardkit.config.compilation import CompilationConfig, CompilationMode, CU
 from forwardkit.config.custom_ops import custom_ops_default
 from forwardkit.config.engine_graphs import (
     resolve_static_graphs,
+    sequence_parallel_multiple,
     served_graph_mode,
     set_compile_ranges,
     sizes_for_sequence_parallelism,
@@ -309,6 +310,13 @@ class EngineConfig(FreezableConfig):
             if reasons:  # NOTE: the reference warns; the user asked for nothing here
                 logger.info("Async scheduling disabled because of %s.", ", ".join(reasons))
             sched.async_scheduling = not reasons
+
+    @property
+    def sequence_parallel_multiple(self) -> int:
+        """What every step's token count is padded to a multiple of: the TP size with the
+        sequence-parallelism pass on and TP > 1, else 1 (one rule for the capture sizes, the
+        step planner and the runner's warm-up)."""
+        return sequence_parallel_multiple(self.compilation_config, self.parallel_config)
 
     def update_sizes_for_sequence_parallelism(self, sizes: list[int]) -> list[int]:
         """Keep the sizes divisible by the TP size (sequence parallelism needs that)."""

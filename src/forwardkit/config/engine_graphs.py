@@ -37,6 +37,7 @@ __all__ = [
     "resolve_static_graphs",
     "served_graph_mode",
     "set_compile_ranges",
+    "sequence_parallel_multiple",
     "sizes_for_sequence_parallelism",
 ]
 
@@ -70,12 +71,14 @@ def resolve_static_graphs(cc: CompilationConfig, model: ModelConfig | None, sche
         cc.cudagraph_capture_sizes = []
     else:
         cc.cudagraph_num_of_warmups = 1
-    _set_cudagraph_sizes(cc, model, sched, parallel.tensor_parallel_size, uniform_decode_query_len)
+    _set_cudagraph_sizes(cc, model, sched, sequence_parallel_multiple(cc, parallel),
+                         uniform_decode_query_len)
 
 
 def _set_cudagraph_sizes(cc: CompilationConfig, model: ModelConfig | None, sched: SchedulerConfig,
-                         tp: int, uniform_decode_query_len: int) -> None:
-    """Capture sizes and their maximum, then the padding table."""
+                         sp_multiple: int, uniform_decode_query_len: int) -> None:
+    """Capture sizes and their maximum, then the padding table (``sp_multiple``: what every
+    size must divide by, :func:`sequence_parallel_multiple`)."""
     if model is None or model.enforce_eager or cc.cudagraph_mode == CUDAGraphMode.NONE:
         cc.max_cudagraph_capture_size = 0
         cc.cudagraph_capture_sizes = []
@@ -104,8 +107,8 @@ def _set_cudagraph_sizes(cc: CompilationConfig, model: ModelConfig | None, sched
                 "sizes <= max_num_batched_tokens or set cudagraph_mode NONE")
     else:
         sizes = default_capture_sizes(limit)
-    if tp > 1 and cc.pass_config.enable_sp:
-        sizes = sizes_for_sequence_parallelism(sizes, tp)
+    if sp_multiple > 1:
+        sizes = sizes_for_sequence_parallelism(sizes, sp_multiple)
     valid_max = sizes[-1] if sizes else 0
     if user_max is not None and user_max != valid_max:
         if user_sizes is not None:
@@ -120,6 +123,14 @@ def _set_cudagraph_sizes(cc: CompilationConfig, model: ModelConfig | None, sched
                        sorted(user_sizes), sizes, tokens)
     cc.cudagraph_capture_sizes = sizes
     cc.post_init_cudagraph_sizes()
+
+
+def sequence_parallel_multiple(cc: CompilationConfig, parallel: ParallelConfig) -> int:
+    """The one sequence-parallelism padding rule: with the SP pass on and TP > 1, every
+    step's token count (and every capture size) is a multiple of the TP size, which this
+    returns; otherwise 1. Read through ``EngineConfig.sequence_parallel_multiple``."""
+    tp = parallel.tensor_parallel_size
+    return tp if tp > 1 and cc.pass_config.enable_sp else 1
 
 
 def sizes_for_sequence_parallelism(sizes: list[int], tp: int) -> list[int]:

@@ -527,7 +527,7 @@ class ModelRunner:
             # the top of the range also sizes peak activations.
             # With sequence parallelism the graph holds tokens / TP rows: the trace and each
             # range's compile must see >= 2 of them, or the size-1 case is specialised.
-            floor = _CPU_WARMUP_TOKENS * self._sp_multiple()
+            floor = _CPU_WARMUP_TOKENS * self.engine_config.sequence_parallel_multiple
             sizes = sorted({min(int(r.end), self.max_num_tokens, max(int(r.start), floor))
                             for r in ranges} or {1}, reverse=True)
         else:
@@ -535,12 +535,6 @@ class ModelRunner:
         for size in sizes:
             self.dummy_run(size, CUDAGraphMode.NONE)
         return sizes
-
-    def _sp_multiple(self) -> int:
-        """TP size when the sequence-parallelism pass is on (token counts are padded to a
-        multiple of it), else 1."""
-        tp = self.parallel_config.tensor_parallel_size
-        return tp if tp > 1 and self.compilation_config.pass_config.enable_sp else 1
 
     def warm_up_compile_sizes(self) -> list[int]:
         """Run one eager dummy step per ``compile_sizes`` entry that is not a capture size,

@@ -57,15 +57,6 @@ def is_uniform_decode(max_num_scheduled_tokens: int, uniform_decode_query_len: i
     )
 
 
-def _sp_pad(engine_config: EngineConfig, num_tokens: int) -> tuple[int, int]:
-    """Round up to a multiple of TP when sequence parallelism is on; returns (padded, tp)."""
-    enable_sp = bool(engine_config.compilation_config.pass_config.enable_sp)
-    tp = engine_config.parallel_config.tensor_parallel_size
-    if enable_sp and tp > 1:
-        return -(-num_tokens // tp) * tp, tp
-    return num_tokens, 1
-
-
 class StepPlanner:
     """Decides padding, DP agreement and runtime mode for every step of one runner.
 
@@ -132,7 +123,8 @@ class StepPlanner:
                    is_uniform_decode(max_num_scheduled_tokens, self.uniform_decode_query_len,
                                      num_tokens, num_reqs))
         eager = force_eager or pad_to is not None
-        num_tokens_padded, tp = _sp_pad(cfg, num_tokens)
+        tp = cfg.sequence_parallel_multiple
+        num_tokens_padded = -(-num_tokens // tp) * tp
 
         def dispatch(n: int, disable_full: bool) -> tuple[CUDAGraphMode, BatchDescriptor]:
             if eager:
