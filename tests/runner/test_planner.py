@@ -20,13 +20,14 @@ M = CUDAGraphMode
 SIZES = [1, 2, 4, 8, 16]
 
 
-def make_cfg(mode=M.FULL_AND_PIECEWISE, metrics=False, dp_size=1, dp_rank=0, tp=1, enable_sp=False):
+def make_cfg(mode=M.FULL_AND_PIECEWISE, metrics=False, dp_size=1, dp_rank=0, tp=1, enable_sp=False,
+             **parallel):
     """A real engine config (current platform), then the graph fields the planner reads set to
     the state under test (resolution would derive them from the platform)."""
     cfg = EngineConfig(
         scheduler_config=SchedulerConfig(max_num_seqs=8),
         parallel_config=ParallelConfig(data_parallel_size=dp_size, data_parallel_rank=dp_rank,
-                                       tensor_parallel_size=tp),
+                                       tensor_parallel_size=tp, **parallel),
     )
     with unfrozen(cfg):  # states resolution does not produce on this platform
         cc = cfg.compilation_config
@@ -199,3 +200,27 @@ def test_full_graphs_blocked_when_a_dp_peer_can_only_run_piecewise(synced, expec
 
     out = plan(planner_for(dp_size=2, dp_rank=0, coordinate_fn=coordinate), [1] * 3)
     assert (out.cudagraph_mode, out.batch_descriptor) == expected
+
+
+def test_microbatched_full_step_without_a_microbatched_graph_is_planned_eager():
+    """Micro-batched FULL graphs exist for the uniform-decode capture sizes at or above the
+    decode threshold whose last micro-batch holds a real token (max_num_seqs 8: 4 and 8; 16
+    would leave micro-batch 2 empty). A step the DP vote micro-batches at another FULL size
+    is planned NONE (the runner never patches the mode)."""
+    dbo = dict(enable_dbo=True, all2all_backend="allgather_reducescatter",
+               dbo_decode_token_threshold=4)
+    agreed = {}
+
+    def coordinate(**kw):
+        n = kw["num_tokens_padded"]
+        return True, torch.tensor([n, n], dtype=torch.int32), agreed.get("mode", kw["cudagraph_mode"])
+
+    planner = planner_for(mode=M.FULL_DECODE_ONLY, dp_size=2, dp_rank=0, coordinate_fn=coordinate,
+                          **dbo)
+    assert [x.num_tokens for x in planner.microbatched_capture_descs()] == [8, 4]
+    out = plan(planner, [1] * 8)
+    assert (out.cudagraph_mode, out.should_ubatch) == (M.FULL, True)
+    out = plan(planner, [1] * 2)  # FULL graph of 2 exists, its micro-batched graph does not
+    assert (out.cudagraph_mode, out.should_ubatch, out.batch_descriptor.num_tokens) == (M.NONE, True, 2)
+    # without micro-batching configured there are none
+    assert planner_for(mode=M.FULL_DECODE_ONLY).microbatched_capture_descs() == []

@@ -56,8 +56,6 @@ from forwardkit.runner.static_metadata import StaticMetadataPool
 from forwardkit.ubatch import (
     UBatchSlice,
     UBatchSlices,
-    check_ubatch_thresholds,
-    is_last_ubatch_empty,
     maybe_create_ubatch_slices,
 )
 from forwardkit.ubatching import run_ubatches
@@ -335,9 +333,9 @@ class ModelRunner:
         input_ids, positions = self.buffers.fill(batch, padded)
         slices = None
         if plan.should_ubatch:  # every DP rank agreed: dual-batch overlap
-            hidden, slices, mode = self._forward_ubatched(batch.query_lens, batch.seq_lens,
-                                                          batch.block_tables, input_ids, positions,
-                                                          mode, desc, across_dp)
+            hidden, slices = self._forward_ubatched(batch.query_lens, batch.seq_lens,
+                                                    batch.block_tables, input_ids, positions,
+                                                    mode, desc, across_dp)
         else:
             attn_md = self._metadata(batch.query_lens, batch.seq_lens, batch.block_tables,
                                      padded, mode)
@@ -362,17 +360,18 @@ class ModelRunner:
     def _forward_ubatched(self, query_lens: list[int], seq_lens: list[int],
                           block_tables: list[list[int]], input_ids: torch.Tensor,
                           positions: torch.Tensor, mode: CUDAGraphMode, desc: BatchDescriptor,
-                          across_dp: torch.Tensor | None) -> tuple[torch.Tensor, UBatchSlices, CUDAGraphMode]:
+                          across_dp: torch.Tensor | None) -> tuple[torch.Tensor, UBatchSlices]:
         """Run the step as ``num_ubatches`` micro-batches that take turns (dual-batch overlap).
 
         Each micro-batch gets its own forward context: attention metadata of its requests
         (a request split by a boundary is trimmed to its tokens on each side), ``DPMetadata``
         of its token count on every rank (all ranks split the same padded total), runtime
         mode NONE. The outer context carries the padded ``ubatch_slices`` and the list of
-        per-micro-batch metadata, as in vLLM. Returns the concatenated hidden states, the
-        padded slices and the mode the step ran in (NONE when a FULL step found no graph).
+        per-micro-batch metadata, as in vLLM. Returns the concatenated hidden states and the
+        padded slices.
 
-        With ``mode`` FULL (a uniform decode step of a captured size) the step is one
+        With ``mode`` FULL (the planner gives it only for sizes with a micro-batched graph,
+        ``StepPlanner.microbatched_capture_descs``) the step is one
         micro-batched graph (:class:`~forwardkit.cudagraph.ubatch_graphs.UBatchGraphs`):
         each micro-batch's metadata covers its padded slice (padding rows as dummy requests
         on the scratch block) in persistent tensors, and after the capture a step replays
@@ -385,12 +384,6 @@ class ModelRunner:
             "a FULL micro-batched step needs the runner's micro-batched graphs "
             "(micro-batching configured and a mode with FULL graphs)"
         )
-        if graphs is not None and padded not in graphs and not monitor.cudagraph_capturing_enabled:
-            # not captured at start-up (capture_model skips sizes no decode step can split):
-            # run the micro-batches eagerly rather than fail the step
-            logger.warning_once("no micro-batched graph for %d tokens: running that step's "
-                                "micro-batches eagerly", padded)
-            graphs, mode = None, CUDAGraphMode.NONE
         unpadded_slices, slices = maybe_create_ubatch_slices(
             True, np.asarray(query_lens), padded, len(query_lens), pc.num_ubatches)
         assert unpadded_slices is not None and slices is not None
@@ -421,7 +414,7 @@ class ModelRunner:
                 hidden = graphs.run(padded, lambda: torch.cat(run_ubatches(fns, contexts)))
             else:
                 hidden = torch.cat(run_ubatches(fns, contexts))
-        return hidden, slices, mode
+        return hidden, slices
 
     def _metadata(self, query_lens: list[int], seq_lens: list[int],
                   block_tables: list[list[int]], padded: int, mode: CUDAGraphMode) -> AttnMetadataDict:
@@ -492,8 +485,8 @@ class ModelRunner:
         input_ids, positions = self.buffers.dummy(padded)
         slices = None
         if plan.should_ubatch:
-            _, slices, mode = self._forward_ubatched(lens, lens, self._scratch_tables(lens), input_ids,
-                                                     positions, mode, desc, across_dp)
+            _, slices = self._forward_ubatched(lens, lens, self._scratch_tables(lens), input_ids,
+                                               positions, mode, desc, across_dp)
         else:
             attn_md = None
             if force_attention or mode == CUDAGraphMode.FULL:
@@ -575,7 +568,7 @@ class ModelRunner:
                         self.dummy_run(desc.num_tokens, CUDAGraphMode.NONE, desc.uniform,
                                        force_attention=mode == CUDAGraphMode.FULL)
                     self.dummy_run(desc.num_tokens, mode, desc.uniform)
-            for desc in self._microbatched_capture_descs():
+            for desc in (self.planner.microbatched_capture_descs() if self.ubatch_graphs is not None else []):
                 keys[MICROBATCHED_FULL] = keys.get(MICROBATCHED_FULL, 0) + 1
                 for _ in range(warmups):  # eager micro-batched steps of the same shape
                     self.dummy_run(desc.num_tokens, CUDAGraphMode.NONE, True,
@@ -603,26 +596,6 @@ class ModelRunner:
                     ", ".join(f"{n} {m} graphs" for m, n in sorted(captured.items())) or "nothing",
                     keys, len(self.piece_wrappers))
         return elapsed
-
-    def _microbatched_capture_descs(self) -> list[BatchDescriptor]:
-        """The uniform-decode FULL sizes captured as micro-batched graphs too, largest first:
-        those at or above ``dbo_decode_token_threshold`` whose last micro-batch holds a real
-        token (a uniform-decode dummy step of the size is not padded). Empty when the runner
-        has no micro-batched graphs."""
-        if self.ubatch_graphs is None:
-            return []
-        pc = self.parallel_config
-        out = []
-        for mode, descs in self.planner.capture_descs():
-            if mode != CUDAGraphMode.FULL:
-                continue
-            for desc in descs:
-                # a decode step of this padded size has at most max_num_seqs real tokens
-                n, real = desc.num_tokens, min(desc.num_tokens, self.max_num_seqs)
-                if (desc.uniform and check_ubatch_thresholds(pc, real, True)
-                        and not is_last_ubatch_empty(real, n, pc.num_ubatches)):
-                    out.append(desc)
-        return sorted(out, key=lambda d: d.num_tokens, reverse=True)
 
     def _free_device_memory(self) -> int | None:
         """Free device memory in bytes on a GPU; None elsewhere."""

@@ -12,7 +12,9 @@ decides, in order (vLLM: ``GPUModelRunner._determine_batch_execution_and_padding
 4. with ``data_parallel_size > 1``: one all-reduce so every rank agrees on the padded count
    and the lowest mode, then a re-dispatch at the agreed count with FULL disabled when any
    rank could not run FULL;
-5. an optional ``CUDAGraphStat`` when ``engine_config.observability_config.cudagraph_metrics`` is on.
+5. a micro-batched FULL step of a size without a micro-batched graph (one no decode step can
+   split: :meth:`StepPlanner.microbatched_capture_descs`) runs NONE;
+6. an optional ``CUDAGraphStat`` when ``engine_config.observability_config.cudagraph_metrics`` is on.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from forwardkit.cudagraph.metrics import CUDAGraphStat
 from forwardkit.distributed import coordinate_batch_across_dp
 from forwardkit.forward_context import BatchDescriptor
 from forwardkit.logger import init_logger
+from forwardkit.ubatch import check_ubatch_thresholds, is_last_ubatch_empty
 
 if TYPE_CHECKING:
     from forwardkit.config.engine import EngineConfig
@@ -88,6 +91,9 @@ class StepPlanner:
         configured = engine_config.compilation_config.cudagraph_mode
         self.allow_dp_padding = CUDAGraphMode.parse(configured or CUDAGraphMode.NONE) != CUDAGraphMode.NONE
         self.collect_stats = bool(engine_config.observability_config.cudagraph_metrics)
+        self.max_num_seqs = int(engine_config.scheduler_config.max_num_seqs)
+        # the padded sizes a micro-batched FULL step replays a graph for (planned, not patched)
+        self._microbatched_sizes = frozenset(d.num_tokens for d in self.microbatched_capture_descs())
 
     @property
     def cudagraph_mode(self) -> CUDAGraphMode:
@@ -102,6 +108,26 @@ class StepPlanner:
     def capture_descs(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:
         """What start-up captures, in capture order (see ``CudagraphDispatcher.get_capture_descs``)."""
         return self.dispatcher.get_capture_descs()
+
+    def microbatched_capture_descs(self) -> list[BatchDescriptor]:
+        """The uniform-decode FULL sizes that also get a micro-batched graph, largest first:
+        those at or above ``dbo_decode_token_threshold`` whose last micro-batch holds a real
+        token (a uniform-decode dummy step of the size is not padded). Empty unless
+        micro-batching is configured and the mode has FULL graphs."""
+        parallel = self.engine_config.parallel_config
+        if not (self.use_ubatching and self.cudagraph_mode.has_full_cudagraphs()):
+            return []
+        out = []
+        for mode, descs in self.capture_descs():
+            if mode != CUDAGraphMode.FULL:
+                continue
+            for desc in descs:
+                # a decode step of this padded size has at most max_num_seqs real tokens
+                n, real = desc.num_tokens, min(desc.num_tokens, self.max_num_seqs)
+                if (desc.uniform and check_ubatch_thresholds(parallel, real, True)
+                        and not is_last_ubatch_empty(real, n, parallel.num_ubatches)):
+                    out.append(desc)
+        return sorted(out, key=lambda d: d.num_tokens, reverse=True)
 
     def plan(self, num_tokens: int, num_reqs: int, num_scheduled_tokens: Sequence[int],
              max_num_scheduled_tokens: int, *, force_eager: bool = False,
@@ -157,6 +183,11 @@ class StepPlanner:
                     f"re-dispatch after DP sync padded {num_tokens_padded} tokens to "
                     f"{desc.num_tokens}; the agreed per-rank token counts would be wrong"
                 )
+        if (should_ubatch and mode == CUDAGraphMode.FULL
+                and desc.num_tokens not in self._microbatched_sizes):
+            logger.info_once("no micro-batched graph for %d tokens (no decode step of that size "
+                             "splits): its micro-batches run eagerly", desc.num_tokens)
+            mode = CUDAGraphMode.NONE
         stats = None
         if self.collect_stats:
             stats = CUDAGraphStat(
