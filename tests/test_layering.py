@@ -13,7 +13,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "forwardkit"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("envs", "logger", "platforms", "__init__")),
     ("config", ("config",)),
-    ("step state", ("forward_context", "ubatch", "ubatching", "distributed", "telemetry")),
+    ("step state", ("forward_context", "microbatching", "distributed", "telemetry")),
     ("compilation", ("compilation",)),
     ("graphs", ("cudagraph",)),
     ("kernels", ("kernels", "quantization")),

@@ -41,8 +41,8 @@ from forwardkit.distributed.dp_utils import (
 from forwardkit.distributed.dp_utils import _compute_sp_num_tokens as _compute_sp_num_tokens
 from forwardkit.distributed.dp_utils import make_dp_metadata as _make_dp_metadata
 from forwardkit.logger import init_logger
+from forwardkit.microbatching.slices import UBatchSlices
 from forwardkit.platforms import Platform, active_platform, current_platform
-from forwardkit.ubatch import UBatchSlices
 
 if TYPE_CHECKING:
     from forwardkit.config.engine import EngineConfig

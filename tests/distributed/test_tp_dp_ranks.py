@@ -222,8 +222,8 @@ def _sp_dbo_rank(rank: int, nprocs: int, port: int, path: str) -> dict:
         llm = LLM(path, data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True,
                   enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4,
                   **ENGINE)
-        from forwardkit import ubatching
         from forwardkit.layers.fused_moe import FusedMoE
+        from forwardkit.microbatching import overlap as ubatching
 
         ubatched = [0]
         step = llm.runner.execute

@@ -110,9 +110,9 @@ class _Requests:
 def _rank_main(rank: int, nprocs: int, port: int, path: str) -> dict:
     import torch
 
-    from forwardkit import ubatching
     from forwardkit.distributed import destroy_dp_group, init_dp_group
     from forwardkit.distributed import parallel_state as ps
+    from forwardkit.microbatching import overlap as ubatching
     from forwardkit.runner.model_runner import ModelRunner
 
     init_dp_group(world_size=nprocs, rank=rank, master_port=port, backend="gloo", timeout_s=60)
@@ -262,13 +262,13 @@ def test_dbo_dp2_expert_parallel(make_checkpoint):
 
 
 def _one_rank_faults(rank: int, nprocs: int, port: int, path: str) -> str:
-    from forwardkit import ubatching
     from forwardkit.distributed import (
         DPCollectiveError,
         destroy_dp_group,
         get_dp_group,
         init_dp_group,
     )
+    from forwardkit.microbatching import overlap as ubatching
     from forwardkit.runner.model_runner import ModelRunner
 
     init_dp_group(world_size=nprocs, rank=rank, master_port=port, backend="gloo", timeout_s=60)
@@ -337,9 +337,9 @@ def _graphs_rank_main(rank: int, nprocs: int, port: int, path: str) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "cudagraph"))
     from recording import RecordingGraphs
 
-    from forwardkit import ubatching
     from forwardkit.config.compilation import CUDAGraphMode
     from forwardkit.distributed import destroy_dp_group, init_dp_group
+    from forwardkit.microbatching import overlap as ubatching
     from forwardkit.runner import model_runner
 
     model_runner.GraphBackend = RecordingGraphs  # type: ignore[misc]

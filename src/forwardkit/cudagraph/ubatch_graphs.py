@@ -2,7 +2,7 @@
 dual-batch-overlap (DBO) step.
 
 A DBO step runs its micro-batches on threads that take turns at yield points (see
-:mod:`forwardkit.ubatching`); all of them launch on the caller's stream. Capturing that step
+:mod:`forwardkit.microbatching.overlap`); all of them launch on the caller's stream. Capturing that step
 records the kernels of both micro-batches, interleaved at the yield points exactly as they ran,
 plus the concatenation of their outputs, into one graph. A replay launches that graph: the
 overlap is baked in, so replay starts no threads and sets no per-micro-batch context.

@@ -26,7 +26,7 @@ from forwardkit.logger import init_logger
 
 if TYPE_CHECKING:
     from forwardkit.config.parallel import ParallelConfig
-from forwardkit.ubatch import check_ubatch_thresholds, is_last_ubatch_empty
+from forwardkit.microbatching.slices import check_ubatch_thresholds, is_last_ubatch_empty
 
 __all__ = ["DPMetadata", "coordinate_batch_across_dp", "make_dp_metadata"]
 

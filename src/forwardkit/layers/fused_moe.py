@@ -46,7 +46,7 @@ from forwardkit.forward_context import get_forward_context
 from forwardkit.layers.kernels import silu_and_mul_native
 from forwardkit.layers.linear import copy_weight
 from forwardkit.layers.parallel import ShardSpec, divide, narrow, set_shard_spec, tp_rank_and_size
-from forwardkit.ubatching import dbo_enabled, dbo_register_recv_hook, dbo_yield
+from forwardkit.microbatching.overlap import dbo_enabled, dbo_register_recv_hook, dbo_yield
 
 __all__ = ["FusedMoE", "expert_slice", "moe_forward", "route_topk"]
 

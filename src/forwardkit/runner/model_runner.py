@@ -48,17 +48,17 @@ from forwardkit.layers.kv_cache import (
     kv_cache_bytes_per_block,
 )
 from forwardkit.logger import init_logger
+from forwardkit.microbatching.overlap import run_ubatches
+from forwardkit.microbatching.slices import (
+    UBatchSlice,
+    UBatchSlices,
+    maybe_create_ubatch_slices,
+)
 from forwardkit.runner.batch import StepBatch
 from forwardkit.runner.input_buffers import InputBuffers, int64_tensor
 from forwardkit.runner.planner import StepPlanner
 from forwardkit.runner.setup import num_kv_blocks
 from forwardkit.runner.static_metadata import StaticMetadataPool
-from forwardkit.ubatch import (
-    UBatchSlice,
-    UBatchSlices,
-    maybe_create_ubatch_slices,
-)
-from forwardkit.ubatching import run_ubatches
 
 __all__ = ["ModelRunner", "StepInfo", "StepModel"]
 

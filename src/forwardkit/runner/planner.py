@@ -30,7 +30,7 @@ from forwardkit.cudagraph.metrics import CUDAGraphStat
 from forwardkit.distributed import coordinate_batch_across_dp
 from forwardkit.forward_context import BatchDescriptor
 from forwardkit.logger import init_logger
-from forwardkit.ubatch import check_ubatch_thresholds, is_last_ubatch_empty
+from forwardkit.microbatching.slices import check_ubatch_thresholds, is_last_ubatch_empty
 
 if TYPE_CHECKING:
     from forwardkit.config.engine import EngineConfig

@@ -1,4 +1,4 @@
-"""forwardkit.ubatch: slices, thresholds, boundaries, the unguarded edge case."""
+"""forwardkit.microbatching.slices: slices, thresholds, boundaries, the unguarded edge case."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from forwardkit.config.parallel import ParallelConfig
-from forwardkit.ubatch import (
+from forwardkit.microbatching.slices import (
     UBatchSlice,
     UBatchSlices,
     check_ubatch_thresholds,

@@ -1,4 +1,4 @@
-"""The DBO hand-off helpers (``forwardkit.ubatching``) in one process: turn-taking, contexts,
+"""The DBO hand-off helpers (``forwardkit.microbatching.overlap``) in one process: turn-taking, contexts,
 receive hooks, failures at every yield point."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from forwardkit.forward_context import create_forward_context, get_forward_context
-from forwardkit.ubatch import UBatchSlice
-from forwardkit.ubatching import (
+from forwardkit.microbatching.overlap import (
     dbo_current_ubatch_id,
     dbo_enabled,
     dbo_maybe_run_recv_hook,
@@ -21,6 +20,7 @@ from forwardkit.ubatching import (
     run_ubatches,
     set_ubatch_event_hook,
 )
+from forwardkit.microbatching.slices import UBatchSlice
 
 CFG = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={}),
                       parallel_config=SimpleNamespace(data_parallel_size=1))
