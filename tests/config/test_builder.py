@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from forwardkit.commands.engine_flags import add_engine_args
+from forwardkit.commands.flag_config import engine_config_from_args
 from forwardkit.config import (
     CompilationConfig,
     CompilationMode,
@@ -17,7 +18,6 @@ from forwardkit.config import (
     build_engine_config,
     builder,
 )
-from forwardkit.config.args import engine_config_from_args
 from forwardkit.config.builder import default_batch_limits, engine_kwarg_names
 from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
 from forwardkit.platforms import CpuPlatform, CudaPlatform

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forwardkit.commands.engine_flags import add_engine_args
+from forwardkit.commands.flag_config import engine_config_from_args
 from forwardkit.config import CompilationConfig, EngineConfig, ModelConfig, build_engine_config
-from forwardkit.config.args import engine_config_from_args
 from forwardkit.platforms import CpuPlatform, CudaPlatform
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,

@@ -221,7 +221,7 @@ def test_update_weights_into_a_quantized_projection_is_refused_whole(llama_dir):
 
 def test_tensor_parallel_shard_that_cuts_a_block_is_refused():
     """Row-parallel layers split the input dim: a rank's shard must still be whole blocks."""
-    from forwardkit.config.current import set_current_engine_config
+    from forwardkit.config.engine import set_current_engine_config
     from forwardkit.layers.parallel import RowParallelLinear
     from forwardkit.quantization.linear_method import QuantizedLinearMethod
 

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn as nn
 
+from forwardkit.commands.flag_config import engine_config_from_args
 from forwardkit.compilation.counters import compilation_counter
-from forwardkit.config.args import engine_config_from_args
 from forwardkit.config.engine import EngineConfig
 from forwardkit.runner.model_runner import ModelRunner
 

@@ -93,7 +93,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
                    s: Settings) -> EngineConfig:
     from forwardkit.bench.contenders import NATIVE_EAGER
-    from forwardkit.config.args import engine_config_from_args
+    from forwardkit.commands.flag_config import engine_config_from_args
 
     ns = copy.copy(args)
     ns.tensor_parallel_size = _tp_of(name)  # -tp N: only the "forwardkit tp=N" contender
@@ -124,7 +124,7 @@ def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any
 def _check_length(ns: argparse.Namespace, hf_config: dict[str, Any] | None, longest: int) -> None:
     """--prompt-len + --new-tokens (+1) must fit --max-model-len, or the model's limit when
     that flag is not given; the error names the flags the user set."""
-    from forwardkit.config.args import engine_config_from_args
+    from forwardkit.commands.flag_config import engine_config_from_args
 
     if ns.max_model_len is not None:
         if longest > ns.max_model_len:

@@ -170,7 +170,7 @@ def _longest(shape: Shape) -> int:
 
 
 def _build(args: argparse.Namespace, names: list[str], quick: bool) -> LLM:
-    from forwardkit.config.args import engine_config_from_args
+    from forwardkit.commands.flag_config import engine_config_from_args
     from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
     from forwardkit.engine.llm import LLM
 

@@ -187,7 +187,7 @@ def _check_mode_flags(args: argparse.Namespace) -> None:
 
 def _model_len(args: argparse.Namespace, hf_config: dict[str, Any] | None) -> int:
     """The max_model_len the engine will run with (--max-model-len, else the model's)."""
-    from forwardkit.config.args import engine_config_from_args
+    from forwardkit.commands.flag_config import engine_config_from_args
 
     cfg = engine_config_from_args(args, default_hf_config=hf_config)  # bad flags fail here
     return int(cfg.require_model_config().get_max_model_len())

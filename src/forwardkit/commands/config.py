@@ -139,7 +139,7 @@ def _text(info: dict[str, Any], cfg: EngineConfig) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Resolve the config from ``args`` and print it (text or ``--json``)."""
-    from forwardkit.config.args import engine_config_from_args
+    from forwardkit.commands.flag_config import engine_config_from_args
 
     cfg = engine_config_from_args(args)
     info = summarize(cfg)

@@ -1,7 +1,7 @@
 """The engine flags of ``forwardkit config``, ``generate`` and ``bench`` and strict argument
 types, without importing torch or the config package (``forwardkit --help`` stays quick).
 
-``add_engine_args(parser)`` adds the vLLM-style flags; ``forwardkit.config.args`` turns the
+``add_engine_args(parser)`` adds the vLLM-style flags; ``forwardkit.commands.flag_config`` turns the
 parsed namespace into an engine config. Numbers are parsed strictly: ``1_000``, an empty item
 of a list (``1,,3``) or a stray comma is refused, and argparse names the flag.
 """

@@ -142,7 +142,7 @@ def _torchrun_rank(world: int) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the engine from the arguments, generate, print; returns the exit code."""
-    from forwardkit.config.args import FLAG_NAMES, engine_config_from_args
+    from forwardkit.commands.flag_config import FLAG_NAMES, engine_config_from_args
     from forwardkit.config.builder import check_fits_machine
     from forwardkit.engine import LLM
 

@@ -2,8 +2,8 @@
 
 ``EngineConfig`` (vLLM's ``VllmConfig``) resolves them together; see
 ``forwardkit.config.engine``. ``build_engine_config`` (``forwardkit.config.builder``) builds
-one from flat arguments (``LLM(...)`` keywords and CLI flags share it). vLLM-style CLI
-arguments live in ``forwardkit.config.args`` (imported on demand, not re-exported here).
+one from flat arguments (``LLM(...)`` keywords and CLI flags share it). Parsing CLI flags is
+the command layer's work (``forwardkit/commands/``), not this package's.
 """
 
 from forwardkit.config.builder import build_engine_config

@@ -1,7 +1,7 @@
 """``build_engine_config``: flat user arguments -> a resolved :class:`EngineConfig`.
 
 The one place that turns the arguments a user types (``LLM(...)`` keywords, or the
-``forwardkit config/generate/bench`` flags via :func:`forwardkit.config.args.engine_config_from_args`)
+``forwardkit config/generate/bench`` flags via :func:`forwardkit.commands.flag_config.engine_config_from_args`)
 into the nested configs, so both paths configure the same engine. Rules:
 
 * ``model`` (a local Hugging Face directory) wins; else ``model_shape`` or

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from forwardkit.config.current import get_current_engine_config, get_current_engine_config_or_none
+from forwardkit.config.engine import get_current_engine_config, get_current_engine_config_or_none
 from forwardkit.distributed.communication_op import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,

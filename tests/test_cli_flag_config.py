@@ -1,4 +1,4 @@
-"""vLLM-style engine arguments: every flag form and the errors (forwardkit.config.args)."""
+"""vLLM-style engine arguments: every flag form and the errors (forwardkit.commands.flag_config)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from forwardkit.commands.engine_flags import add_engine_args, normalize_engine_argv
+from forwardkit.commands.flag_config import compilation_overrides_from_args, engine_config_from_args
 from forwardkit.config import CompilationMode, CUDAGraphMode, OptimizationLevel
-from forwardkit.config.args import compilation_overrides_from_args, engine_config_from_args
 
 HF = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
       "num_hidden_layers": 2, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
