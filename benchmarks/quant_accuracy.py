@@ -1,0 +1,87 @@
+"""Accuracy of quantized weights beside their speed: mean KL divergence of the next-token
+distributions against the bf16 model, and top-1 agreement, over one fixed token sequence.
+
+For each format it builds ``LLM(model_shape=..., dtype="bfloat16", quantization=fmt)`` (the
+same seeded random weights for every engine, quantized on load) and scores the sequence with
+prompt logprobs: the full next-token distribution at every position is taken from the logits
+the engine computes for them (``record_prompt_logprobs`` is wrapped to keep a copy; the
+engine itself is asked for 0 extra logprobs, so nothing else changes). Prints per format the
+mean and max KL(bf16 || format) in nats, top-1 agreement with bf16, and the weight GB.
+
+Random weights give flatter distributions than a trained model, so the absolute KL values are
+smaller than a trained checkpoint's; the ranking of the formats and their ratios are what this
+measures. (llama.cpp's figures on the same bits need its Python binding and a GGUF export of
+each format; they are not produced here.)
+
+Usage: ``python benchmarks/quant_accuracy.py [--shape llama-3.2-1b] [--tokens 128]
+[--formats q8_0,q4_0,q4_1]`` (``--shape default`` is the small built-in model)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from forwardkit.engine import llm as llm_module
+from forwardkit.engine.llm import LLM
+from forwardkit.engine.prompt_logprobs import PromptLogprobPlan
+from forwardkit.engine.sampling_params import SamplingParams
+
+
+def _distributions(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    """``[len(tokens) - 1, vocab]`` log-probabilities of the next token at every position."""
+    kept: dict[int, torch.Tensor] = {}
+    original = llm_module.record_prompt_logprobs
+
+    def keep(logits: torch.Tensor, plan: PromptLogprobPlan) -> None:
+        rows = torch.log_softmax(logits.float(), dim=-1)
+        for i, (_, pos) in enumerate(plan.targets):
+            kept[pos] = rows[i].clone()
+        original(logits, plan)
+
+    llm_module.record_prompt_logprobs = keep  # type: ignore[assignment]
+    try:
+        llm.generate([{"prompt_token_ids": tokens}],
+                     SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                     use_tqdm=False)
+    finally:
+        llm_module.record_prompt_logprobs = original
+    return torch.stack([kept[p] for p in range(1, len(tokens))])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-3.2-1b")
+    parser.add_argument("--tokens", type=int, default=128, help="length of the scored sequence")
+    parser.add_argument("--formats", default="q8_0,q4_0,q4_1")
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    tokens = [int(t) for t in torch.randint(0, 1000, (args.tokens,), generator=gen)]
+
+    def build(fmt: str | None) -> LLM:
+        return LLM(model_shape=args.shape, dtype="bfloat16", enforce_eager=True,
+                   max_model_len=args.tokens + 8, max_num_batched_tokens=max(512, args.tokens + 8),
+                   quantization=fmt)
+
+    reference = build(None)
+    ref = _distributions(reference, tokens)
+    ref_gb = reference.weight_bytes_per_rank()[0] / 1e9
+    del reference
+    p = ref.exp()
+    print(f"shape {args.shape}, "
+          f"{len(tokens) - 1} scored positions, seeded random weights; reference bf16")
+    print(f"{'format':8} {'weights GB':>10} {'mean KL':>10} {'max KL':>10} {'top-1 agree':>11}")
+    print(f"{'bf16':8} {ref_gb:10.3f} {0.0:10.2e} {0.0:10.2e} {1.0:11.3f}")
+    for fmt in args.formats.split(","):
+        llm = build(fmt)
+        got = _distributions(llm, tokens)
+        kl = (p * (ref - got)).sum(-1)
+        agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+        print(f"{fmt:8} {llm.weight_bytes_per_rank()[0] / 1e9:10.3f} {kl.mean().item():10.2e} "
+              f"{kl.max().item():10.2e} {agree:11.3f}")
+        del llm
+
+
+if __name__ == "__main__":
+    main()
