@@ -188,3 +188,17 @@ def test_chunked_prefill_flag():
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) is smaller") as info:
         resolve("--no-enable-chunked-prefill", "--max-num-batched-tokens", "64")
     assert "\n" not in str(info.value)
+
+
+def test_typed_flags_cover_every_engine_flag():
+    """Every flag add_engine_args defines is a typed EngineFlags field (and nothing else is),
+    so a new flag cannot reach the config as an untyped namespace probe."""
+    import argparse
+    import dataclasses
+
+    from forwardkit.commands.engine_flags import add_engine_args
+    from forwardkit.commands.flag_config import EngineFlags
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert set(vars(parser.parse_args([]))) == {f.name for f in dataclasses.fields(EngineFlags)}

@@ -28,6 +28,8 @@ from forwardkit.config.utils import short_repr
 
 __all__ = [
     "FLAG_NAMES",
+    "EngineFlags",
+    "compilation_overrides",
     "compilation_overrides_from_args",
     "engine_config_from_args",
     "one_line_error",
@@ -59,9 +61,14 @@ def _set_dotted(target: dict[str, Any], key: str, value: Any) -> None:
 
 def compilation_overrides_from_args(ns: argparse.Namespace) -> tuple[int | None, dict[str, Any]]:
     """(optimisation level or None, compilation-config dict) from ``-O`` / ``-cc`` arguments."""
+    return compilation_overrides(EngineFlags.from_namespace(ns))
+
+
+def compilation_overrides(flags: EngineFlags) -> tuple[int | None, dict[str, Any]]:
+    """(optimisation level or None, compilation-config dict) from the ``-O`` / ``-cc`` flags."""
     level: int | None = None
     config: dict[str, Any] = {}
-    raw = getattr(ns, "compilation_config", None)
+    raw = flags.compilation_config
     if raw is not None:
         text = raw.strip()
         if text.isdigit() or (text.isidentifier() and text.upper() in CompilationMode.__members__):
@@ -75,7 +82,7 @@ def compilation_overrides_from_args(ns: argparse.Namespace) -> tuple[int | None,
                 raise ValueError(f"--compilation-config is nested too deeply: {short_repr(raw)}") from None
             if not isinstance(config, dict):
                 raise ValueError(f"--compilation-config must be a JSON object or a mode, got {raw!r}")
-    for item in getattr(ns, "engine_O", None) or []:
+    for item in flags.engine_O or []:
         text = item.strip()
         if text.startswith("."):
             key, sep, value = text[1:].partition("=")
@@ -123,6 +130,46 @@ FLAG_NAMES = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineFlags:
+    """The engine flags of :func:`~forwardkit.commands.engine_flags.add_engine_args`, typed.
+
+    Built from a parsed namespace by :meth:`from_namespace`; a flag the namespace lacks (a
+    subcommand or a caller that builds its own namespace without it) keeps the default here,
+    which is the flag's own default."""
+
+    model: str | None = None
+    dtype: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool | None = None
+    block_size: int | None = None
+    enable_prefix_caching: bool | None = None
+    prefix_caching_hash_algo: str | None = None
+    speculative_config: dict[str, Any] | None = None
+    quantization: str | None = None
+    data_parallel_size: int | None = None
+    data_parallel_rank: int | None = None
+    tensor_parallel_size: int | None = None
+    enable_expert_parallel: bool = False
+    all2all_backend: str | None = None
+    enable_dbo: bool = False
+    ubatch_size: int | None = None
+    dbo_decode_token_threshold: int | None = None
+    dbo_prefill_token_threshold: int | None = None
+    enforce_eager: bool = False
+    platform: str | None = None
+    engine_O: list[str] | None = None
+    compilation_config: str | None = None
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> EngineFlags:
+        """The engine flags ``ns`` carries (other attributes, the subcommand's own, are left)."""
+        given = vars(ns)
+        return cls(**{f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given})
+
+
 def engine_config_from_args(ns: argparse.Namespace, *,
                             default_hf_config: dict[str, Any] | None = None) -> EngineConfig:
     """Build and resolve an :class:`EngineConfig` from :func:`add_engine_args` arguments.
@@ -132,33 +179,33 @@ def engine_config_from_args(ns: argparse.Namespace, *,
     ``default_hf_config`` describes the model used when ``--model`` is absent; None = the
     built-in model (the config always has a ``ModelConfig``).
     """
-    level, compilation = compilation_overrides_from_args(ns)
-    chunked = getattr(ns, "enable_chunked_prefill", None)
+    flags = EngineFlags.from_namespace(ns)
+    level, compilation = compilation_overrides(flags)
     return build_engine_config(
-        getattr(ns, "model", None),
+        flags.model,
         default_hf_config=default_hf_config,
-        dtype=getattr(ns, "dtype", None),
-        max_model_len=getattr(ns, "max_model_len", None),
-        max_num_seqs=getattr(ns, "max_num_seqs", None),
-        max_num_batched_tokens=getattr(ns, "max_num_batched_tokens", None),
-        enable_chunked_prefill=True if chunked is None else chunked,
-        enforce_eager=bool(getattr(ns, "enforce_eager", False)),
+        dtype=flags.dtype,
+        max_model_len=flags.max_model_len,
+        max_num_seqs=flags.max_num_seqs,
+        max_num_batched_tokens=flags.max_num_batched_tokens,
+        enable_chunked_prefill=True if flags.enable_chunked_prefill is None else flags.enable_chunked_prefill,
+        enforce_eager=bool(flags.enforce_eager),
         compilation_config=compilation,
         optimization_level=level,
-        block_size=getattr(ns, "block_size", None),
-        enable_prefix_caching=getattr(ns, "enable_prefix_caching", None),
-        prefix_caching_hash_algo=getattr(ns, "prefix_caching_hash_algo", None),
-        speculative_config=getattr(ns, "speculative_config", None),
-        platform=getattr(ns, "platform", None),
+        block_size=flags.block_size,
+        enable_prefix_caching=flags.enable_prefix_caching,
+        prefix_caching_hash_algo=flags.prefix_caching_hash_algo,
+        speculative_config=flags.speculative_config,
+        platform=flags.platform,
         arg_names=FLAG_NAMES,
-        quantization=getattr(ns, "quantization", None),
-        data_parallel_size=getattr(ns, "data_parallel_size", None),
-        data_parallel_rank=getattr(ns, "data_parallel_rank", None),
-        tensor_parallel_size=getattr(ns, "tensor_parallel_size", None),
-        all2all_backend=getattr(ns, "all2all_backend", None),
-        enable_expert_parallel=bool(getattr(ns, "enable_expert_parallel", False)),
-        enable_dbo=bool(getattr(ns, "enable_dbo", False)),
-        ubatch_size=getattr(ns, "ubatch_size", None),
-        dbo_decode_token_threshold=getattr(ns, "dbo_decode_token_threshold", None),
-        dbo_prefill_token_threshold=getattr(ns, "dbo_prefill_token_threshold", None),
+        quantization=flags.quantization,
+        data_parallel_size=flags.data_parallel_size,
+        data_parallel_rank=flags.data_parallel_rank,
+        tensor_parallel_size=flags.tensor_parallel_size,
+        all2all_backend=flags.all2all_backend,
+        enable_expert_parallel=bool(flags.enable_expert_parallel),
+        enable_dbo=bool(flags.enable_dbo),
+        ubatch_size=flags.ubatch_size,
+        dbo_decode_token_threshold=flags.dbo_decode_token_threshold,
+        dbo_prefill_token_threshold=flags.dbo_prefill_token_threshold,
     )
