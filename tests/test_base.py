@@ -74,3 +74,27 @@ def test_global_graph_pool_is_shared():
     a, b = FakeGpu(), FakeGpu()
     assert a.get_global_graph_pool() is b.get_global_graph_pool()
     assert FakeGpu.made == 1
+
+
+def test_cpu_capabilities_is_the_one_probe():
+    """The CPU is probed once (platforms.cpu_capabilities); the dtype choice, the router and
+    the native kernels read that object."""
+    import torch
+
+    from forwardkit.config import builder
+    from forwardkit.kernels.cpu import native_linear, router
+    from forwardkit.platforms import cpu_capabilities
+
+    caps = cpu_capabilities()
+    assert cpu_capabilities() is caps  # probed once
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            first = next((line for line in f if line.startswith("flags")), "flags:")
+    except OSError:
+        first = "flags:"
+    assert caps.flags == frozenset(first.split(":", 1)[1].split())
+    native = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert caps.native_bf16 == native == builder.cpu_has_native_bf16()
+    assert router.prepack_supported(torch.bfloat16) == native
+    assert native_linear.cpu_flags() is caps.flags
+    assert native_linear.cpu_has_avx512_bf16() == caps.avx512_bf16 == ("avx512_bf16" in caps.flags)

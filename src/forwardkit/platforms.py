@@ -9,7 +9,9 @@ want to resolve a CUDA configuration on a CPU machine) swap it with
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,10 +19,12 @@ import torch
 from forwardkit.logger import init_logger
 
 __all__ = [
+    "CpuCapabilities",
     "CpuPlatform",
     "CudaPlatform",
     "Platform",
     "active_platform",
+    "cpu_capabilities",
     "current_platform",
     "detect_platform",
     "platform_by_name",
@@ -29,6 +33,59 @@ __all__ = [
 ]
 
 logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class CpuCapabilities:
+    """What this machine's CPU can do, probed once per process: the one answer the dtype
+    choice (``config/builder.py``), the linear router and the native kernels
+    (``kernels/cpu/``) read."""
+
+    flags: frozenset[str]
+    """The feature flags Linux reports in ``/proc/cpuinfo`` (empty elsewhere)."""
+    model_name: str
+    """The CPU's model name ("" where ``/proc/cpuinfo`` is absent)."""
+    native_bf16: bool
+    """oneDNN runs bf16 matmuls natively here (AVX-512-BF16 or AMX): PyTorch's bf16 CPU
+    matmul is not emulated."""
+
+    @property
+    def avx512_bf16(self) -> bool:
+        return "avx512_bf16" in self.flags
+
+    @property
+    def amx(self) -> bool:
+        return {"amx_tile", "amx_bf16"} <= self.flags
+
+    def has(self, needed: frozenset[str] | set[str]) -> bool:
+        """Whether the CPU reports every flag in ``needed``."""
+        return needed <= self.flags
+
+
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first processor's ``/proc/cpuinfo`` fields ({} where the file is absent)."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block ends here
+                key, sep, value = line.partition(":")
+                if sep:
+                    out.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_capabilities() -> CpuCapabilities:
+    """This machine's :class:`CpuCapabilities` (probed on the first call, then cached)."""
+    info = _cpuinfo_fields()
+    native_bf16 = bool(torch.backends.mkldnn.is_available()
+                       and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return CpuCapabilities(frozenset(info.get("flags", "").split()), info.get("model name", ""),
+                           native_bf16)
 
 
 class Platform:

@@ -51,7 +51,7 @@ from forwardkit.config.scheduler import (
 )
 from forwardkit.config.utils import short_repr
 from forwardkit.logger import init_logger
-from forwardkit.platforms import Platform, current_platform, platform_by_name
+from forwardkit.platforms import Platform, cpu_capabilities, current_platform, platform_by_name
 
 logger = init_logger(__name__)
 
@@ -325,8 +325,9 @@ def _shape_hf_config(model: Any, model_shape: str | None, default_hf_config: Map
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU runs bf16 matmuls natively (AVX-512-BF16 or AMX, through oneDNN)."""
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether this CPU runs bf16 matmuls natively (AVX-512-BF16 or AMX, through oneDNN):
+    ``platforms.cpu_capabilities().native_bf16``."""
+    return cpu_capabilities().native_bf16
 
 
 def _cpu_dtype_fallback(model_config: ModelConfig, dtype: Any, platform: Platform) -> ModelConfig:

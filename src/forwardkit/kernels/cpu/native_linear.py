@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from forwardkit import envs
 from forwardkit.kernels.cpu import native_build
 from forwardkit.logger import init_logger
+from forwardkit.platforms import cpu_capabilities
 
 __all__ = ["MAX_ROWS", "available", "max_rows", "cpu_flags", "cpu_has_avx512_bf16", "cpu_model_name",
            "candidate_builds", "isa_supported", "kernel_isa", "linear_rows"]
@@ -86,28 +87,15 @@ _ISAS: dict[str, _Isa] = {
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _cpuinfo(field: str) -> str:
-    """The first ``field`` line's value in Linux ``/proc/cpuinfo`` ("" elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith(field):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-@functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
-    return frozenset(_cpuinfo("flags").split())
+    """The CPU's feature flags (``platforms.cpu_capabilities``: Linux ``/proc/cpuinfo``;
+    empty elsewhere)."""
+    return cpu_capabilities().flags
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_model_name() -> str:
-    """The CPU's model name (Linux ``/proc/cpuinfo``; "" elsewhere)."""
-    return _cpuinfo("model name")
+    """The CPU's model name ("" where ``/proc/cpuinfo`` is absent)."""
+    return cpu_capabilities().model_name
 
 
 def cpu_has_avx512_bf16() -> bool:

@@ -56,6 +56,7 @@ from forwardkit.kernels.cpu.linear_routes import (
     RouteTable,
 )
 from forwardkit.logger import init_logger
+from forwardkit.platforms import cpu_capabilities
 
 __all__ = ["LAZY_PACK_MAX_ROWS", "CpuLinearRouter", "RoutedWeight", "attach_router", "attached_router",
            "available_memory_bytes", "bind", "current_router", "linear", "prepack_supported",
@@ -313,7 +314,7 @@ def prepack_supported(dtype: torch.dtype, device: torch.device | str = "cpu") ->
         return False
     if not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or cpu_capabilities().native_bf16
 
 
 @functools.cache
