@@ -40,6 +40,7 @@ def test_selection_and_counters(cpu_platform, custom_ops, expected):
     assert tuple(op.is_enabled for op in ops) == expected
     for op, on in zip(ops, expected):
         assert op._forward_method.__name__ == ("forward_cpu" if on else "forward_native")
+        assert op.forward_form == ("cpu" if on else "native")  # the typed answer layers read
         counter = cc.enabled_custom_ops if on else cc.disabled_custom_ops
         assert counter[op.name] == 1
     assert sum(cc.enabled_custom_ops.values()) == sum(expected)
@@ -48,9 +49,9 @@ def test_selection_and_counters(cpu_platform, custom_ops, expected):
 
 def test_cuda_platform_dispatches_forward_cuda(cuda_platform):
     _, (norm, act, rope) = _build(["all"])
-    assert norm._forward_method.__name__ == "forward_cuda"
+    assert norm._forward_method.__name__ == "forward_cuda" and norm.forward_form == "cuda"
     _, (norm, _, _) = _build(["none"])
-    assert norm._forward_method.__name__ == "forward_native"
+    assert norm._forward_method.__name__ == "forward_native" and norm.forward_form == "native"
 
 
 def test_decision_is_made_once_at_construction(cpu_platform):

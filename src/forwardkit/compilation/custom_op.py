@@ -65,6 +65,9 @@ class CustomOp(nn.Module):
     def __init__(self, *, enforce_enable: bool = False) -> None:
         super().__init__()
         self._enforce_enable = enforce_enable
+        self.forward_form: str = "native"
+        """The form this instance runs: "native", "cpu", "cuda" or "oot" (set by
+        :meth:`dispatch_forward`; read it instead of the chosen method's name)."""
         self._forward_method: Callable[..., Any] = self.dispatch_forward()
 
     # -- the forms ------------------------------------------------------------------------
@@ -96,7 +99,7 @@ class CustomOp(nn.Module):
     @property
     def is_enabled(self) -> bool:
         """Whether this instance runs its platform (optimised) form."""
-        return self._forward_method.__name__ != "forward_native"
+        return self.forward_form != "native"
 
     def dispatch_forward(self) -> Callable[..., Any]:
         """Choose the forward for this instance and count the decision in the config."""
@@ -107,12 +110,16 @@ class CustomOp(nn.Module):
         counter = state.enabled_custom_ops if enabled else state.disabled_custom_ops
         counter.update([op_name])
         if not enabled:
+            self.forward_form = "native"
             return self.forward_native
         platform = _current_platform()
         if platform.is_cpu():
+            self.forward_form = "cpu"
             return self.forward_cpu
         if platform.is_cuda_alike():
+            self.forward_form = "cuda"
             return self.forward_cuda
+        self.forward_form = "oot"
         return self.forward_oot
 
     @classmethod

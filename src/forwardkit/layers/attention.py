@@ -191,7 +191,7 @@ class Attention(CustomOp):
         # the backend the engine config selected (its support level decided the graph mode)
         self.backend = get_attention_backend(config.attention_backend) if backend is None else backend
         # the cpu_attention custom op: on, on the CPU (CustomOp chose forward_cpu)
-        self.native_decode = self._forward_method.__name__ == "forward_cpu"
+        self.native_decode = self.forward_form == "cpu"
 
         context = config.compilation_config.compile_state.static_forward_context
         if prefix in context:

@@ -68,7 +68,7 @@ class CpuLinearLayer(CustomOp):
     def calls_linear_op(self) -> bool:
         """Whether this layer's forward calls ``forwardkit::linear`` (chosen at construction;
         never for a quantized layer)."""
-        return self.quant_method is None and self._forward_method.__name__ == "forward_cpu"
+        return self.quant_method is None and self.forward_form == "cpu"
 
 
 class Linear(CpuLinearLayer):
