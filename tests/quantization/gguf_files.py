@@ -77,7 +77,8 @@ def write_gguf(path: str, arch: str, cfg: dict[str, Any], tensors: dict[str, np.
                type_of: Callable[[str, np.ndarray], T] = lambda name, a: T.F32,
                metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> str:
     """Write ``tensors`` (float32, or already packed uint8 bytes with the type ``type_of``
-    gives) and the model's metadata; returns ``path``."""
+    gives) and the model's metadata (``metadata`` writes more keys, and the vocabulary: without
+    it the file says ``no_vocab``); returns ``path``."""
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(int(cfg.get("max_position_embeddings", 256)))
     writer.add_embedding_length(cfg["hidden_size"])
@@ -91,9 +92,10 @@ def write_gguf(path: str, arch: str, cfg: dict[str, Any], tensors: dict[str, np.
     if cfg.get("num_local_experts"):
         writer.add_expert_count(cfg["num_local_experts"])
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
-    writer.add_tokenizer_model("no_vocab")
     if metadata is not None:
-        metadata(writer)
+        metadata(writer)  # it may write a vocabulary
+    else:
+        writer.add_tokenizer_model("no_vocab")
     for name, a in tensors.items():
         kind = type_of(name, a)
         if a.dtype == np.uint8:  # already packed bytes
@@ -111,3 +113,34 @@ def write_gguf(path: str, arch: str, cfg: dict[str, Any], tensors: dict[str, np.
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def bpe_vocabulary(texts: list[str], size: int = 300) -> tuple[Any, Callable[[gguf.GGUFWriter], None]]:
+    """A byte-level BPE tokenizer trained on ``texts`` and the metadata writer that stores it as
+    a GGUF ``gpt2`` vocabulary (tokens, merges, ``<s>`` = 0, ``</s>`` = 1)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=size, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    spec = json.loads(tok.to_str())["model"]
+    tokens = [""] * len(spec["vocab"])
+    for text, index in spec["vocab"].items():
+        tokens[index] = text
+    merges = [" ".join(m) if isinstance(m, list) else m for m in spec["merges"]]
+
+    def write(writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types([1] * len(tokens))
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(1)
+
+    return tok, write

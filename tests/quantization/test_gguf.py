@@ -20,6 +20,7 @@ from forwardkit.quantization.formats import dequantize, quantize
 from forwardkit.quantization.linear_method import SplitQuantizedLinearMethod
 
 from .gguf_files import (  # noqa: TID252
+    bpe_vocabulary,
     gguf_tensors,
     random_k_blocks,
     write_gguf,
@@ -329,3 +330,37 @@ def _hf_greedy_one(model, prompt: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()
+
+
+def test_gguf_vocabulary_gives_the_tokenizer(tmp_path):
+    """A file with a vocabulary (``gpt2`` BPE) needs no tokenizer directory: text prompts are
+    encoded by the tokenizer transformers builds from it, ids as the original tokenizer's."""
+    tok, vocabulary = bpe_vocabulary(["the cat sat on the mat", "hello world"] * 20)
+    vocab = tok.get_vocab_size()
+    model = _hf_model("llama", vocab_size=vocab)
+    cfg = {**TINY, "vocab_size": vocab}
+    path = write_gguf(str(tmp_path / "v.gguf"), "llama", cfg,
+                      gguf_tensors(model.state_dict(), cfg, "llama"), metadata=vocabulary)
+    llm = LLM(model=path, enforce_eager=True)
+    assert llm.tokenizer is not None and llm.eos_token_id == 1
+    ids = tok.encode("the cat sat").ids
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    out = llm.generate(["the cat sat"], params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids
+    assert list(out.outputs[0].token_ids) == _hf_greedy_one(model, ids, 5)
+    assert out.outputs[0].text == tok.decode(list(out.outputs[0].token_ids))
+
+
+def test_large_load_logs_progress(tmp_path, monkeypatch, fk_log_records):
+    """Loads of more than PROGRESS_MIN_BYTES log every 10 % (here the threshold is lowered)."""
+    from forwardkit.models import gguf_loader
+
+    model = _hf_model("llama")
+    path = write_gguf(str(tmp_path / "p.gguf"), "llama", TINY,
+                      gguf_tensors(model.state_dict(), TINY, "llama"))
+    monkeypatch.setattr(gguf_loader, "PROGRESS_MIN_BYTES", 1)
+    LLM(model=path, enforce_eager=True)
+    lines = [r.getMessage() for r in fk_log_records if r.getMessage().startswith("Loading ")]
+    percents = [int(line.split(": ")[1].split("%")[0]) for line in lines]
+    assert percents == sorted(percents) and percents[-1] == 100 and len(percents) >= 5, lines
+    assert all(path in line for line in lines)
