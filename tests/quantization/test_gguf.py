@@ -364,3 +364,15 @@ def test_large_load_logs_progress(tmp_path, monkeypatch, fk_log_records):
     percents = [int(line.split(": ")[1].split("%")[0]) for line in lines]
     assert percents == sorted(percents) and percents[-1] == 100 and len(percents) >= 5, lines
     assert all(path in line for line in lines)
+
+
+def test_compiled_k_quant_file_matches_eager(tmp_path):
+    """Mode 3 compiles the packed model (split projections, packed head) with the op calls as
+    graph nodes; its tokens equal the eager run's."""
+    from forwardkit.config.compilation_enums import CompilationMode
+
+    path = write_gguf(str(tmp_path / "k.gguf"), "llama", K_CFG, _k_quant_tensors(1), type_of=_k_type)
+    compiled = LLM(model=path, dtype="float32")
+    assert compiled.engine_config.compilation_config.mode == CompilationMode.VLLM_COMPILE
+    eager = LLM(model=path, dtype="float32", enforce_eager=True)
+    assert _greedy(compiled) == _greedy(eager)
