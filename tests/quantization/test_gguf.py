@@ -376,3 +376,23 @@ def test_compiled_k_quant_file_matches_eager(tmp_path):
     assert compiled.engine_config.compilation_config.mode == CompilationMode.VLLM_COMPILE
     eager = LLM(model=path, dtype="float32", enforce_eager=True)
     assert _greedy(compiled) == _greedy(eager)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "linear", "factor": 2.0},
+], ids=["llama3", "linear"])
+def test_rope_freqs_tensor_becomes_the_rotary_scaling(tmp_path, scaling):
+    """A ``rope_freqs`` tensor (as forwardkit's exporter and llama.cpp's converter write it)
+    gives back the scaling it was made from; tokens equal transformers' scaled model."""
+    from forwardkit.bench.gguf_export import write_llama_gguf
+
+    model = _hf_model("llama", rope_scaling=dict(scaling), rope_theta=500000.0)
+    path = write_llama_gguf(tmp_path / "rope.gguf", model.config.to_dict(), model.state_dict())
+    llm = LLM(model=str(path), dtype="float32", enforce_eager=True)
+    got = llm.model_config.hf_config["rope_scaling"]
+    assert got["rope_type"] == scaling["rope_type"]
+    assert got["factor"] == pytest.approx(scaling["factor"], rel=1e-5)
+    assert got == pytest.approx(scaling, rel=1e-5)
+    assert _greedy(llm) == _hf_greedy(model)

@@ -82,8 +82,8 @@ class GGUFTensor:
 
 @dataclass(frozen=True)
 class GGUFFile:
-    """An opened GGUF file: its path, metadata (key -> value; string arrays such as the
-    vocabulary are left out) and tensors, in file order."""
+    """An opened GGUF file: its path, metadata (key -> value; arrays such as the vocabulary
+    are None) and tensors, in file order."""
 
     path: str
     metadata: dict[str, Any]
@@ -108,16 +108,16 @@ def _import_gguf() -> Any:
 
 
 def _field_value(field: Any) -> Any:
-    """A metadata field's value (scalars, strings, numeric arrays); None for a string array."""
+    """A metadata field's value (a scalar or a string); None for an array (the vocabulary and
+    its scores: transformers reads them itself; no config key is an array)."""
     gguf = _import_gguf()
     types = field.types
-    if not types:
+    if not types or types[0] == gguf.GGUFValueType.ARRAY:
         return None
-    if types[0] == gguf.GGUFValueType.ARRAY:
-        if types[-1] == gguf.GGUFValueType.STRING:
-            return None
-        return [p.tolist()[0] for p in (field.parts[i] for i in field.data)]
-    return field.contents()
+    values = [field.parts[i] for i in field.data]
+    if types[0] == gguf.GGUFValueType.STRING:
+        return bytes(values[0]).decode("utf-8")
+    return values[0].tolist()[0]
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
