@@ -46,6 +46,7 @@ __all__ = ["GGUFLoadError", "PROGRESS_MIN_BYTES", "gguf_tensor_plan", "load_gguf
 logger = init_logger(__name__)
 
 PROGRESS_MIN_BYTES = 256 << 20  # smaller files load without progress lines
+_CHUNK_WEIGHTS = 1 << 22  # weights dequantized at once (bounds the float32 temporaries)
 
 _PER_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -200,17 +201,29 @@ def _raw(tensor: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(data.copy()).reshape(rows, -1)
 
 
-def _float_values(plan: TensorPlan) -> torch.Tensor:
-    """The tensor's float32 values (or F16 / BF16 ones) in its shape."""
+def _dequantize_rows(raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """``[rows, row_bytes]`` bytes of a quantized type as ``[rows, k]`` float32 (ggml's values)."""
+    rows = raw.shape[0]
+    if type_name in gguf_types.PACKED_TYPES:
+        return dequantize(raw, type_name.lower())
+    if type_name == "Q4_K":
+        return gguf_types.dequantize_q4_k(raw.reshape(-1, 144)).reshape(rows, -1)
+    return gguf_types.dequantize_q6_k(raw.reshape(-1, 210)).reshape(rows, -1)
+
+
+def _float_values(plan: TensorPlan, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor's values in its shape, cast to ``dtype`` (the model's: the cast a copy into
+    the parameter would make); a quantized one is dequantized :data:`_CHUNK_WEIGHTS` weights
+    at a time, so a large embedding never exists in float32 whole."""
     raw, shape = _raw(plan.tensor), plan.tensor.shape
     name = plan.type_name
     if name in gguf_types.DENSE_TYPES:
-        return gguf_types.dense_values(raw, name, shape)
-    if name in gguf_types.PACKED_TYPES:
-        return dequantize(raw, name.lower()).reshape(shape)
-    if name == "Q4_K":
-        return gguf_types.dequantize_q4_k(raw.reshape(-1, 144)).reshape(shape)
-    return gguf_types.dequantize_q6_k(raw.reshape(-1, 210)).reshape(shape)
+        return gguf_types.dense_values(raw, name, shape).to(dtype)
+    out = torch.empty(raw.shape[0], shape[-1], dtype=dtype)
+    step = max(1, _CHUNK_WEIGHTS // shape[-1])
+    for start in range(0, raw.shape[0], step):
+        out[start:start + step] = _dequantize_rows(raw[start:start + step], name)
+    return out.reshape(shape)
 
 
 def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -260,10 +273,10 @@ def _stream(plans: list[TensorPlan], path: str) -> Iterator[TensorPlan]:
             next_mark = done * 100 // total // 10 * 10 + 10
 
 
-def load_gguf_weights(model: LlamaForCausalLM, path: str) -> set[str]:
-    """Fill ``model`` (built from the file's metadata) from GGUF file ``path``; returns the names
-    of the parameters filled. Raises :class:`GGUFLoadError` (nothing read yet) when the file
-    does not fit the model."""
+def load_gguf_weights(model: LlamaForCausalLM, path: str, dtype: torch.dtype) -> set[str]:
+    """Fill ``model`` (built from the file's metadata, parameters in ``dtype``) from GGUF file
+    ``path``; returns the names of the parameters filled. Raises :class:`GGUFLoadError`
+    (nothing read yet) when the file does not fit the model."""
     info = open_gguf(path)
     plans = gguf_tensor_plan(info, model.config)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -275,7 +288,7 @@ def load_gguf_weights(model: LlamaForCausalLM, path: str) -> set[str]:
             if plan.packed_format is not None:
                 _take_packed(plan)
                 continue
-            values = _float_values(plan)
+            values = _float_values(plan, dtype)
             if plan.rotary_heads:
                 values = _unpermute(values, plan.rotary_heads)
             if plan.expert_kind is not None:

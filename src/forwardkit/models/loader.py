@@ -197,7 +197,7 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
         logger.info_once("Built %s with seeded random weights (no checkpoint)", model_cls.__name__)
     elif gguf:
         assert model_dir is not None
-        loaded = load_gguf_weights(model, model_dir)
+        loaded = load_gguf_weights(model, model_dir, model_config.dtype)
         missing = missing_parameters(model, loaded)
         if missing:
             raise WeightLoadError(missing=missing, source=f"GGUF file {model_dir}")
