@@ -149,3 +149,10 @@ def test_packed_gguf_over_two_tp_ranks_generates_the_one_rank_tokens(tmp_path):
         assert tokens(two) == one
     finally:
         two.shutdown()
+
+
+def test_missing_model_path_names_both_accepted_kinds(tmp_path):
+    with pytest.raises(ValueError, match=r"model path .*absent\.gguf.* is not a directory "
+                                         r"\(expected a local Hugging Face checkpoint with "
+                                         r"config\.json, or a GGUF file\)"):
+        build_engine_config(str(tmp_path / "absent.gguf"))
