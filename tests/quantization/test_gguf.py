@@ -400,3 +400,25 @@ def test_rope_freqs_tensor_becomes_the_rotary_scaling(tmp_path, scaling):
     assert got["factor"] == pytest.approx(scaling["factor"], rel=1e-5)
     assert got == pytest.approx(scaling, rel=1e-5)
     assert _greedy(llm) == _hf_greedy(model)
+
+
+def test_tied_quantized_embedding_gives_a_packed_head(tmp_path, reference_path):
+    """No ``output.weight`` and a Q8_0 ``token_embd``: the lookup uses the dequantized table, the
+    head its own packed copy of the file's bytes; tokens equal transformers' model holding the
+    dequantized table."""
+    model = _hf_model("llama", tie_word_embeddings=True)
+    cfg = {**TINY, "tie_word_embeddings": True}
+    tensors = gguf_tensors(model.state_dict(), cfg, "llama")
+    path = write_gguf(str(tmp_path / "tied.gguf"), "llama", cfg, tensors,
+                      type_of=lambda name, a: T.Q8_0 if name == "token_embd.weight" else T.F32)
+    llm = LLM(model=path, dtype="float32", enforce_eager=True)
+    module = llm.runner.module
+    head = module.lm_head
+    assert head.quant_method is not None and head.quant_method.format.name == "q8_0"
+    raw = torch.from_numpy(gguf.quants.quantize(tensors["token_embd.weight"], T.Q8_0))
+    assert torch.equal(head.weight, raw)  # the file's bytes
+    table = dequantize(raw, "q8_0")
+    assert torch.equal(module.model.embed_tokens.weight, table)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(table)  # tied: the HF head uses it too
+    assert _greedy(llm) == _hf_greedy(model)

@@ -6,14 +6,15 @@ no tensor the model needs is absent; one ``ValueError`` names every problem.
 
 Then, tensor by tensor:
 
-* the attention and MLP projections (``attn_q/k/v/output``, ``ffn_gate/up/down``) and an untied
-  LM head (``output``) in a quantized type stay packed: Q8_0 / Q4_0 / Q4_1 as their own bytes,
+* the attention and MLP projections (``attn_q/k/v/output``, ``ffn_gate/up/down``) and the LM
+  head (``output``, or a quantized ``token_embd`` the head is tied to: the head then gets its
+  own packed copy) in a quantized type stay packed: Q8_0 / Q4_0 / Q4_1 as their own bytes,
   Q4_K repacked into ``q4_1``, Q6_K into ``q8_0``. The layer gets the packed weight and the quant
   method that applies it through ``forwardkit::quant_linear``
   (``quantization.linear_method.install_packed_weight``); the parts of a merged projection
   (q/k/v, gate/up) in different formats run as one op call per part;
-* everything else (F32 / F16 / BF16 tensors, the token embedding, norms, biases, the MoE router
-  and the MoE experts, which have no quantized path yet) is dequantized to float32 values (ggml's,
+* everything else (F32 / F16 / BF16 tensors, the token embedding's lookup table, norms, biases,
+  the MoE router and the MoE experts, which have no quantized path yet) is dequantized to float32 values (ggml's,
   bit for bit) and copied in the model's dtype through the models' own ``load_weights``;
 * Q and K rows (and their biases) of a ``llama`` file go back from llama.cpp's interleaved rotary
   order to the half-split order of the Hugging Face checkpoint its converter read (a ``qwen2``
@@ -288,6 +289,8 @@ def load_gguf_weights(model: LlamaForCausalLM, path: str, dtype: torch.dtype) ->
             if plan.packed_format is not None:
                 _take_packed(plan)
                 continue
+            if plan.hf_name == "model.embed_tokens.weight" and model.tie_word_embeddings:
+                _pack_tied_head(plan)
             values = _float_values(plan, dtype)
             if plan.rotary_heads:
                 values = _unpermute(values, plan.rotary_heads)
@@ -296,6 +299,18 @@ def load_gguf_weights(model: LlamaForCausalLM, path: str, dtype: torch.dtype) ->
                     yield f"{plan.hf_name}.{expert}.{plan.expert_kind}.weight", values[expert]
             else:
                 yield plan.hf_name, values
+
+    def _pack_tied_head(plan: TensorPlan) -> None:
+        """A quantized embedding the head is tied to: the head gets its own packed copy in the
+        file's format (the embedding itself is dequantized for the lookup)."""
+        fmt = gguf_types.native_format(plan.type_name)
+        if fmt is None:
+            return  # a float embedding: the head shares it
+        raw = _raw(plan.tensor)
+        packed = gguf_types.packed_values(raw, plan.type_name, raw.shape[0], plan.tensor.name)
+        local = _local_packed(params["lm_head.weight"], packed, fmt, None, plan.tensor.name)
+        install_packed_weight(model.lm_head, [(fmt, local)])
+        loaded.add("lm_head.weight")
 
     def _take_packed(plan: TensorPlan) -> None:
         assert plan.packed_format is not None
