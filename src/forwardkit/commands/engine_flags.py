@@ -163,8 +163,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
     _install_normalizer(parser)
     g = parser.add_argument_group("engine configuration")
     g.add_argument("--model", default=None, metavar="DIR",
-                   help="local Hugging Face checkpoint directory (config.json + safetensors); "
-                        "default: the built-in small model")
+                   help="local Hugging Face checkpoint directory (config.json + safetensors) "
+                        "or GGUF file; default: the built-in small model")
     g.add_argument("--dtype", default=None,
                    help="model dtype: auto (from config.json), float32, bfloat16 or float16")
     g.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",

@@ -62,7 +62,10 @@ def register(
     g = parser.add_argument_group("prompts and output")
     g.add_argument("--prompt", dest="prompts", action=_TextPrompt, default=[], metavar="TEXT",
                    help="a text prompt (repeatable; kept in order with --prompt-token-ids); "
-                        "needs a checkpoint that ships a tokenizer")
+                        "needs a checkpoint that ships a tokenizer, or --tokenizer")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a directory with the tokenizer to use instead of the model's (a GGUF "
+                        "file's own vocabulary is used when transformers can read it)")
     g.add_argument("--prompt-token-ids", dest="prompts", action=_TextPrompt, type=token_ids,
                    metavar="IDS", help="a prompt as comma-separated token ids, e.g. 1,2,3 "
                                        "(repeatable)")
@@ -170,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     if dp > 1:
         assert rank is not None
         return _run_data_parallel(args, config, prompts, params, rank, dp, tp, output)
-    llm = LLM.from_engine_config(config, seed=0 if args.seed is None else args.seed)
+    llm = LLM.from_engine_config(config, seed=0 if args.seed is None else args.seed,
+                                 tokenizer=args.tokenizer)
     mode = _output_mode(output, llm, config)
     outputs = llm.generate(_prompt_dicts(prompts, llm), params, use_tqdm=False)
     if not llm.is_tp_driver:
@@ -199,7 +203,7 @@ def _prompt_dicts(prompts: list[str | list[int]], llm: object) -> list[str | dic
     if any(isinstance(p, str) for p in prompts) and llm.tokenizer is None:
         model = llm.model_config.model or "<built-in>"
         raise ValueError(f"--prompt needs a tokenizer but model {model} ships none; use "
-                         "--prompt-token-ids")
+                         "--prompt-token-ids or --tokenizer DIR")
     return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
 
 
@@ -217,7 +221,8 @@ def _run_data_parallel(args: argparse.Namespace, config: EngineConfig,
     moe = config.parallel_config.data_parallel_size > 1
     if not moe and not dist.is_initialized():
         dist.init_process_group("gloo")  # only to gather the outputs; the model steps alone
-    llm = LLM.from_engine_config(config, seed=0 if args.seed is None else args.seed)
+    llm = LLM.from_engine_config(config, seed=0 if args.seed is None else args.seed,
+                                 tokenizer=args.tokenizer)
     mode = _output_mode(output, llm, config)
     mine = list(range(dp_rank, len(prompts), dp))
     outputs = llm.generate(_prompt_dicts([prompts[i] for i in mine], llm), params, use_tqdm=False)

@@ -35,6 +35,7 @@ from forwardkit.config.cache import CacheConfig, check_hash_algo
 from forwardkit.config.compilation import CompilationConfig
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.engine_args import ENGINE_ARGS, LLM_LEVEL_ARGS, screen_engine_args
+from forwardkit.config.gguf import gguf_model_config, is_gguf_path
 from forwardkit.config.model import QUANTIZATION_FORMATS, ModelConfig
 from forwardkit.config.model_shapes import (
     BUILTIN_MODEL_SHAPE,
@@ -262,6 +263,10 @@ def build_engine_config(
     compilation = _compilation(compilation_config, resolved_platform, label("compilation_config"))
     try:
         model_config = _model_config(model, builtin_hf_config, dtype, max_model_len, enforce_eager)
+        if quantization is not None and is_gguf_path(model):
+            raise ValueError(f"{label('quantization')}={quantization!r} quantizes a full-precision "
+                             f"checkpoint on load; GGUF file {model} keeps the types its tensors "
+                             "have: leave quantization unset")
         if quantization is not None:
             model_config = dataclasses.replace(model_config, quantization=quantization)
         model_config = _cpu_dtype_fallback(model_config, dtype, resolved_platform)
@@ -453,6 +458,8 @@ def _model_config(model: str | os.PathLike[str] | None, builtin_hf_config: Mappi
     overrides: dict[str, Any] = {"enforce_eager": bool(enforce_eager)}
     if max_model_len is not None:
         overrides["max_model_len"] = max_model_len
+    if model is not None and is_gguf_path(model):
+        return gguf_model_config(os.fspath(model), dtype=dtype, **overrides)
     if model is not None:
         config = ModelConfig.from_pretrained(model, dtype=dtype, **overrides)
         return _with_architecture(config)

@@ -67,7 +67,7 @@ _CUDA_KV = "the KV cache holds the model dtype only"
 
 _ROWS: tuple[EngineArg, ...] = (
     # ---- model and tokenizer
-    _acts("model", "local Hugging Face checkpoint directory; None = the built-in model"),
+    _acts("model", "local Hugging Face checkpoint directory or GGUF file; None = the built-in model"),
     _acts("tokenizer", "directory of the tokenizer when it is not the model's"),
     _acts("skip_tokenizer_init", "no tokenizer: token-id prompts only, outputs without text"),
     _noop("tokenizer_mode", "the checkpoint's tokenizer loads through `transformers`",

@@ -222,7 +222,7 @@ class ModelConfig(FreezableConfig):
         directory = os.fspath(path)
         if not os.path.isdir(directory):
             raise ValueError(f"model path {directory!r} is not a directory (expected a local "
-                             "Hugging Face checkpoint with config.json)")
+                             "Hugging Face checkpoint with config.json, or a GGUF file)")
         config_file = os.path.join(directory, "config.json")
         if not os.path.isfile(config_file):
             raise ValueError(f"no config.json in model directory {directory!r}")

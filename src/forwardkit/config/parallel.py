@@ -387,9 +387,38 @@ def check_parallel_fits_model(parallel: ParallelConfig, model: ModelConfig) -> N
         if inter is not None and not (experts and ep) and int(inter) % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={inter} "
                              f"of {where}")
+    if tp > 1:
+        _check_block_boundaries(tp, model, where)
     if model.is_moe and parallel.enable_expert_parallel and dp * tp > 1:
         num = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
         if num < dp * tp:
             raise ValueError(f"enable_expert_parallel over data_parallel_size x "
                              f"tensor_parallel_size = {dp * tp} ranks needs at least one expert "
                              f"per rank, but {where} has {num} experts")
+
+
+_BLOCK = 32  # weights in one block of the packed formats (quantization/formats.py)
+# GGUF types kept in 32-weight blocks (Q8_0, Q4_0, Q4_1, and Q4_K / Q6_K repacked into them)
+_GGUF_BLOCK_TYPES = {2, 3, 8, 12, 14}
+
+
+def _check_block_boundaries(tp: int, model: ModelConfig, where: str) -> None:
+    """ValueError when a row-parallel projection with packed weights (quantized on load, or a
+    GGUF file's quantized ``attn_output`` / ``ffn_down``) would be cut inside a 32-weight block:
+    each rank's input slice must be a whole number of blocks."""
+    hf = model.hf_config
+    types: dict[str, int] = hf.get("gguf_tensor_types") or {}
+    inputs = {"attn_output": ("num_attention_heads x head_dim",
+                              model.get_num_attention_heads() * model.get_head_size())}
+    if hf.get("intermediate_size") is not None and not model.is_moe:
+        inputs["ffn_down"] = ("intermediate_size", int(hf["intermediate_size"]))
+    for tensor, (what, size) in inputs.items():
+        packed = model.quantization is not None or any(
+            name.endswith(f".{tensor}.weight") and kind in _GGUF_BLOCK_TYPES
+            for name, kind in types.items())
+        if packed and (size // tp) % _BLOCK:
+            raise ValueError(
+                f"tensor_parallel_size={tp} cuts the {_BLOCK}-weight blocks of the packed "
+                f"{tensor} weights of {where}: each rank would hold {size // tp} of its {what}="
+                f"{size} inputs, not a multiple of {_BLOCK}; use a tensor_parallel_size that "
+                f"leaves a multiple of {_BLOCK} per rank")

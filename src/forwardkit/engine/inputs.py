@@ -128,7 +128,7 @@ def _encode(index: int, text: str, tokenizer: Tokenizer | None, model_name: str 
     if tokenizer is None:
         raise ValueError(
             f"prompt {index} is text but the model ships no tokenizer "
-            f"(model={model_name!r}); pass prompt_token_ids"
+            f"(model={model_name!r}); pass prompt_token_ids, or LLM(tokenizer=DIR)"
         )
     return list(tokenizer.encode(text))
 

@@ -252,9 +252,11 @@ class LLM:
         self._next_id = 0
 
     @classmethod
-    def from_engine_config(cls, engine_config: EngineConfig, seed: int = 0) -> LLM:
-        """An ``LLM`` over an already resolved config (used by ``forwardkit generate``)."""
-        return cls(engine_config=engine_config, seed=seed)
+    def from_engine_config(cls, engine_config: EngineConfig, seed: int = 0,
+                           tokenizer: str | os.PathLike[str] | None = None) -> LLM:
+        """An ``LLM`` over an already resolved config (used by ``forwardkit generate``);
+        ``tokenizer``: a directory with the tokenizer to use instead of the model's."""
+        return cls(engine_config=engine_config, seed=seed, tokenizer=tokenizer)
 
     def _init_parallel(self, cfg: EngineConfig) -> tuple[RankGroup | None, EngineConfig]:
         """Join (or start) the DP and TP ranks; returns (the DP group or None, the engine

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from forwardkit.config.gguf import is_gguf_path, open_gguf
 from forwardkit.logger import init_logger
 
 __all__ = ["load_tokenizer", "has_tokenizer_files", "TOKENIZER_FILES"]
@@ -22,12 +23,33 @@ def has_tokenizer_files(model_dir: str | None) -> bool:
     return any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES)
 
 
+def _gguf_tokenizer(path: str) -> Any | None:
+    """The tokenizer ``transformers`` builds from a GGUF file's own vocabulary, or None (with a
+    warning saying why) when the file has none or ``transformers`` cannot build it."""
+    if open_gguf(path).metadata.get("tokenizer.ggml.model") in (None, "no_vocab"):
+        return None  # the file carries no vocabulary
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                             gguf_file=os.path.basename(path),
+                                             local_files_only=True)
+    except Exception as exc:  # ImportError, an unsupported vocabulary type, ...
+        logger.warning("GGUF file %s: transformers cannot build its tokenizer (%s: %s); text "
+                       "prompts need tokenizer=DIR", path, type(exc).__name__, exc)
+        return None
+
+
 def load_tokenizer(model_dir: str | None) -> Any | None:
     """``AutoTokenizer.from_pretrained(model_dir)`` (local files only), or None if none ships.
+    For a GGUF file, the tokenizer of its own vocabulary when ``transformers`` can build it.
 
     Raises ``RuntimeError`` naming the directory if tokenizer files exist but cannot be loaded
     (for example when ``transformers`` is missing).
     """
+    if is_gguf_path(model_dir):
+        assert model_dir is not None
+        return _gguf_tokenizer(model_dir)
     if not has_tokenizer_files(model_dir):
         return None
     try:

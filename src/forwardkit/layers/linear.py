@@ -159,7 +159,9 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(CpuLinearLayer):
-    """Output projection to the vocabulary; ``tie_to`` shares the embedding table's weight."""
+    """Output projection to the vocabulary; ``tie_to`` shares the embedding table's weight. A
+    GGUF file's packed head gets a ``quant_method`` at load
+    (``quantization.linear_method.install_packed_weight``)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
                  tie_to: VocabEmbedding | None = None) -> None:
@@ -173,11 +175,16 @@ class LMHead(CpuLinearLayer):
             self.weight.weight_loader = _default_loader  # type: ignore[attr-defined]
 
     def forward_native(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits in float32, by ``F.linear``."""
+        """Logits in float32, by ``F.linear`` (or the quant method of a packed head)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden_states, None).float()
         return F.linear(hidden_states, self.weight).float()
 
     def forward_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits in float32, by the ``forwardkit::linear`` op."""
+        """Logits in float32, by the ``forwardkit::linear`` op (or the quant method of a packed
+        head)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden_states, None).float()
         return torch.ops.forwardkit.linear(hidden_states, self.weight, None).float()
 
 

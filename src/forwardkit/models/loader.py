@@ -1,7 +1,8 @@
 """``load_model(engine_config)``: build the model class for the config and fill its weights.
 
 Weights come from a local Hugging Face checkpoint directory (``config.json`` plus
-``*.safetensors``, sharded checkpoints through ``model.safetensors.index.json``). Pickle-based
+``*.safetensors``, sharded checkpoints through ``model.safetensors.index.json``) or a GGUF file
+(``models/gguf_loader.py``: quantized projections stay packed). Pickle-based
 formats (``pytorch_model.bin``, ``*.pt``) are refused: loading them can run arbitrary code.
 With ``model_config.model`` None (the built-in model or a named shape) the model gets seeded
 random weights.
@@ -32,11 +33,13 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+from forwardkit.config.gguf import is_gguf_path
 from forwardkit.kernels.cpu.router import CpuLinearRouter, attach_router
 from forwardkit.layers.linear import Linear, linear_op_weights, quantized_linears
 from forwardkit.logger import init_logger
 from forwardkit.models import get_model_class
 from forwardkit.models.default import init_random_weights
+from forwardkit.models.gguf_loader import load_gguf_weights
 from forwardkit.models.weights import WeightLoadError, missing_parameters
 from forwardkit.quantization.linear_method import QuantizedLinearMethod
 
@@ -182,7 +185,8 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
     platform = engine_config.platform
     device = platform.device() if platform is not None else torch.device("cpu")
     model_dir = model_config.model
-    files = safetensors_files(model_dir) if model_dir is not None else []
+    gguf = is_gguf_path(model_dir)
+    files = safetensors_files(model_dir) if model_dir is not None and not gguf else []
     with set_current_engine_config(engine_config), torch.device(device):
         model = model_cls(engine_config)
     quantized = quantized_linears(model)
@@ -191,6 +195,12 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
     if model_dir is None:
         init_random_weights(model)
         logger.info_once("Built %s with seeded random weights (no checkpoint)", model_cls.__name__)
+    elif gguf:
+        assert model_dir is not None
+        loaded = load_gguf_weights(model, model_dir, model_config.dtype)
+        missing = missing_parameters(model, loaded)
+        if missing:
+            raise WeightLoadError(missing=missing, source=f"GGUF file {model_dir}")
     else:
         try:
             # a rank holding a shard of the weights reads only that shard of each tensor

@@ -26,19 +26,26 @@ import torch.nn as nn
 from forwardkit.quantization import ops as _ops  # noqa: F401  (registers forwardkit::quant_linear)
 from forwardkit.quantization.formats import BLOCK, QuantFormat, get_format, quantize
 
-__all__ = ["QuantizedLayer", "QuantizedLinearMethod", "QuantizedWeightReloadError"]
+__all__ = ["PackedWeightLayer", "QuantizedLayer", "QuantizedLinearMethod", "QuantizedWeightReloadError",
+           "SplitQuantizedLinearMethod", "install_packed_weight"]
 
 
 class QuantizedWeightReloadError(ValueError):
     """A write into a weight that is already quantized (in-place reloading is not supported)."""
 
 
-class QuantizedLayer(Protocol):
-    """What the method needs of a layer: its sizes and its ``weight`` (staging or packed)."""
+class PackedWeightLayer(Protocol):
+    """What :meth:`QuantizedLinearMethod.apply` needs of a layer: its (packed) ``weight``."""
+
+    weight: nn.Parameter
+
+
+class QuantizedLayer(PackedWeightLayer, Protocol):
+    """What the method needs of a layer it quantizes: its sizes and its ``weight`` (staging or
+    packed)."""
 
     input_size: int
     output_size: int
-    weight: nn.Parameter
 
 
 def _refuse_reload(param: torch.Tensor, loaded: torch.Tensor, shard_id: Hashable | None = None) -> None:
@@ -67,7 +74,7 @@ class QuantizedLinearMethod:
                 f"{BLOCK}-weight block; run this model without quantization")
 
     @staticmethod
-    def is_quantized(layer: QuantizedLayer) -> bool:
+    def is_quantized(layer: PackedWeightLayer) -> bool:
         """Whether ``layer``'s weight is packed already."""
         return layer.weight.dtype == torch.uint8
 
@@ -83,9 +90,68 @@ class QuantizedLinearMethod:
         layer.weight = packed
         return packed
 
-    def apply(self, layer: QuantizedLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: PackedWeightLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` through the ``forwardkit::quant_linear`` op."""
         if not self.is_quantized(layer):
             raise RuntimeError(f"a {self.format.name} layer ran before its weight was quantized "
                                "(the model loader quantizes each weight once it is loaded)")
         return torch.ops.forwardkit.quant_linear(x, layer.weight, bias, self.format.name)
+
+
+class SplitQuantizedLinearMethod(QuantizedLinearMethod):
+    """A merged projection whose parts are packed in different formats (a GGUF file may store a
+    layer's ``attn_v`` in another type than its ``attn_q`` / ``attn_k``): the layer's weight is
+    the parts' bytes one after the other (a flat ``uint8`` tensor), and :meth:`apply` runs one
+    ``forwardkit::quant_linear`` per part and concatenates the outputs.
+
+    ``parts``: ``(rows, format)`` of each part, in output order. :attr:`format` is the first
+    part's (what ``repr`` shows first)."""
+
+    def __init__(self, parts: list[tuple[int, str]]) -> None:
+        if len(parts) < 2:
+            raise ValueError(f"a split quantized weight needs two parts or more, got {parts}")
+        super().__init__(parts[0][1])
+        self.parts = [(rows, get_format(fmt)) for rows, fmt in parts]
+
+    def packed_parts(self, weight: torch.Tensor, input_size: int) -> list[torch.Tensor]:
+        """Each part's ``[rows, input_size / 32 * block_bytes]`` view of the flat ``weight``."""
+        views = []
+        offset = 0
+        for rows, fmt in self.parts:
+            row_bytes = input_size // BLOCK * fmt.block_bytes
+            views.append(weight.narrow(0, offset, rows * row_bytes).view(rows, row_bytes))
+            offset += rows * row_bytes
+        return views
+
+    def apply(self, layer: PackedWeightLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias``, one ``forwardkit::quant_linear`` per part."""
+        outs = []
+        first = 0
+        for (rows, fmt), packed in zip(self.parts, self.packed_parts(layer.weight, x.shape[-1])):
+            part_bias = None if bias is None else bias.narrow(0, first, rows)
+            outs.append(torch.ops.forwardkit.quant_linear(x, packed, part_bias, fmt.name))
+            first += rows
+        return torch.cat(outs, dim=-1)
+
+
+def install_packed_weight(layer: nn.Module, parts: list[tuple[str, torch.Tensor]]) -> nn.Parameter:
+    """Give ``layer`` (a linear layer or the LM head) an already packed weight and the method
+    that applies it: ``parts`` are ``(format, packed [rows, bytes])`` in output order, one for a
+    plain projection, one per shard of a merged one. Parts in one format become one packed
+    weight (:class:`QuantizedLinearMethod`); mixed formats a :class:`SplitQuantizedLinearMethod`.
+    The weight refuses in-place reloads, like a quantized-on-load one."""
+    formats = {fmt for fmt, _ in parts}
+    method: QuantizedLinearMethod
+    if len(formats) == 1:
+        fmt = parts[0][0]
+        method = QuantizedLinearMethod(fmt)
+        data = torch.cat([p for _, p in parts], dim=0) if len(parts) > 1 else parts[0][1]
+    else:
+        method = SplitQuantizedLinearMethod([(p.shape[0], fmt) for fmt, p in parts])
+        data = torch.cat([p.reshape(-1) for _, p in parts])
+    packed = nn.Parameter(data.contiguous(), requires_grad=False)
+    packed.weight_loader = _refuse_reload  # type: ignore[attr-defined]
+    packed.quant_format = method.format.name  # type: ignore[attr-defined]
+    layer.weight = packed
+    setattr(layer, "quant_method", method)  # noqa: B010 (a plain attribute, not a submodule)
+    return packed
