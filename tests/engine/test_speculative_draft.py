@@ -30,24 +30,26 @@ def target(make_checkpoint) -> str:
     return make_checkpoint("llama_gqa_tied")
 
 
-@pytest.fixture(scope="module")
-def draft(target, tmp_path_factory) -> str:
-    """The target's checkpoint with every weight perturbed: the same vocabulary, drafts that
+def _perturbed(source: str, out: str) -> str:
+    """``source``'s checkpoint with every weight perturbed: the same vocabulary, drafts that
     are often but not always right."""
     from safetensors.torch import load_file, save_file
 
-    out = str(tmp_path_factory.mktemp("draft"))
-    for name in os.listdir(target):
-        if not name.endswith(".safetensors"):
-            shutil.copy(os.path.join(target, name), out)
     gen = torch.Generator().manual_seed(7)
-    for name in os.listdir(target):
-        if name.endswith(".safetensors"):
-            tensors = load_file(os.path.join(target, name))
-            noisy = {k: (v + 0.6 * v.std() * torch.randn(v.shape, generator=gen)).contiguous()
-                     for k, v in tensors.items()}
-            save_file(noisy, os.path.join(out, name), metadata={"format": "pt"})
+    for name in os.listdir(source):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(source, name), out)
+            continue
+        tensors = load_file(os.path.join(source, name))
+        noisy = {k: (v + 0.6 * v.std() * torch.randn(v.shape, generator=gen)).contiguous()
+                 for k, v in tensors.items()}
+        save_file(noisy, os.path.join(out, name), metadata={"format": "pt"})
     return out
+
+
+@pytest.fixture(scope="module")
+def draft(target, tmp_path_factory) -> str:
+    return _perturbed(target, str(tmp_path_factory.mktemp("draft")))
 
 
 def _spec(model: str, k: int = 4, **kw: object) -> dict:
@@ -240,3 +242,56 @@ def test_bad_settings_fail_at_config_time(target, tmp_path):
     for spec, match in cases:
         with pytest.raises(ValueError, match=match):
             LLM(target, speculative_config=spec, **ENGINE)
+
+
+# ---------------------------------------------------------------------------- tp=2, dp=2
+DP_PROMPTS = [[PROMPTS[0], PROMPTS[2], PROMPTS[4]], [PROMPTS[1]]]  # uneven: rank 1 idles early
+DP_ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96,
+                 enforce_eager=True)
+
+
+def _dp_rank_main(rank: int, nprocs: int, port: int, path: str, spec: dict | None
+                  ) -> tuple[list[list[int]], float]:
+    from forwardkit.distributed import destroy_dp_group, init_dp_group
+
+    init_dp_group(world_size=nprocs, rank=rank, master_port=port, backend="gloo", timeout_s=60)
+    try:
+        llm = LLM(path, data_parallel_size=nprocs, enable_expert_parallel=True, **DP_ENGINE,
+                  **({} if spec is None else {"speculative_config": spec}))
+        tokens = _tokens(llm, GREEDY, DP_PROMPTS[rank])
+        return tokens, _metric(llm, "vllm:spec_decode_num_accepted_tokens")
+    finally:
+        destroy_dp_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_dp2_greedy_identical_with_ngram_and_draft_model(make_checkpoint, tmp_path):
+    """Data parallelism (which forwardkit runs for MoE models: Mixtral, experts split over the
+    ranks): both ranks speculate on their own prompts, the draft runs on each rank alone."""
+    from forwardkit.distributed.launch import spawn
+
+    moe = make_checkpoint("mixtral")
+    single = _engine(moe, None, **DP_ENGINE)
+    ngram = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    for spec in (ngram, _spec(_perturbed(moe, str(tmp_path)), k=3)):
+        results = spawn(_dp_rank_main, 2, args=(moe, spec), timeout_s=300)
+        for rank, (tokens, accepted) in enumerate(results):
+            assert tokens == _tokens(single, GREEDY, DP_PROMPTS[rank]), (spec, rank)
+            assert accepted > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_tp2_target_with_a_one_rank_draft(target, draft):
+    want = _tokens(_engine(target, None), GREEDY)
+    tp2 = LLM(target, **ENGINE, tensor_parallel_size=2,
+              speculative_config=_spec(draft, draft_tensor_parallel_size=1))
+    try:
+        assert _tokens(tp2, GREEDY) == want
+        assert _metric(tp2, "vllm:spec_decode_num_accepted_tokens") > 0
+    finally:
+        tp2.shutdown()
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 is not supported"):
+        LLM(target, **ENGINE, tensor_parallel_size=2,
+            speculative_config=_spec(draft, draft_tensor_parallel_size=2))
