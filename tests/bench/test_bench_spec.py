@@ -71,3 +71,36 @@ def test_spec_contender_errors(argv, message):
     proc = subprocess.run([sys.executable, "-m", "forwardkit.cli", *argv], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_spec_profile_splits_a_step():
+    """Every decode step is split into draft, verify, sampling and host time (each measured:
+    the wrappers saw the engine's calls), parts adding up to the step; the engine is left as
+    it was."""
+    from forwardkit.bench.spec_profile import SPEC_PARTS, format_spec_profiles, profile_spec_steps
+    from forwardkit.engine import LLM
+
+    llm = LLM(enforce_eager=True, max_num_seqs=4, speculative_config=json.loads(NGRAM))
+    prof = profile_spec_steps(llm, 2, prompt_len=6, new_tokens=10)
+    assert prof.steps >= 2 and prof.tokens_per_request_step >= 1.0
+    assert all(prof.ms[p] > 0 for p in ("draft", "verify", "sampling", "step"))
+    assert sum(prof.ms[p] for p in ("draft", "verify", "sampling")) <= prof.ms["step"] * 1.05
+    table = format_spec_profiles([prof], "title")
+    assert all(part in table for part in SPEC_PARTS) and "B=2" in table
+    assert not {"step", "_propose_drafts", "_execute"} & set(vars(llm))
+    assert not {"sample", "draw", "target_distribution"} & set(vars(llm.sampler))
+    with pytest.raises(ValueError, match="needs an LLM with a speculative_config"):
+        profile_spec_steps(LLM(enforce_eager=True), 1)
+
+
+@pytest.mark.slow
+def test_cli_profile_with_speculation(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["bench", "--generation", "--profile", "--model-shape", "default", "--batch-sizes",
+                 "1,2", "--prompt-len", "4", "--new-tokens", "8", "--no-progress", "-O0",
+                 "--speculative-config", NGRAM, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "forwardkit+spec (ngram, k=3): decode steps" in printed and "draft" in printed
+    data = json.loads(out.read_text())
+    assert set(data["spec_profiles"]) == {"1", "2"}
+    assert data["spec_profiles"]["2"]["ms"]["verify"] > 0

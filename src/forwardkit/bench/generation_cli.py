@@ -374,14 +374,40 @@ def _run_profile(args: argparse.Namespace, hf_config: dict[str, Any] | None,
              f"tokens, median of {steps} profiled decode steps per batch size; {host.machine()} "
              f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(format_profiles(profiles, title))
+    data: dict[str, Any] = {
+        "model": mc.model or "random weights", "dtype": str(llm.runner.dtype),
+        "profiles": {str(p.batch_size): [dataclasses.asdict(r) for r in p.rows]
+                     for p in profiles}}
+    if getattr(args, "speculative_config", None) is not None:
+        data["spec_profiles"] = _run_spec_profile(args, hf_config, s)
     if args.json_path:
-        data = {"model": mc.model or "random weights", "dtype": str(llm.runner.dtype),
-                "profiles": {str(p.batch_size): [dataclasses.asdict(r) for r in p.rows]
-                             for p in profiles}}
         with open(args.json_path, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
         print(f"\nwrote {args.json_path}")
     return 0
+
+
+def _run_spec_profile(args: argparse.Namespace, hf_config: dict[str, Any] | None,
+                      s: Settings) -> dict[str, Any]:
+    """``--profile --speculative-config``: the speculating engine's decode steps split into
+    draft, verify, sampling and host time, one column per batch size; returns them for JSON."""
+    from forwardkit.bench.generation import SPEC_CONTENDER
+    from forwardkit.bench.spec_profile import format_spec_profiles, profile_spec_steps
+
+    llm = _llm_of(_build(SPEC_CONTENDER, args, hf_config, s, None)[1])
+    assert llm is not None
+    new_tokens = max(8, s["new_tokens"])
+    profiles = []
+    for b in s["batch_sizes"]:
+        profile_spec_steps(llm, b, s["prompt_len"], 4, seed=args.seed)  # compiles, first shapes
+        profiles.append(profile_spec_steps(llm, b, s["prompt_len"], new_tokens, seed=args.seed))
+    spec = llm.engine_config.speculative_config
+    assert spec is not None
+    print(format_spec_profiles(profiles, f"{SPEC_CONTENDER} ({spec.method}, k="
+                               f"{spec.num_speculative_tokens}): decode steps of {new_tokens} "
+                               "greedy tokens per request, medians (wall clock, no profiler)"))
+    llm.shutdown()
+    return {str(p.batch_size): dataclasses.asdict(p) for p in profiles}
 
 
 def _timed_runs(fns: dict[str, GenerateFn], names: list[str],
