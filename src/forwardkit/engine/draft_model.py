@@ -159,7 +159,8 @@ class DraftModelProposer:
             self._release(rid)
         work: list[tuple[Request, _DraftState, int]] = []
         for req in decoding:
-            state = self._state(req)
+            req.spec_token_ids = []  # none unless proposed now (a request left unscheduled
+            state = self._state(req)  # last step would keep drafts its state no longer has)
             k = self._room(req)
             # positions the draft writes: every token but the last drafted one
             if k > 0 and self._grow(state, req.num_tokens + k - 1):
