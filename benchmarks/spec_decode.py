@@ -4,7 +4,8 @@
 
 Prints, medians over ``--repeats`` rounds that alternate the two engines:
 
-1. the model step alone (``ModelRunner.execute``): a verify step of ``1 + k`` tokens against a
+1. the model step alone (``ModelRunner.execute``): a verify step of ``1 + k`` tokens (on the
+   speculating engine's runner, which runs a request's drafts as decode rows) against a
    1-token decode step, one request at a context of ``--context`` tokens;
 2. greedy generation of ``--new-tokens`` tokens at batch 1 from a repetitive prompt (the loops
    random-weight models fall into are what prompt lookup catches) and from a random prompt
@@ -70,7 +71,8 @@ def main() -> None:
         llm.generate(prompt_token_ids=[loop[:16]], sampling_params=SamplingParams(max_tokens=8),
                      use_tqdm=False)
     decode = _step_ms(plain, args.context, 1, 5 * args.repeats)
-    verify = _step_ms(plain, args.context, 1 + args.k, 5 * args.repeats)
+    # on the speculating engine's runner: its verify steps run the drafts as decode rows
+    verify = _step_ms(spec, args.context, 1 + args.k, 5 * args.repeats)
     print(f"model step, 1 request at context {args.context}: decode {decode:.2f} ms, verify of "
           f"{1 + args.k} tokens {verify:.2f} ms = {verify / decode:.2f}x")
     print("| prompt | plain tok/s | spec tok/s | speed-up | acceptance | mean emitted/step | "

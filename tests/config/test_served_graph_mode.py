@@ -99,8 +99,15 @@ def test_the_builtin_backend_decides_by_default(capturing, monkeypatch):
     import forwardkit.layers.attention_backend as layers_backend  # registers TORCH_NATIVE
 
     assert ATTENTION_BACKENDS["TORCH_NATIVE"] is layers_backend.TorchNativeAttentionBackend
-    assert attention_cudagraph_support("TORCH_NATIVE") == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert attention_cudagraph_support("TORCH_NATIVE") == AttentionCGSupport.UNIFORM_BATCH
     assert _cfg("cuda", mode=3, cudagraph_mode="FULL").served_cudagraph_mode == M.FULL_AND_PIECEWISE
+    # speculative decoding (decode steps of 1 + k tokens per request) keeps its FULL decode
+    # graphs: the backend serves uniform batches of any query length
+    spec = EngineConfig(model_config=ModelConfig(hf_config=dict(LLAMA), max_model_len=64),
+                        compilation_config={"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"},
+                        platform="cuda", speculative_config={"num_speculative_tokens": 2})
+    assert spec.uniform_decode_query_len == 3
+    assert spec.served_cudagraph_mode == M.FULL_AND_PIECEWISE
 
 
 def test_enforce_eager_serves_none(capturing, backend):

@@ -144,8 +144,16 @@ def test_spec_decode_query_len_2_keys_and_dispatch():
     disp = dispatcher_for(sizes=(1, 2, 4, 8), spec_tokens=1)
     assert disp.cudagraph_keys[M.FULL] == {d(2, 1, True), d(4, 2, True), d(8, 4, True)}
     assert disp.dispatch(6, True, False) == (M.FULL, d(8, 4, True))
-    with pytest.raises(AssertionError, match="not a multiple of uniform_decode_query_len=2"):
-        disp.dispatch(1, True, False)
+    # with FULL decode graphs the sizes are rounded to multiples of 2 when the keys are built
+    # (vLLM's runner: adjust_cudagraph_sizes_for_spec_decode), so every padded uniform step
+    # is one (unrounded, size 1 would fail the dispatcher's multiple-of assertion)
+    assert disp._capture_sizes() == [2, 4, 8]
+    assert disp.cudagraph_keys[M.PIECEWISE] == {d(2), d(4), d(8)}
+    assert disp.dispatch(1, True, False) == (M.FULL, d(2, 1, True))
+    assert disp.dispatch(3, False, False) == (M.PIECEWISE, d(4))
+    # a mode without FULL decode graphs keeps the config's sizes
+    plain = dispatcher_for(M.PIECEWISE, sizes=(1, 2, 4, 8), spec_tokens=1)
+    assert plain.cudagraph_keys[M.PIECEWISE] == {d(1), d(2), d(4), d(8)}
 
 
 def test_mode_is_fixed_once_by_initialize():

@@ -113,7 +113,7 @@ def test_metrics_names_and_per_position_counts(make_checkpoint):
 
 @pytest.mark.parametrize("spec, match", [
     ({"method": "eagle"}, "speculative_config.method='eagle' is not supported by the forwardkit "
-                          "engine; accepted: 'ngram'"),
+                          "engine; accepted: 'ngram', 'draft_model'"),
     ({"method": "nope"}, "speculative_config.method='nope' is invalid"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1, got 0"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min=4 is invalid"),

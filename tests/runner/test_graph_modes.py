@@ -112,7 +112,7 @@ CASES = {
         "mixed": {(p, d(4)) for p in PIECES}, "decode-2": {("full", d(2, 2, True))},
     }),
 }
-# The torch-native attention backend supports full graphs for single-token decodes only, so a
+# The torch-native attention backend supports full graphs for uniform decode batches only, so a
 # configured FULL is served as FULL_AND_PIECEWISE (vLLM's resolution); same graphs.
 CASES["FULL"] = (M.FULL_AND_PIECEWISE, *CASES["FULL_AND_PIECEWISE"][1:])
 

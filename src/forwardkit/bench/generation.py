@@ -27,10 +27,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["GENERATION_CONTENDERS", "GenerationResult", "StreamProbe", "hf_state_dict",
+__all__ = ["GENERATION_CONTENDERS", "SPEC_CONTENDER", "GenerationResult", "StreamProbe", "hf_state_dict",
            "measure_stream_bandwidth", "time_generation"]
 
 GENERATION_CONTENDERS = ("eager", "torch.compile", "forwardkit", "transformers", "llama.cpp")
+SPEC_CONTENDER = "forwardkit+spec"
+"""forwardkit with ``--speculative-config``, beside plain forwardkit (the other contenders run
+without speculation); in the default list when the flag is given."""
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
 
 

@@ -93,10 +93,13 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any] | None,
                    s: Settings) -> EngineConfig:
     from forwardkit.bench.contenders import NATIVE_EAGER
+    from forwardkit.bench.generation import SPEC_CONTENDER
     from forwardkit.commands.flag_config import engine_config_from_args
 
     ns = copy.copy(args)
     ns.tensor_parallel_size = _tp_of(name)  # -tp N: only the "forwardkit tp=N" contender
+    if name != SPEC_CONTENDER:  # --speculative-config: only the forwardkit+spec contender
+        ns.speculative_config = None
     name = "forwardkit" if name.startswith("forwardkit") else name
     longest = s["prompt_len"] + s["new_tokens"] + 1
     _check_length(ns, hf_config, longest)
@@ -153,6 +156,23 @@ def _with_llamacpp(names: list[str], explicit: bool) -> list[str]:
         raise ValueError(f"--contenders llama.cpp: {llamacpp_missing_note()}")
     print(f"forwardkit bench --generation: {llamacpp_missing_note()}", file=sys.stderr)
     return [n for n in names if n != "llama.cpp"]
+
+
+def _with_spec(names: list[str], args: argparse.Namespace) -> list[str]:
+    """With ``--speculative-config``, the ``forwardkit+spec`` contender after plain forwardkit
+    (when the list is the default); without it, naming that contender is an error."""
+    from forwardkit.bench.generation import SPEC_CONTENDER
+
+    spec = getattr(args, "speculative_config", None)
+    if spec is None:
+        if SPEC_CONTENDER in names:
+            raise ValueError(f"--contenders {SPEC_CONTENDER} needs --speculative-config JSON "
+                             "(the drafting method it runs)")
+        return names
+    if args.contenders is not None or SPEC_CONTENDER in names:
+        return names
+    at = names.index("forwardkit") + 1 if "forwardkit" in names else len(names)
+    return names[:at] + [SPEC_CONTENDER] + names[at:]
 
 
 def _tp_of(name: str) -> int:
@@ -257,6 +277,7 @@ def run_generation(args: argparse.Namespace) -> int:
     if getattr(args, "profile", False):
         return _run_profile(args, hf_config, s)
     names = _with_llamacpp(names, explicit=args.contenders is not None)
+    names = _with_spec(names, args)
     if getattr(args, "quantization", None):
         # they borrow forwardkit's weights as float tensors; quantized ones are packed blocks
         borrowers = [n for n in names if n in ("transformers", "llama.cpp")]
@@ -318,10 +339,13 @@ def run_generation(args: argparse.Namespace) -> int:
         b0, b1 = min(s["batch_sizes"]), max(s["batch_sizes"])
         r.ttft_ms = statistics.median(r.samples[f"first_{b0}"]) * 1e3
         r.prefill_tok_s = b1 * s["prompt_len"] / statistics.median(r.samples[f"first_{b1}"])
+    spec_figures = _spec_figures(keep)
     for obj in keep.values():  # TP workers end before the report (their cores come back)
         if not isinstance(obj, torch.nn.Module):  # LLM, llama.cpp
             obj.shutdown()
     report = _report(results, s, stream, bytes_per_step, model_name, itemsize, roofs)
+    if spec_figures is not None:
+        report["contenders"][spec_figures.pop("contender")]["spec_decode"] = spec_figures
     print(_format(report), file=sys.stdout)
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:
@@ -351,14 +375,40 @@ def _run_profile(args: argparse.Namespace, hf_config: dict[str, Any] | None,
              f"tokens, median of {steps} profiled decode steps per batch size; {host.machine()} "
              f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(format_profiles(profiles, title))
+    data: dict[str, Any] = {
+        "model": mc.model or "random weights", "dtype": str(llm.runner.dtype),
+        "profiles": {str(p.batch_size): [dataclasses.asdict(r) for r in p.rows]
+                     for p in profiles}}
+    if getattr(args, "speculative_config", None) is not None:
+        data["spec_profiles"] = _run_spec_profile(args, hf_config, s)
     if args.json_path:
-        data = {"model": mc.model or "random weights", "dtype": str(llm.runner.dtype),
-                "profiles": {str(p.batch_size): [dataclasses.asdict(r) for r in p.rows]
-                             for p in profiles}}
         with open(args.json_path, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
         print(f"\nwrote {args.json_path}")
     return 0
+
+
+def _run_spec_profile(args: argparse.Namespace, hf_config: dict[str, Any] | None,
+                      s: Settings) -> dict[str, Any]:
+    """``--profile --speculative-config``: the speculating engine's decode steps split into
+    draft, verify, sampling and host time, one column per batch size; returns them for JSON."""
+    from forwardkit.bench.generation import SPEC_CONTENDER
+    from forwardkit.bench.spec_profile import format_spec_profiles, profile_spec_steps
+
+    llm = _llm_of(_build(SPEC_CONTENDER, args, hf_config, s, None)[1])
+    assert llm is not None
+    new_tokens = max(8, s["new_tokens"])
+    profiles = []
+    for b in s["batch_sizes"]:
+        profile_spec_steps(llm, b, s["prompt_len"], 4, seed=args.seed)  # compiles, first shapes
+        profiles.append(profile_spec_steps(llm, b, s["prompt_len"], new_tokens, seed=args.seed))
+    spec = llm.engine_config.speculative_config
+    assert spec is not None
+    print(format_spec_profiles(profiles, f"{SPEC_CONTENDER} ({spec.method}, k="
+                               f"{spec.num_speculative_tokens}): decode steps of {new_tokens} "
+                               "greedy tokens per request, medians (wall clock, no profiler)"))
+    llm.shutdown()
+    return {str(p.batch_size): dataclasses.asdict(p) for p in profiles}
 
 
 def _timed_runs(fns: dict[str, GenerateFn], names: list[str],
@@ -410,6 +460,30 @@ def _fk_model_info(keep: dict[str, Contender]) -> tuple[dict[str, Any], int, str
             name = mc.model or "random weights"
             return mc.hf_config, runner.dtype.itemsize, name
     raise ValueError("the generation benchmark needs at least one forwardkit LLM contender")
+
+
+def _spec_figures(keep: dict[str, Contender]) -> dict[str, Any] | None:
+    """The ``forwardkit+spec`` contender's draft counters over all its runs (warm-up
+    included): drafts, acceptance, mean tokens emitted per verification; None without it."""
+    from forwardkit.bench.generation import SPEC_CONTENDER
+
+    llm = _llm_of(keep.get(SPEC_CONTENDER))
+    if llm is None:
+        return None
+    from forwardkit.engine.metrics import Vector
+
+    m = {x.name: x for x in llm.get_metrics()}
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    drafted = m["vllm:spec_decode_num_draft_tokens"].value
+    accepted = m["vllm:spec_decode_num_accepted_tokens"].value
+    spec = llm.engine_config.speculative_config
+    assert spec is not None
+    return {"contender": SPEC_CONTENDER, "method": spec.method,
+            "num_speculative_tokens": spec.num_speculative_tokens,
+            "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance": accepted / drafted if drafted else 0.0,
+            "accepted_per_pos": list(per_pos.values) if isinstance(per_pos, Vector) else [],
+            "mean_accepted_length": m["forwardkit:spec_decode_mean_accepted_length"].value}
 
 
 def _report(results: dict[str, GenerationResult], s: Settings, stream: float | None,
@@ -480,6 +554,7 @@ def _format(report: dict[str, Any]) -> str:
             row += f"  {' / '.join(f'{ratio[b]:.2f}x' for b in sizes):>15}"
         lines.append(row)
     lines.extend(_tp_lines(report))
+    lines.extend(_spec_lines(report))
     if bw:
         lines.append("\nBW use = weight bytes one decode step reads / step time / the streaming "
                      "bandwidth measured for that run (median over runs)")
@@ -496,6 +571,23 @@ def _bandwidth_note(report: dict[str, Any]) -> str:
     if per_run["min"] == per_run["max"] == report["stream_gb_s"]:
         return note + ", measured once"
     return note + f", re-measured before each timed run: {per_run['min']:.1f}-{per_run['max']:.1f} GB/s"
+
+
+def _spec_lines(report: dict[str, Any]) -> list[str]:
+    """The speculating contender against plain forwardkit: decode tok/s, acceptance."""
+    lines = []
+    one = report["contenders"].get("forwardkit")
+    for name, c in report["contenders"].items():
+        sd = c.get("spec_decode")
+        if sd is None:
+            continue
+        speed = "" if one is None else ", decode tok/s vs forwardkit " + ", ".join(
+            f"B={b}: {c['decode_tok_s'][b] / one['decode_tok_s'][b]:.2f}x" for b in c["decode_tok_s"])
+        lines.append(f"\n{name} ({sd['method']}, k={sd['num_speculative_tokens']}): "
+                     f"{sd['accepted_tokens']:.0f} of {sd['draft_tokens']:.0f} drafts accepted "
+                     f"({sd['acceptance']:.0%}), {sd['mean_accepted_length']:.2f} tokens per "
+                     f"verification (all runs, warm-up included){speed}")
+    return lines
 
 
 def _tp_lines(report: dict[str, Any]) -> list[str]:

@@ -98,9 +98,9 @@ def _bench_rank(rank: int, nprocs: int, port: int | None, args: argparse.Namespa
 
 def _contender_list(text: str) -> list[str]:
     from forwardkit.bench.contenders import DBO_CONTENDER
-    from forwardkit.bench.generation import GENERATION_CONTENDERS
+    from forwardkit.bench.generation import GENERATION_CONTENDERS, SPEC_CONTENDER
 
-    known = (*GENERATION_CONTENDERS, DBO_CONTENDER)
+    known = (*GENERATION_CONTENDERS, SPEC_CONTENDER, DBO_CONTENDER)
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in known]
     if bad or not names:
@@ -148,7 +148,9 @@ def register(
                    help="comma-separated subset of eager,torch.compile,forwardkit (default: all); "
                         "with --generation also transformers and llama.cpp (the latter when "
                         "llama-cpp-python is installed); with -dp > 1 also forwardkit+dbo "
-                        "(forwardkit with --enable-dbo; in the default list then)")
+                        "(forwardkit with --enable-dbo; in the default list then); with --generation and "
+                        "--speculative-config also forwardkit+spec (the only contender that "
+                        "speculates; in the default list then)")
     g.add_argument("--quick", action="store_true",
                    help="a short run for smoke tests (fewer steps)")
     g.add_argument("--seed", type=strict_int, default=0, help="seed of the trace and token ids (default 0)")
@@ -248,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         hf_config = model_shape_config(args.model_shape or BUILTIN_MODEL_SHAPE)
     names = args.contenders or list(CONTENDER_NAMES) + ([DBO_CONTENDER] if dp > 1 else [])
-    for only_generation in ("transformers", "llama.cpp"):
+    for only_generation in ("transformers", "llama.cpp", "forwardkit+spec"):
         if only_generation in names:
             raise ValueError(f"--contenders {only_generation} needs --generation (the step trace "
                              "runs forwardkit's model runner); step-trace contenders: "

@@ -297,7 +297,12 @@ def build_engine_config(
             optimization_level = 0  # what enforce_eager means; asked for, so nothing to warn about
         if optimization_level is not None:
             config_kwargs["optimization_level"] = optimization_level
-        return EngineConfig(**config_kwargs)
+        engine_config = EngineConfig(**config_kwargs)
+        spec = engine_config.speculative_config
+        if spec is not None:
+            spec.check_draft_model(model_config.get_vocab_size(),
+                                   engine_config.parallel_config.tensor_parallel_size)
+        return engine_config
     except ValidationError as exc:
         raise ValueError(one_line_error(exc)) from None
 

@@ -75,7 +75,6 @@ COMPAT_FIELDS: dict[str, dict[str, CompatField]] = {
     },
     "SpeculativeConfig": {
         "disable_padded_drafter_batch": CompatField("resolution", "turns async scheduling off as in vLLM; n-gram drafting pads nothing"),
-        "draft_tensor_parallel_size": CompatField("accepted", "no draft model runs here (method `ngram` only)"),
     },
     "ModelConfig": {
         "disable_cascade_attn": CompatField("resolution", "set by DBO resolution as in vLLM; no cascade attention here"),

@@ -192,8 +192,9 @@ _ROWS: tuple[EngineArg, ...] = (
     _no("scheduler_cls", "the scheduler is forwardkit's own", None),
     _noop("stream_interval", "offline generation returns whole outputs"),
     _no("disable_chunked_mm_input", _MM, False),
-    _acts("speculative_config", "speculative decoding: method ngram (prompt lookup) with exact "
-          "rejection sampling; other methods are refused naming the field"),
+    _acts("speculative_config", "speculative decoding: methods ngram (prompt lookup) and "
+          "draft_model (a second checkpoint with the target's vocabulary) with exact rejection "
+          "sampling; other methods are refused naming the field"),
     _no("structured_outputs_config", "structured outputs are not supported", None),
     _no("reasoning_parser", "reasoning parsers are not supported", ""),
     _no("reasoning_parser_plugin", "reasoning parsers are not supported", None),

@@ -85,7 +85,7 @@ _EAGLE_LIKE_METHODS = frozenset({"eagle", "eagle3", "mtp", "deepseek_mtp", "draf
 # config, whose capture-size arithmetic they steer, and refused by ``LLM``)
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "deepseek_mtp", "medusa",
                 "mlp_speculator", "suffix")
-SPEC_METHODS_RUN = ("ngram",)
+SPEC_METHODS_RUN = ("ngram", "draft_model")
 
 
 @dataclass(config=ConfigDict(extra="forbid"))
@@ -137,9 +137,41 @@ class SpeculativeConfig(FreezableConfig):
                 raise ValueError(f"speculative_config.prompt_lookup_min={lo} is invalid; it must "
                                  f"not exceed prompt_lookup_max={hi}")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if self.method == "draft_model":
+            if not self.model:
+                raise ValueError("speculative_config.model is required for method 'draft_model': "
+                                 "the draft checkpoint's directory (same vocabulary as the target)")
+            dtp = self.draft_tensor_parallel_size
+            if dtp is not None and dtp < 1:
+                raise ValueError(f"speculative_config.draft_tensor_parallel_size={dtp} is invalid; "
+                                 "expected None, 1 or the target's tensor_parallel_size")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"speculative_config.disable_by_batch_size="
                              f"{self.disable_by_batch_size} is invalid; expected None or >= 1")
+
+    def check_draft_model(self, target_vocab_size: int, target_tp: int) -> None:
+        """For ``draft_model``: ``ValueError`` naming the field when the draft checkpoint's
+        vocabulary differs from the target's (``target_vocab_size``) or its
+        ``draft_tensor_parallel_size`` is neither 1 nor ``target_tp``. Reads the draft's
+        ``config.json``; no weights."""
+        if self.method != "draft_model":
+            return
+        from forwardkit.config.model import ModelConfig
+
+        assert self.model is not None
+        try:
+            draft = ModelConfig.from_pretrained(self.model)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config.model={self.model!r:.200}: {exc}") from None
+        vocab = draft.get_vocab_size()
+        if vocab != target_vocab_size:
+            raise ValueError(f"speculative_config.model={self.model!r} has vocab_size={vocab}, but "
+                             f"the target model's is {target_vocab_size}; a draft model must "
+                             "share the target's vocabulary")
+        dtp = self.draft_tensor_parallel_size
+        if dtp is not None and dtp not in (1, target_tp):
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={dtp} is invalid; "
+                             f"expected 1 or the target's tensor_parallel_size ({target_tp})")
 
     def use_eagle(self) -> bool:
         """The drafter is EAGLE/MTP-like (the only kind async scheduling supports)."""

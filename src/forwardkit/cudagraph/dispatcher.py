@@ -13,6 +13,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from forwardkit.config.compilation import CUDAGraphMode
+from forwardkit.config.compilation_sizes import (
+    padded_graph_size_table,
+    round_capture_sizes_for_spec_decode,
+)
 from forwardkit.forward_context import BatchDescriptor
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
@@ -63,6 +67,9 @@ class CudagraphDispatcher:
         }
         self.keys_initialized = False
         self.uniform_decode_query_len = engine_config.uniform_decode_query_len
+        # the capture sizes rounded for speculative decoding (see initialize_cudagraph_keys):
+        # (sizes, max, padding table); None = the config's own
+        self._spec_sizes: tuple[list[int], int, list[int]] | None = None
 
         if configured.requires_piecewise_compilation():
             assert self.compilation_config.is_attention_compiled_piecewise(), (
@@ -83,9 +90,13 @@ class CudagraphDispatcher:
         return int(self.engine_config.scheduler_config.max_num_seqs)
 
     def _capture_sizes(self) -> list[int]:
+        if self._spec_sizes is not None:
+            return list(self._spec_sizes[0])
         return sorted(self.compilation_config.cudagraph_capture_sizes or [])
 
     def _max_capture_size(self) -> int:
+        if self._spec_sizes is not None:
+            return self._spec_sizes[1]
         return int(self.compilation_config.max_cudagraph_capture_size or 0)
 
     def _lora_cases(self) -> list[bool]:
@@ -97,7 +108,10 @@ class CudagraphDispatcher:
 
     def _pad(self, num_tokens: int) -> int:
         """The capture size ``num_tokens`` pads to: the config's one padding table
-        (``EngineConfig.pad_for_cudagraph``)."""
+        (``EngineConfig.pad_for_cudagraph``), or the one of the sizes rounded for
+        speculative decoding."""
+        if self._spec_sizes is not None:
+            return self._spec_sizes[2][num_tokens]
         return int(self.engine_config.pad_for_cudagraph(num_tokens))
 
     # ---- keys ----
@@ -138,10 +152,29 @@ class CudagraphDispatcher:
                 f"{self._cudagraph_mode} and the graph mode is fixed once at start-up"
             )
         self._cudagraph_mode = mode
+        self._round_sizes_for_spec_decode()
         for runtime_mode, descs in self._key_groups():
             for desc in descs:
                 self.add_cudagraph_key(runtime_mode, desc)
         self.keys_initialized = True
+
+    def _round_sizes_for_spec_decode(self) -> None:
+        """With FULL decode graphs and speculative decoding (decode steps of ``1 + k`` tokens
+        per request), every capture size rounded up to a multiple of ``1 + k`` (and of the TP
+        size under sequence parallelism) and a padding table over them: vLLM's model runner
+        applies ``adjust_cudagraph_sizes_for_spec_decode`` at this point. The engine config
+        keeps the sizes it resolved; this dispatcher pads and captures with the rounded ones."""
+        uq = self.uniform_decode_query_len
+        if uq <= 1 or self.cudagraph_mode.decode_mode() != CUDAGraphMode.FULL:
+            return
+        cc = self.compilation_config
+        rounded = round_capture_sizes_for_spec_decode(
+            cc.cudagraph_capture_sizes or [], int(cc.max_cudagraph_capture_size or 0), uq,
+            self.engine_config.parallel_config.tensor_parallel_size,
+            bool(cc.pass_config.enable_sp))
+        if rounded is not None:
+            sizes, top = rounded
+            self._spec_sizes = (sizes, top, padded_graph_size_table(sizes, top))
 
     def _key_groups(self) -> list[tuple[CUDAGraphMode, list[BatchDescriptor]]]:
         """(runtime mode, descriptors) groups for the current mode, largest size first."""

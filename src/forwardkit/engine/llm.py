@@ -27,6 +27,7 @@ from forwardkit.config.builder import build_engine_config, check_fits_machine
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.frozen import freeze, thawed_copy
 from forwardkit.engine.block_manager import BlockManager
+from forwardkit.engine.draft_model import DraftModelProposer
 from forwardkit.engine.inputs import (
     ParsedPrompt,
     PromptsArg,
@@ -244,8 +245,13 @@ class LLM:
         )
         self.stats = EngineStats()
         spec = cfg.speculative_config
-        check_runnable(spec)
-        self._proposer = None if spec is None else NgramProposer(spec, self.runner.max_model_len)
+        check_runnable(spec, cfg.parallel_config.tensor_parallel_size)
+        self._proposer: NgramProposer | DraftModelProposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            self._proposer = DraftModelProposer(spec, cfg, self.runner.num_blocks,
+                                                self.runner.max_model_len)
+        elif spec is not None:
+            self._proposer = NgramProposer(spec, self.runner.max_model_len)
         self.spec_stats = SpecDecodeStats()
         self.sampler = Sampler()
         self._seed_rng = torch.Generator().manual_seed(seed)
@@ -567,8 +573,9 @@ class LLM:
                 continue
             assert extra is not None
             drafts = req.spec_token_ids
+            assert self._proposer is not None
             emitted, lps = verify(self.sampler, torch.cat([extra[own], logits[i: i + 1]]), req,
-                                  drafts)
+                                  drafts, self._proposer.draft_probs(req))
             self.spec_stats.record(len(drafts), len(emitted) - 1)
             sampled[req.request_id] = emitted
             if lps is not None:
@@ -588,9 +595,8 @@ class LLM:
         limit = proposer.disable_by_batch_size
         if limit is not None and len(running) + len(self.scheduler.waiting) > limit:
             return
-        for req in running:
-            if req.num_pending_tokens == 1 and req.output_token_ids:
-                req.spec_token_ids = proposer.propose(req)
+        decoding = [r for r in running if r.num_pending_tokens == 1 and r.output_token_ids]
+        proposer.propose_all(running, decoding)
 
     # ------------------------------------------------------------------ prefix cache, metrics
     def reset_prefix_cache(self) -> bool:

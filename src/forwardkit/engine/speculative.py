@@ -6,9 +6,10 @@ the target model runs its last token and the drafts in one step (``1 + k`` query
 
 - greedy: drafts are accepted while each equals the target's argmax at its position; the first
   mismatch emits the target's token; all accepted adds the bonus token of the last row;
-- random: draft ``x`` (an n-gram draft is a point mass, ``q(x) = 1``) is accepted with
-  probability ``p(x)``; a rejection draws from ``p`` with ``x`` removed and renormalised (the
-  residual ``max(0, p - q)``); all accepted draws the bonus token from the last row. Every
+- random: draft ``x`` drawn from ``q`` is accepted with probability ``min(1, p(x) / q(x))``;
+  a rejection draws from the normalised residual ``max(0, p - q)``; all accepted draws the
+  bonus token from the last row. An n-gram draft (or a greedy draft model's) is a point mass,
+  ``q(x) = 1``: accepted with probability ``p(x)``, the residual is ``p`` without ``x``. Every
   emitted token is then distributed exactly as without speculation.
 
 ``p`` at each position is the sampler's distribution there (temperature, top-k/p, min-p,
@@ -36,11 +37,19 @@ from forwardkit.engine.sampler import Sampler
 __all__ = ["NgramProposer", "SpecDecodeStats", "check_runnable", "verify"]
 
 
-def check_runnable(spec: SpeculativeConfig | None) -> None:
+def check_runnable(spec: SpeculativeConfig | None, tensor_parallel_size: int = 1) -> None:
     """``ValueError`` naming the field when the engine cannot run ``spec``'s method."""
-    if spec is not None and spec.method not in SPEC_METHODS_RUN:
+    if spec is None:
+        return
+    if spec.method not in SPEC_METHODS_RUN:
         raise ValueError(f"speculative_config.method={spec.method!r} is not supported by the "
                          f"forwardkit engine; accepted: {', '.join(map(repr, SPEC_METHODS_RUN))}")
+    dtp = spec.draft_tensor_parallel_size
+    if spec.method == "draft_model" and dtp is not None and dtp > 1:
+        raise ValueError(f"speculative_config.draft_tensor_parallel_size={dtp} is not supported "
+                         "by the forwardkit engine yet: the draft model runs on one rank "
+                         f"(draft_tensor_parallel_size=1) beside a target of any "
+                         f"tensor_parallel_size (here {tensor_parallel_size})")
 
 
 class NgramProposer:
@@ -52,6 +61,16 @@ class NgramProposer:
         self.min_n, self.max_n = spec.prompt_lookup_min, spec.prompt_lookup_max
         self.max_model_len = max_model_len
         self.disable_by_batch_size = spec.disable_by_batch_size
+
+    def propose_all(self, running: list[Request], decoding: list[Request]) -> None:
+        """Set ``spec_token_ids`` of every request in ``decoding``."""
+        for req in decoding:
+            req.spec_token_ids = self.propose(req)
+
+    @staticmethod
+    def draft_probs(request: Request) -> torch.Tensor | None:
+        """n-gram drafts are point masses: no distributions."""
+        return None
 
     def propose(self, request: Request) -> list[int]:
         """Up to ``k`` draft tokens for ``request`` (empty: no match, or no room)."""
@@ -124,11 +143,14 @@ def _target_row(sampler: Sampler, row: torch.Tensor, request: Request,
         request.output_token_ids = saved
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, request: Request, drafts: list[int]
+def verify(sampler: Sampler, logits: torch.Tensor, request: Request, drafts: list[int],
+           draft_probs: torch.Tensor | None = None,
            ) -> tuple[list[int], list[dict[int, Logprob]] | None]:
     """The tokens ``request`` emits from its ``1 + len(drafts)`` logits rows (the last real
     token's, then each draft's), and their logprob dicts when it asks for logprobs. At most
-    ``len(drafts) + 1`` tokens: the accepted drafts, then the recovered or bonus token."""
+    ``len(drafts) + 1`` tokens: the accepted drafts, then the recovered or bonus token.
+    ``draft_probs``: ``[>= len(drafts), vocab]``, the distribution each draft was drawn from
+    (random sampling); None = point masses."""
     params = request.sampling_params
     emitted: list[int] = []
     final: int | None = None
@@ -140,10 +162,20 @@ def verify(sampler: Sampler, logits: torch.Tensor, request: Request, drafts: lis
                 break
         else:
             u = float(torch.rand((), generator=request.generator, device=probs.device))
-            if u >= float(probs[draft]):
-                residual = probs.clone()
-                residual[draft] = 0.0
-                final = sampler.draw(residual / residual.sum(), request)
+            if draft_probs is None:  # q is a point mass on the draft
+                rejected = u >= float(probs[draft])
+            else:
+                q = draft_probs[i].to(probs.device, probs.dtype)
+                rejected = u * float(q[draft]) >= float(probs[draft])
+            if rejected:
+                if draft_probs is None:
+                    residual = probs.clone()
+                    residual[draft] = 0.0
+                else:
+                    residual = (probs - q).clamp_(min=0.0)
+                total = float(residual.sum())
+                # p == q up to rounding leaves no residual: p itself is then the right law
+                final = sampler.draw(residual / total if total > 0 else probs, request)
                 break
         emitted.append(draft)
     if final is None:  # every draft accepted: the bonus token from the last row

@@ -19,9 +19,14 @@ as one call. On the CPU, a layer built with the ``cpu_attention`` custom op on (
 requests with one call of the native kernel (``kernels/cpu/native_attention.py``: online softmax
 over each request's own blocks, no gathers, no bucket plan) whenever it applies (variable-shape
 metadata, one dtype for query, cache and output, rows contiguous); otherwise the torch ops
-above serve the step. Multi-token requests run one SDPA call each (grouped-query, no K/V repeat). The
-backend's CUDA-graph support level is therefore ``UNIFORM_SINGLE_TOKEN_DECODE``: full graphs
-are safe for pure decode batches only. The per-step metadata lives in ``attention_metadata``.
+above serve the step. Multi-token requests run one SDPA call each (grouped-query, no K/V repeat).
+Every row's K/V is stored before any row attends, so a request of ``q`` tokens may also be
+given as ``q`` one-token requests of growing sequence lengths (the runner does that for
+speculative decoding's ``1 + k``-token decodes: ``runner.model_runner.unfold_decodes``): a
+uniform decode batch of any query length is then decode rows only, at fixed shapes. The
+backend's CUDA-graph support level is therefore ``UNIFORM_BATCH``: full graphs are safe for
+uniform decode batches (1 or ``1 + k`` tokens per request). The per-step metadata lives in
+``attention_metadata``.
 
 The interface every backend implements is :class:`AttentionBackend`: a metadata builder (the
 runner calls it once per step), ``forward`` (the opaque attention op calls it per layer), the
@@ -306,7 +311,7 @@ class TorchNativeAttentionBackend(AttentionBackend):
     """The reference attention backend: pure torch over the paged cache (see module doc)."""
 
     name = "TORCH_NATIVE"
-    cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
     metadata_cls = AttentionMetadata
 
     @staticmethod

@@ -127,6 +127,33 @@ def _router_bound(method: _F) -> _F:
     return cast(_F, wrapper)
 
 
+
+def unfold_decodes(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                   max_query_len: int) -> tuple[list[int], list[int], list[list[int]]]:
+    """Requests of ``2 .. max_query_len`` tokens (speculative decoding's last token and drafts)
+    as that many one-token requests: token ``j`` of a request of ``q`` tokens and sequence
+    length ``s`` becomes a request of sequence length ``s - q + 1 + j`` with the same blocks,
+    so it attends to its prefix and the tokens before it, and writes its K/V to the same slot.
+    A backend that stores every row's K/V before any row attends (``UNIFORM_BATCH`` support)
+    computes the same attention; a uniform decode step then has one request per token, which
+    keeps FULL-graph metadata at fixed shapes and lets decode kernels serve the drafts. The
+    lists are returned as they are when ``max_query_len`` is 1 or no request qualifies."""
+    if max_query_len <= 1 or all(q == 1 or q > max_query_len for q in query_lens):
+        return query_lens, seq_lens, block_tables
+    qs: list[int] = []
+    ss: list[int] = []
+    bs: list[list[int]] = []
+    for q, s, b in zip(query_lens, seq_lens, block_tables):
+        if 1 < q <= max_query_len:
+            qs.extend([1] * q)
+            ss.extend(range(s - q + 1, s + 1))
+            bs.extend([b] * q)
+        else:
+            qs.append(q)
+            ss.append(s)
+            bs.append(b)
+    return qs, ss, bs
+
 class ModelRunner:
     """Owns the model, its KV cache and static inputs; runs steps given a :class:`StepBatch`.
 
@@ -220,6 +247,11 @@ class ModelRunner:
         # engine config selected it and decided the graph mode from its support level.
         self.attn_backend: type[AttentionBackend] = attention_backend_of(layers)
         self.attn_cg_support: AttentionCGSupport = self.attn_backend.cudagraph_support
+        # Speculative decoding: a decoding request of up to 1 + k tokens is handed to a backend
+        # that supports uniform batches as 1 + k one-token requests (see unfold_decodes).
+        q = self.engine_config.uniform_decode_query_len
+        self.unfold_query_len = (q if q > 1 and self.attn_cg_support
+                                 >= AttentionCGSupport.UNIFORM_BATCH else 1)
         self._check_attention_backend()
         self.num_blocks = num_kv_blocks(
             num_gpu_blocks=self.engine_config.cache_config.num_gpu_blocks,
@@ -390,7 +422,8 @@ class ModelRunner:
         cu = np.concatenate([[0], np.cumsum(query_lens)])
         metadata, contexts, fns = [], [], []
         for i, (real, sl) in enumerate(zip(unpadded_slices, slices)):
-            q, s, b = _ubatch_requests(cu, seq_lens, block_tables, real)
+            q, s, b = unfold_decodes(*_ubatch_requests(cu, seq_lens, block_tables, real),
+                                     self.unfold_query_len)
             if graphs is not None:
                 md = self._full_metadata(q, s, b, sl.num_tokens, key=(padded, i))
             else:
@@ -424,6 +457,8 @@ class ModelRunner:
         on the scratch block and the block table has the model's full width; the values go
         into persistent tensors (``StaticMetadataPool``).
         """
+        query_lens, seq_lens, block_tables = unfold_decodes(query_lens, seq_lens, block_tables,
+                                                            self.unfold_query_len)
         if mode == CUDAGraphMode.FULL:
             md = self._full_metadata(query_lens, seq_lens, block_tables, padded, key=padded)
         else:
