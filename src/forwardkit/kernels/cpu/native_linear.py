@@ -54,7 +54,8 @@ from forwardkit.kernels.cpu import native_build
 from forwardkit.logger import init_logger
 
 __all__ = ["MAX_ROWS", "available", "max_rows", "cpu_flags", "cpu_has_avx512_bf16", "cpu_model_name",
-           "candidate_builds", "isa_supported", "kernel_isa", "linear_rows"]
+           "bf16_rows_available", "candidate_builds", "isa_supported", "kernel_isa", "linear_bf16_rows",
+           "linear_rows"]
 
 logger = init_logger(__name__)
 
@@ -262,6 +263,7 @@ def kernel_isa(dtype: torch.dtype = torch.bfloat16) -> str | None:
 
 def cache_clear() -> None:
     """Forget the loaded kernels (the next call re-reads the environment and rebuilds)."""
+    _bf16_rows.cache_clear()
     _selected.cache_clear()
     _function.cache_clear()
     _row_limit.cache_clear()
@@ -307,5 +309,78 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty((*x.shape[:-1], n), dtype=dtype)
     fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
        rows, n, k)
+    native_build.kernel_calls.linear += 1
+    return out
+
+
+# The build whose bf16 kernel takes any number of rows (``fk_linear_bf16_rows``): AVX2's, for
+# CPUs without native bf16 arithmetic (an AVX-512-BF16 or AMX CPU has oneDNN's bf16 matmul).
+_BF16_ROWS_ISA = "avx2"
+
+
+def _self_check_bf16_rows(fn: Callable[..., int]) -> None:
+    """Row counts past the few-row kernel's (short groups of 4 rows, a short block of 8 weight
+    rows, a K tail, a bias) against ``F.linear`` in float64."""
+    gen = torch.Generator().manual_seed(1)
+    for rows in (17, 22):
+        x = torch.randn(rows, 70, generator=gen).to(torch.bfloat16)
+        w = torch.randn(13, 70, generator=gen).to(torch.bfloat16)
+        b = torch.randn(13, generator=gen).to(torch.bfloat16)
+        y = torch.empty(rows, 13, dtype=torch.bfloat16)
+        rc = fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), rows, 13, 70)
+        ref = F.linear(x.double(), w.double(), b.double())
+        if rc != 0 or not torch.allclose(y.double(), ref, rtol=2e-2, atol=2e-2):
+            raise RuntimeError(f"bf16 rows self-check failed for {rows} rows (rc={rc})")
+
+
+@functools.cache
+def _bf16_rows() -> Callable[..., int] | None:
+    """The AVX2 build's any-rows bf16 kernel, self-checked; None where it does not serve."""
+    if _function(_BF16_ROWS_ISA, torch.bfloat16) is None:
+        return None
+    lib = _library(_BF16_ROWS_ISA)
+    if lib is None:
+        return None
+    fn = lib.fk_linear_bf16_rows
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+    try:
+        _self_check_bf16_rows(fn)
+    except RuntimeError as exc:
+        logger.warning_once("Native %s bf16 prompt linear off (%s)", _BF16_ROWS_ISA, exc)
+        return None
+    return fn
+
+
+def bf16_rows_available() -> bool:
+    """Whether the blocked bf16 kernel for any number of rows (AVX2 build) is usable here."""
+    return _bf16_rows() is not None
+
+
+def linear_bf16_rows(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` in bf16 for any number of rows by the AVX2 build's blocked
+    kernel (activations widened once, weights widened in registers, float32 accumulation, one
+    rounding to bf16), or None when it does not apply (not bf16 on the CPU, non-contiguous
+    weight, no usable build): the caller then takes another path. The router calls it for
+    products too long for :func:`linear_rows` on CPUs without native bf16 arithmetic."""
+    if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.device.type != "cpu"
+            or weight.device.type != "cpu"):
+        return None
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if rows < 1 or weight.dim() != 2 or not weight.is_contiguous() or weight.shape[1] != k:
+        return None
+    if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    fn = _bf16_rows()
+    if fn is None:
+        return None
+    x = x.contiguous()
+    n = weight.shape[0]
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+    if fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+          rows, n, k) != 0:
+        return None
     native_build.kernel_calls.linear += 1
     return out
