@@ -1,29 +1,44 @@
-"""The native few-row linear over block-quantized weights (``csrc/quant_linear.c``), built at
-first use.
+"""The native linear over block-quantized weights (``csrc/quant_linear.c``), built at first use.
 
-Serves ``forwardkit::quant_linear`` (``quantization/ops.py``) for 1-16 activation rows (decode
-steps and small batches) with ``q8_0`` and ``q4_0`` weights: it reads the packed GGUF blocks
-directly, so a decode step streams 34 (q8_0) or 18 (q4_0) bytes per 32 weights instead of 64
-in bf16. Activations go in as float32 (a bf16/fp16 ``x`` is widened first, the result cast
-back); each weight block is dequantized in registers and multiplied into them (strategy
-``float``: the products of dequantize-then-matmul, summed in another order). The kernel also
-has the strategy llama.cpp uses (``int8``: activations quantized per block to int8, integer dot
-products). ``int8`` is the default: measured on one core of an AVX-512 Xeon with a 2048 x 2048
-weight it took 0.18 / 0.54 / 2.2 ms at 1 / 4 / 16 rows (q8_0) against ``float``'s 0.56 / 0.61 /
-2.7 (q4_0: 0.21 / 0.57 / 2.4 against 0.58 / 0.61 / 2.6): one ``maddubs`` per 32 products
-instead of widening every weight to float32. Its results differ from dequantize-then-matmul by
-the activations' int8 rounding (like llama.cpp's); ``float`` (:data:`DEFAULT_STRATEGY` or the
-``strategy`` argument) gives dequantize-then-matmul's products, summed in another order.
+Serves ``forwardkit::quant_linear`` (``quantization/ops.py``) on the CPU for ``q8_0``, ``q4_0``
+and ``q4_1`` weights, reading the packed GGUF blocks directly (34, 18 or 20 bytes per 32
+weights instead of 64 in bf16). Activations go in as float32 (a bf16/fp16 ``x`` is widened
+first, the result cast back). Two kernels, chosen by the number of activation rows:
 
-One portable C source compiled per ISA, like the native decode attention: ``avx512``
-(AVX-512F/BW/VL + FMA + F16C), ``avx2`` (AVX2 + FMA + F16C) or ``generic`` (the compiler's
-baseline), through :mod:`forwardkit.kernels.cpu.native_build` (the checked, checksummed
-``native/`` directory of the cache root). Each build is self-checked at first load against
-dequantize-then-``F.linear`` in float64 for every row count and both formats (and its
-dequantization, :func:`dequantize_rows`, used for more rows, against the torch one bit for
-bit); the first build
-this CPU runs that passes serves, and when none does the op's reference path serves every
-call. ``FORWARDKIT_CPU_NATIVE_LINEAR=0`` turns it off with the other native linear kernels.
+* **few rows** (1-:data:`MAX_ROWS`: decode steps, small batches): each weight row streams once
+  past groups of 4 activation rows. Two strategies: ``int8`` (the default; activations
+  quantized per block of 32 to int8, integer dot products, as llama.cpp does) and ``float``
+  (each weight block dequantized in registers: dequantize-then-matmul's products, summed in
+  another order). ``int8`` measured faster on one core of an AVX-512 Xeon with a 2048 x 2048
+  weight: 0.18 / 0.54 / 2.2 ms at 1 / 4 / 16 rows (q8_0) against ``float``'s 0.56 / 0.61 / 2.7
+  (q4_0: 0.21 / 0.57 / 2.4 against 0.58 / 0.61 / 2.6): one ``maddubs`` per 32 products instead
+  of widening every weight to float32.
+* **tiles** (more rows: prompts): the activations are quantized to int8 once per call, then
+  each register tile of 4 activation rows x 4 weight rows (2 on AVX2, which has 16 vector
+  registers) costs, per block, one integer dot product per pair (``vpdpbusd`` in the
+  ``avx512_vnni`` build, ``maddubs`` + ``madd`` otherwise), a conversion and an FMA with the
+  pair's scale; weight tiles are split over the OpenMP threads. Chosen over dequantizing the
+  weight and calling ``F.linear`` (the op's former path) by measurement: see
+  ``benchmarks/quantized_prefill.py`` and the README's quantization section (about 2x faster
+  at 64 rows on the 2-core EPYC whatever the build, 3.4-3.6x where bf16 matmuls are emulated,
+  and no float copy of the weight per call). The other candidate, weight tiles dequantized in
+  registers into a float32 GEMM, is not built: measured only through the few-row kernel's
+  ``float`` strategy at 16 rows, which was not consistently faster or slower than ``int8`` on
+  the (heavily shared) machine.
+
+Both kernels' results differ from dequantize-then-matmul by the activations' int8 rounding
+(like llama.cpp's); ``q4_1``'s minimum adds ``m * d_x * sum(q_x)`` per block.
+
+One portable C source compiled per ISA, like the native decode attention: ``avx512_vnni``
+(AVX-512F/BW/VL + VNNI + FMA + F16C), ``avx512`` (the same without VNNI), ``avx2`` (AVX2 + FMA
++ F16C) or ``generic`` (the compiler's baseline), through
+:mod:`forwardkit.kernels.cpu.native_build` (the checked, checksummed ``native/`` directory of
+the cache root). Each build is self-checked at first load against dequantize-then-``F.linear``
+in float64 for every format, every few-row count, both strategies and tiled row counts (and
+its dequantization, :func:`dequantize_rows`, against the torch one bit for bit); the first
+build this CPU runs that passes serves, and when none does the op's reference path serves
+every call. ``FORWARDKIT_CPU_NATIVE_LINEAR=0`` turns it off with the other native linear
+kernels.
 """
 
 from __future__ import annotations

@@ -183,8 +183,10 @@ class CpuLinearRouter:
             plain = sum(not any(self.tune(w, b)) for w, b in todo)
             logger.info_once("%d of %d small linear weights take plain F.linear at every row count "
                              "(faster here, timed)", plain, len(todo))
-        more = ("oneDNN-packed copies (made at first use; plain F.linear where oneDNN lacks the "
-                "dtype)" if self.may_pack else "plain F.linear (no memory for packed copies)")
+        more = ("oneDNN-packed copies (made at first use; the native blocked kernel for bf16 "
+                "where oneDNN lacks bf16)" if self.may_pack
+                else "plain F.linear (no memory for packed copies; bf16 where oneDNN lacks it: the "
+                "native blocked kernel)")
         logger.info_once("%d bf16/float32 linear weights (%.2f GiB) use the native kernel for few "
                          "rows and %s for more", len(todo), need / 2**30, more)
         return len(todo)
