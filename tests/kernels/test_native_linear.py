@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -336,12 +337,13 @@ def test_router_sends_long_bf16_products_to_the_blocked_kernel_without_native_bf
     """Where oneDNN has no bf16 (``_packable`` False: an AVX2 CPU), a routed bf16 weight's
     products of more than 16 rows take the AVX2 blocked kernel, not PyTorch's bf16 matmul."""
     _require("avx2", BF16)
+    assert native_linear.bf16_rows_available()  # built and self-checked (with F.linear) first
     monkeypatch.setattr(router, "_packable", lambda dtype: dtype != BF16)
-    monkeypatch.setattr(router.F, "linear", _refuse_f_linear)
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(40, 96, generator=gen) * 0.05).to(BF16)
     routes = router.CpuLinearRouter(timing=False)
     assert routes.route_weights([(w, None)]) == 1
+    monkeypatch.setattr(router, "F", types.SimpleNamespace(linear=_refuse_f_linear))  # router's only
     for rows in (17, 64):
         x = torch.randn(rows, 96, generator=gen).to(BF16)
         before = native_build.kernel_calls.linear

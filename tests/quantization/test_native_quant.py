@@ -92,6 +92,19 @@ def test_tiles_for_1_to_64_rows_and_odd_shapes(isa, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_tiles_over_several_chunks_of_rows(isa, fmt):
+    """A long input dim (8192) makes the tiled kernel take the rows in chunks (32 rows: 256 KiB
+    of int8 activations); 75 rows end in a short chunk and a short tile."""
+    gen = torch.Generator().manual_seed(16)
+    w = torch.randn(9, 8192, generator=gen)
+    x = torch.randn(75, 8192, generator=gen)
+    packed = quantize(w, fmt)
+    got = native_quant.quant_linear_rows(x, packed, None, fmt, isa=isa, path="tiles")
+    assert got is not None
+    _close(got, _expected(x, packed, None, fmt, "int8"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_tiles_with_large_magnitudes(isa, fmt):
     """Activations and weights of very different scales per block (q8_0's unsigned-operand
     offset and q4_0's -8 are exact integer start values, so no cancellation shows)."""
@@ -106,7 +119,8 @@ def test_tiles_with_large_magnitudes(isa, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_op_for_1_to_64_rows_and_dtypes(fmt):
-    """The registered op (few-row kernel up to 16 rows, tiles past that) against float64."""
+    """The registered op (few-row kernel below TILES_MIN_ROWS rows, tiles from there; both
+    int8) against float64."""
     native_quant.cache_clear()
     gen = torch.Generator().manual_seed(12)
     w = torch.randn(40, 96, generator=gen)
@@ -117,8 +131,7 @@ def test_op_for_1_to_64_rows_and_dtypes(fmt):
         x = torch.randn(2, rows, 96, generator=gen)  # leading dims kept
         got = torch.ops.forwardkit.quant_linear(x, packed, bias, fmt)
         assert got.shape == (2, rows, 40) and got.dtype == torch.float32
-        strategy = native_quant.DEFAULT_STRATEGY if 2 * rows <= native_quant.MAX_ROWS else "int8"
-        want = _expected(x.reshape(-1, 96), packed, bias, fmt, strategy if native else "float")
+        want = _expected(x.reshape(-1, 96), packed, bias, fmt, "int8" if native else "float")
         _close(got.reshape(-1, 40), want)
         got16 = torch.ops.forwardkit.quant_linear(x.bfloat16(), packed, bias.bfloat16(), fmt)
         assert got16.dtype == torch.bfloat16
@@ -135,6 +148,31 @@ def test_declines_what_it_does_not_serve():
     assert native_quant.quant_linear_rows(torch.randn(2, 96), packed, None, "q4_0") is None  # wrong k
     with pytest.raises(ValueError, match="path must be"):
         native_quant.quant_linear_rows(torch.randn(17, 64), packed, None, "q4_0", path="wide")
+
+
+def test_kernel_chosen_by_rows_and_strategy(monkeypatch):
+    """int8: the few-row kernel below TILES_MIN_ROWS rows, the tiles from there; float (the
+    dequantize-then-matmul products): the few-row kernel up to MAX_ROWS, then declined."""
+    build = native_quant._selected()
+    if build is None:
+        pytest.skip("no native quantized build")  # never: the generic build runs everywhere
+    used: list[str] = []
+
+    def spy(name: str, fn):
+        def call(*args):
+            used.append(name)
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(native_quant, "_selected", lambda: build._replace(
+        few_rows=spy("few", build.few_rows), tiles=spy("tiles", build.tiles)))
+    packed = quantize(torch.randn(8, 64), "q4_1")
+    for rows in (1, native_quant.TILES_MIN_ROWS - 1, native_quant.TILES_MIN_ROWS, 16, 17):
+        x = torch.randn(rows, 64)
+        assert native_quant.quant_linear_rows(x, packed, None, "q4_1") is not None
+        exact = native_quant.quant_linear_rows(x, packed, None, "q4_1", strategy="float")
+        assert (exact is None) == (rows > native_quant.MAX_ROWS)
+    assert used == ["few", "few", "few", "few", "tiles", "few", "tiles", "few", "tiles"]
 
 
 def test_op_without_a_native_build_takes_the_reference_path(monkeypatch):
@@ -155,7 +193,11 @@ def test_every_build_compiles(tmp_path, name):
         path = native_quant.compile_only(tmp_path, name)
     except NoCompiler:
         pytest.fail("no C compiler")
-    assert path.stat().st_size > 0
+    data = path.read_bytes()
+    assert data[:4] == b"\x7fELF"
+    for symbol in ("fk_quant_abi_version", "fk_quant_max_rows", "fk_quant_linear",
+                   "fk_quant_linear_tiles", "fk_quant_dequantize"):
+        assert symbol.encode() + b"\0" in data, (name, symbol)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -8,10 +8,11 @@ implementation gives the output's shape), like ``forwardkit::linear``.
 Paths, chosen per call by the number of activation rows:
 
 * on the CPU, every format (``q8_0``, ``q4_0``, ``q4_1``), the native kernels of
-  ``kernels/cpu/native_quant.py``, which read the packed blocks directly: up to
-  :data:`~forwardkit.kernels.cpu.native_quant.MAX_ROWS` rows (decode steps, small batches) the
-  few-row kernel, more rows (prompts) the tiled kernel (activations quantized per block to int8
-  once per call, integer dot products over tiles of rows);
+  ``kernels/cpu/native_quant.py``, which read the packed blocks directly: below
+  :data:`~forwardkit.kernels.cpu.native_quant.TILES_MIN_ROWS` rows (decode of one or two
+  sequences) the few-row kernel, from there (batched decode, prompts) the tiled kernel
+  (activations quantized per block to int8 once per call, integer dot products over tiles of
+  rows);
 * otherwise (no native build, another device) the weight dequantized to ``x``'s dtype, then
   ``F.linear`` (a dequantized copy per call: correct, not fast), natively where a build exists
   (the same values as the torch dequantization of :func:`reference_linear`).

@@ -5,26 +5,29 @@ and ``q4_1`` weights, reading the packed GGUF blocks directly (34, 18 or 20 byte
 weights instead of 64 in bf16). Activations go in as float32 (a bf16/fp16 ``x`` is widened
 first, the result cast back). Two kernels, chosen by the number of activation rows:
 
-* **few rows** (1-:data:`MAX_ROWS`: decode steps, small batches): each weight row streams once
-  past groups of 4 activation rows. Two strategies: ``int8`` (the default; activations
+* **few rows** (1-3 rows by default, any up to :data:`MAX_ROWS` when asked: decode steps of one
+  or two sequences): each weight row streams once past groups of 4 activation rows. Two strategies: ``int8`` (the default; activations
   quantized per block of 32 to int8, integer dot products, as llama.cpp does) and ``float``
   (each weight block dequantized in registers: dequantize-then-matmul's products, summed in
   another order). ``int8`` measured faster on one core of an AVX-512 Xeon with a 2048 x 2048
   weight: 0.18 / 0.54 / 2.2 ms at 1 / 4 / 16 rows (q8_0) against ``float``'s 0.56 / 0.61 / 2.7
   (q4_0: 0.21 / 0.57 / 2.4 against 0.58 / 0.61 / 2.6): one ``maddubs`` per 32 products instead
   of widening every weight to float32.
-* **tiles** (more rows: prompts): the activations are quantized to int8 once per call, then
+* **tiles** (from :data:`TILES_MIN_ROWS` = 4 rows: batched decode and prompts): the activations are quantized to int8 once per call, then
   each register tile of 4 activation rows x 4 weight rows (2 on AVX2, which has 16 vector
   registers) costs, per block, one integer dot product per pair (``vpdpbusd`` in the
   ``avx512_vnni`` build, ``maddubs`` + ``madd`` otherwise), a conversion and an FMA with the
   pair's scale; weight tiles are split over the OpenMP threads. Chosen over dequantizing the
   weight and calling ``F.linear`` (the op's former path) by measurement: see
-  ``benchmarks/quantized_prefill.py`` and the README's quantization section (about 2x faster
-  at 64 rows on the 2-core EPYC whatever the build, 3.4-3.6x where bf16 matmuls are emulated,
+  ``benchmarks/quantized_prefill.py`` and the README's quantization section (1.6-2.0x faster
+  at 64 rows on the 2-core EPYC, 3.2-3.7x where bf16 matmuls are emulated,
   and no float copy of the weight per call). The other candidate, weight tiles dequantized in
   registers into a float32 GEMM, is not built: measured only through the few-row kernel's
   ``float`` strategy at 16 rows, which was not consistently faster or slower than ``int8`` on
-  the (heavily shared) machine.
+  the (heavily shared) machine. Against the few-row kernel (one thread, 2048 x 2048 weight,
+  medians of 20 interleaved calls on the 2-core EPYC) the tiles took 1.0-1.45x less time at
+  4-16 rows with the ``avx2`` build and 1.14-1.58x with ``avx512_vnni``, but 1.1-2.5x more at
+  1-2 rows (a 4-row tile computes padding rows), hence :data:`TILES_MIN_ROWS`.
 
 Both kernels' results differ from dequantize-then-matmul by the activations' int8 rounding
 (like llama.cpp's); ``q4_1``'s minimum adds ``m * d_x * sum(q_x)`` per block.
@@ -56,7 +59,7 @@ from forwardkit import envs
 from forwardkit.kernels.cpu import native_build, native_linear
 from forwardkit.logger import init_logger
 
-__all__ = ["FORMATS", "MAX_ROWS", "STRATEGIES", "available", "candidate_builds", "dequantize_rows",
+__all__ = ["FORMATS", "MAX_ROWS", "STRATEGIES", "TILES_MIN_ROWS", "available", "candidate_builds", "dequantize_rows",
            "isa_supported", "kernel_isa", "max_rows", "quant_linear_rows"]
 
 logger = init_logger(__name__)
@@ -69,6 +72,9 @@ _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # the GGUF block layouts (f
 STRATEGIES = {"float": 0, "int8": 1}
 # int8 measured faster at every row count 1-16 (module doc); "float" is exact to summation order
 DEFAULT_STRATEGY = "int8"
+# From this many rows the tiled kernel serves (int8): measured 1.0-1.6x the few-row kernel at
+# 4-16 rows and 0.4-0.9x at 1-2 (module doc)
+TILES_MIN_ROWS = 4
 _BLOCK = 32
 
 
@@ -283,11 +289,13 @@ def quant_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
                       path: str | None = None) -> torch.Tensor | None:
     """``x @ W.T + bias`` for the ``fmt`` weight ``packed`` holds, by the native kernel; None when
     it does not apply (another format or device, a shape that does not match, no usable build):
-    the caller then takes the reference path. Up to :data:`MAX_ROWS` rows take the few-row
-    kernel, more the tiled one (int8 activations). ``isa`` forces one build, ``strategy``
-    ("float", "int8") one few-row strategy (None: :data:`DEFAULT_STRATEGY`) and ``path``
-    ("few", "tiles") one kernel whatever the row count (tests and benchmarks; "few" declines
-    more than :data:`MAX_ROWS` rows)."""
+    the caller then takes the reference path. Fewer than :data:`TILES_MIN_ROWS` rows take the
+    few-row kernel, more the tiled one (both with int8 activations); with the ``float``
+    strategy, up to :data:`MAX_ROWS` rows take the few-row kernel and more decline (the tiles
+    have no float strategy: the caller's dequantize-then-matmul gives those products).
+    ``isa`` forces one build, ``strategy`` ("float", "int8") one few-row strategy (None:
+    :data:`DEFAULT_STRATEGY`) and ``path`` ("few", "tiles") one kernel whatever the row count
+    (tests and benchmarks; "few" declines more than :data:`MAX_ROWS` rows)."""
     fmt_id = FORMATS.get(fmt)
     if fmt_id is None or x.device.type != "cpu" or not x.is_floating_point():
         return None
@@ -296,8 +304,12 @@ def quant_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     n = packed.shape[0] if packed.dim() == 2 else 0
     if rows < 1 or n < 1 or not _packed_ok(packed, fmt, k):
         return None
+    strategy = strategy or DEFAULT_STRATEGY
     if path is None:
-        path = "few" if rows <= MAX_ROWS else "tiles"
+        if strategy == "float":  # dequantize-then-matmul's products: the few-row kernel only
+            path = "few"
+        else:
+            path = "few" if rows < TILES_MIN_ROWS else "tiles"
     if path == "few" and rows > MAX_ROWS:
         return None
     build = _selected() if isa is None else _function(isa)
@@ -309,7 +321,7 @@ def quant_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     args = (x32.data_ptr(), packed.data_ptr(), None if b32 is None else b32.data_ptr(),
             out.data_ptr(), rows, n, k, fmt_id)
     if path == "few":
-        rc = build.few_rows(*args, STRATEGIES[strategy or DEFAULT_STRATEGY])
+        rc = build.few_rows(*args, STRATEGIES[strategy])
     elif path == "tiles":
         rc = build.tiles(*args)
     else:
