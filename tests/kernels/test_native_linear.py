@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -160,9 +161,9 @@ def test_packed_layers_use_it_for_few_rows_only(monkeypatch):
 
 @needs_kernel
 def test_routed_bf16_layers_without_onednn_bf16_use_it_and_never_pack(monkeypatch):
-    """An AVX2 CPU (no oneDNN bf16): bf16 layers are routed for the kernel alone; the rows the
-    kernel serves (1-16 with the AVX2 build) take it, more rows plain F.linear, and nothing is
-    packed."""
+    """An AVX2 CPU (no oneDNN bf16): bf16 layers are routed for the native kernels alone; the
+    rows the few-row kernel serves (1-16 with the AVX2 build) take it, more rows the AVX2
+    build's blocked kernel (never PyTorch's emulated bf16 matmul), and nothing is packed."""
     from forwardkit.layers.linear import Linear, linear_op_weights
 
     monkeypatch.setattr(router, "_packable", lambda dtype: False)  # as on such a CPU
@@ -190,7 +191,8 @@ def test_routed_bf16_layers_without_onednn_bf16_use_it_and_never_pack(monkeypatc
     assert calls == [r <= native_linear.max_rows(BF16) for r in (1, 2, 3, 40)]
     assert calls[:2] == [True, True] and calls[3] is False
     assert routes.packed_count() == 0
-    assert native_build.kernel_calls.since(before) == {"attention": 0, "linear": sum(calls)}
+    # every product served natively once: the few-row kernel or the blocked one
+    assert native_build.kernel_calls.since(before) == {"attention": 0, "linear": 4}
 
 
 @needs_kernel
@@ -296,3 +298,61 @@ def test_a_call_finds_its_row_limit_in_the_one_cached_selection(fresh_kernel):
         patch.setattr(native_linear, "_row_limit", lambda *a: pytest.fail("a per-call _row_limit lookup"))
         assert native_linear.linear_rows(torch.randn(limit, 32).to(BF16), w, None) is not None
         assert native_linear.linear_rows(torch.randn(limit + 1, 32).to(BF16), w, None) is None
+
+
+@pytest.mark.parametrize("rows", [1, 17, 33, 63, 64, 100])
+@pytest.mark.parametrize(("n", "k"), [(13, 70), (259, 2080), (9, 47), (24, 8192)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_avx2_bf16_any_rows_kernel(rows, n, k, with_bias):
+    """The blocked bf16 kernel for prompts (AVX2 build): any row count (short groups of 4 rows,
+    short blocks of 8 weight rows, a K tail; K = 8192 splits the rows into chunks of 16)
+    against a float64 linear, and each row equal to that row computed alone."""
+    _require("avx2", BF16)
+    assert native_linear.bf16_rows_available()
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).to(BF16)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16)
+    b = torch.randn(n, generator=gen).to(BF16) if with_bias else None
+    before = native_build.kernel_calls.linear
+    out = native_linear.linear_bf16_rows(x, w, b)
+    assert out is not None and out.dtype == BF16 and out.shape == (rows, n)
+    assert native_build.kernel_calls.linear == before + 1
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=1e-3 * ref.abs().max().item())
+    for r in (0, rows // 2, rows - 1):
+        alone = native_linear.linear_bf16_rows(x[r:r + 1], w, b)
+        assert alone is not None and torch.equal(out[r:r + 1], alone)
+
+
+def test_avx2_bf16_any_rows_declines_what_it_does_not_serve():
+    _require("avx2", BF16)
+    w = torch.randn(8, 32).to(BF16)
+    assert native_linear.linear_bf16_rows(torch.randn(20, 32), w, None) is None  # float32 x
+    assert native_linear.linear_bf16_rows(torch.randn(20, 32).to(BF16), w.t().contiguous().t(), None) is None
+    assert native_linear.linear_bf16_rows(torch.randn(20, 32).to(BF16), w, None) is not None
+    assert native_linear.linear_bf16_rows(torch.randn(20, 48).to(BF16), w, None) is None  # wrong k
+
+
+def test_router_sends_long_bf16_products_to_the_blocked_kernel_without_native_bf16(monkeypatch):
+    """Where oneDNN has no bf16 (``_packable`` False: an AVX2 CPU), a routed bf16 weight's
+    products of more than 16 rows take the AVX2 blocked kernel, not PyTorch's bf16 matmul."""
+    _require("avx2", BF16)
+    assert native_linear.bf16_rows_available()  # built and self-checked (with F.linear) first
+    monkeypatch.setattr(router, "_packable", lambda dtype: dtype != BF16)
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(40, 96, generator=gen) * 0.05).to(BF16)
+    routes = router.CpuLinearRouter(timing=False)
+    assert routes.route_weights([(w, None)]) == 1
+    monkeypatch.setattr(router, "F", types.SimpleNamespace(linear=_refuse_f_linear))  # router's only
+    for rows in (17, 64):
+        x = torch.randn(rows, 96, generator=gen).to(BF16)
+        before = native_build.kernel_calls.linear
+        with router.bind(routes):
+            out = torch.ops.forwardkit.linear(x, w, None)
+        assert native_build.kernel_calls.linear == before + 1 and routes.packed_count() == 0
+        ref = torch.matmul(x.double(), w.double().t())
+        torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=1e-3 * ref.abs().max().item())
+
+
+def _refuse_f_linear(*args: object, **kwargs: object) -> torch.Tensor:
+    raise AssertionError("the router called F.linear (the emulated bf16 matmul)")

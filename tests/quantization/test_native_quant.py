@@ -1,6 +1,7 @@
-"""The native few-row quantized linear (``kernels/cpu/csrc/quant_linear.c``): every build this
-CPU runs, both formats and both strategies, against dequantize-then-matmul in float64, for
-1-64 rows (the op's reference path past 16) and odd shapes; builds the CPU lacks are compiled."""
+"""The native quantized linear (``kernels/cpu/csrc/quant_linear.c``): every build this CPU runs,
+every format, the few-row kernel (both strategies) and the tiled one, against
+dequantize-then-matmul in float64, for 1-64 rows and odd shapes (row counts and output sizes
+that leave short tiles); builds the CPU lacks are compiled."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from forwardkit.kernels.cpu import native_quant
 from forwardkit.quantization import ops
 from forwardkit.quantization.formats import dequantize, quantize
 
-ISAS = ["avx512", "avx2", "generic"]
+ISAS = ["avx512_vnni", "avx512", "avx2", "generic"]
+FORMATS = ["q8_0", "q4_0", "q4_1"]
 SHAPES = [(1, 32), (3, 96), (13, 64), (33, 2080), (257, 160)]  # (out, in)
 
 
@@ -54,7 +56,7 @@ def isa(request) -> str:
     return request.param
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("strategy", ["float", "int8"])
 def test_few_rows_against_dequantized_matmul(isa, fmt, strategy):
     gen = torch.Generator().manual_seed(11)
@@ -70,21 +72,66 @@ def test_few_rows_against_dequantized_matmul(isa, fmt, strategy):
             _close(got, _expected(x, packed, bias, fmt, strategy))
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiles_for_1_to_64_rows_and_odd_shapes(isa, fmt):
+    """The tiled kernel (prompts) at every row count 1-64 (17, 33, 63: short activation tiles)
+    and output sizes that are no multiple of the weight tile, against float64
+    dequantize-then-matmul on the int8-rounded activations."""
+    gen = torch.Generator().manual_seed(14)
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=gen)
+        w[-1, -32:] = 0.0  # an all-zero block
+        packed = quantize(w, fmt)
+        bias = torch.randn(n, generator=gen) if n % 2 else None
+        x = torch.randn(64, k, generator=gen)
+        x[1, :32] = 0.0  # an all-zero activation block
+        for rows in range(1, 65):
+            got = native_quant.quant_linear_rows(x[:rows], packed, bias, fmt, isa=isa, path="tiles")
+            assert got is not None and got.shape == (rows, n)
+            _close(got, _expected(x[:rows], packed, bias, fmt, "int8"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiles_over_several_chunks_of_rows(isa, fmt):
+    """A long input dim (8192) makes the tiled kernel take the rows in chunks (32 rows: 256 KiB
+    of int8 activations); 75 rows end in a short chunk and a short tile."""
+    gen = torch.Generator().manual_seed(16)
+    w = torch.randn(9, 8192, generator=gen)
+    x = torch.randn(75, 8192, generator=gen)
+    packed = quantize(w, fmt)
+    got = native_quant.quant_linear_rows(x, packed, None, fmt, isa=isa, path="tiles")
+    assert got is not None
+    _close(got, _expected(x, packed, None, fmt, "int8"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiles_with_large_magnitudes(isa, fmt):
+    """Activations and weights of very different scales per block (q8_0's unsigned-operand
+    offset and q4_0's -8 are exact integer start values, so no cancellation shows)."""
+    gen = torch.Generator().manual_seed(15)
+    w = torch.randn(37, 256, generator=gen) * torch.logspace(-3, 3, 8).repeat_interleave(32)
+    x = torch.randn(29, 256, generator=gen) * torch.logspace(3, -3, 8).repeat_interleave(32)
+    packed = quantize(w, fmt)
+    got = native_quant.quant_linear_rows(x, packed, None, fmt, isa=isa, path="tiles")
+    assert got is not None
+    _close(got, _expected(x, packed, None, fmt, "int8"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_op_for_1_to_64_rows_and_dtypes(fmt):
-    """The registered op (native kernel up to 16 rows, reference past that) against float64."""
+    """The registered op (few-row kernel below TILES_MIN_ROWS rows, tiles from there; both
+    int8) against float64."""
     native_quant.cache_clear()
     gen = torch.Generator().manual_seed(12)
     w = torch.randn(40, 96, generator=gen)
     packed = quantize(w, fmt)
     bias = torch.randn(40, generator=gen)
-    strategy = native_quant.DEFAULT_STRATEGY if fmt in native_quant.FORMATS else "float"
+    native = native_quant.available()
     for rows in (1, 2, 5, 16, 17, 33, 64):
         x = torch.randn(2, rows, 96, generator=gen)  # leading dims kept
         got = torch.ops.forwardkit.quant_linear(x, packed, bias, fmt)
         assert got.shape == (2, rows, 40) and got.dtype == torch.float32
-        want = _expected(x.reshape(-1, 96), packed, bias, fmt,
-                         strategy if 2 * rows <= native_quant.MAX_ROWS else "float")
+        want = _expected(x.reshape(-1, 96), packed, bias, fmt, "int8" if native else "float")
         _close(got.reshape(-1, 40), want)
         got16 = torch.ops.forwardkit.quant_linear(x.bfloat16(), packed, bias.bfloat16(), fmt)
         assert got16.dtype == torch.bfloat16
@@ -94,13 +141,47 @@ def test_op_for_1_to_64_rows_and_dtypes(fmt):
 
 def test_declines_what_it_does_not_serve():
     packed = quantize(torch.randn(8, 64), "q4_0")
-    assert native_quant.quant_linear_rows(torch.randn(17, 64), packed, None, "q4_0") is None
-    assert native_quant.quant_linear_rows(torch.randn(2, 64), packed, None, "q4_1") is None
+    assert native_quant.quant_linear_rows(torch.randn(17, 64), packed, None, "q4_0", path="few") is None
+    assert native_quant.quant_linear_rows(torch.randn(2, 64), packed, None, "q4_1") is None  # wrong layout
     assert native_quant.quant_linear_rows(torch.randn(2, 64), packed, None, "q8_0") is None  # wrong layout
-    # the op still answers those, by the reference path
-    x = torch.randn(17, 64)
-    torch.testing.assert_close(ops.quant_linear(x, packed, None, "q4_0"),
-                               ops.reference_linear(x, packed, None, "q4_0"))
+    assert native_quant.quant_linear_rows(torch.randn(2, 64), packed, None, "q5_0") is None
+    assert native_quant.quant_linear_rows(torch.randn(2, 96), packed, None, "q4_0") is None  # wrong k
+    with pytest.raises(ValueError, match="path must be"):
+        native_quant.quant_linear_rows(torch.randn(17, 64), packed, None, "q4_0", path="wide")
+
+
+def test_kernel_chosen_by_rows_and_strategy(monkeypatch):
+    """int8: the few-row kernel below TILES_MIN_ROWS rows, the tiles from there; float (the
+    dequantize-then-matmul products): the few-row kernel up to MAX_ROWS, then declined."""
+    build = native_quant._selected()
+    if build is None:
+        pytest.skip("no native quantized build")  # never: the generic build runs everywhere
+    used: list[str] = []
+
+    def spy(name: str, fn):
+        def call(*args):
+            used.append(name)
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(native_quant, "_selected", lambda: build._replace(
+        few_rows=spy("few", build.few_rows), tiles=spy("tiles", build.tiles)))
+    packed = quantize(torch.randn(8, 64), "q4_1")
+    for rows in (1, native_quant.TILES_MIN_ROWS - 1, native_quant.TILES_MIN_ROWS, 16, 17):
+        x = torch.randn(rows, 64)
+        assert native_quant.quant_linear_rows(x, packed, None, "q4_1") is not None
+        exact = native_quant.quant_linear_rows(x, packed, None, "q4_1", strategy="float")
+        assert (exact is None) == (rows > native_quant.MAX_ROWS)
+    assert used == ["few", "few", "few", "few", "tiles", "few", "tiles", "few", "tiles"]
+
+
+def test_op_without_a_native_build_takes_the_reference_path(monkeypatch):
+    monkeypatch.setattr(native_quant, "_selected", lambda: None)
+    for fmt in FORMATS:
+        packed = quantize(torch.randn(8, 64), fmt)
+        x = torch.randn(17, 64)
+        torch.testing.assert_close(ops.quant_linear(x, packed, None, fmt),
+                                   ops.reference_linear(x, packed, None, fmt))
 
 
 @pytest.mark.parametrize("name", ISAS)
@@ -112,12 +193,17 @@ def test_every_build_compiles(tmp_path, name):
         path = native_quant.compile_only(tmp_path, name)
     except NoCompiler:
         pytest.fail("no C compiler")
-    assert path.stat().st_size > 0
+    data = path.read_bytes()
+    assert data[:4] == b"\x7fELF"
+    for symbol in ("fk_quant_abi_version", "fk_quant_max_rows", "fk_quant_linear",
+                   "fk_quant_linear_tiles", "fk_quant_dequantize"):
+        assert symbol.encode() + b"\0" in data, (name, symbol)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_native_dequantize_is_bit_exact(fmt):
-    """The dequantization behind products of more than 16 rows equals the torch one bit for bit."""
+    """The native dequantization (the op's path for products no kernel serves) equals the torch
+    one bit for bit."""
     native_quant.cache_clear()
     gen = torch.Generator().manual_seed(13)
     for n, k in SHAPES:

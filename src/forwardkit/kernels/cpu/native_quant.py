@@ -1,29 +1,47 @@
-"""The native few-row linear over block-quantized weights (``csrc/quant_linear.c``), built at
-first use.
+"""The native linear over block-quantized weights (``csrc/quant_linear.c``), built at first use.
 
-Serves ``forwardkit::quant_linear`` (``quantization/ops.py``) for 1-16 activation rows (decode
-steps and small batches) with ``q8_0`` and ``q4_0`` weights: it reads the packed GGUF blocks
-directly, so a decode step streams 34 (q8_0) or 18 (q4_0) bytes per 32 weights instead of 64
-in bf16. Activations go in as float32 (a bf16/fp16 ``x`` is widened first, the result cast
-back); each weight block is dequantized in registers and multiplied into them (strategy
-``float``: the products of dequantize-then-matmul, summed in another order). The kernel also
-has the strategy llama.cpp uses (``int8``: activations quantized per block to int8, integer dot
-products). ``int8`` is the default: measured on one core of an AVX-512 Xeon with a 2048 x 2048
-weight it took 0.18 / 0.54 / 2.2 ms at 1 / 4 / 16 rows (q8_0) against ``float``'s 0.56 / 0.61 /
-2.7 (q4_0: 0.21 / 0.57 / 2.4 against 0.58 / 0.61 / 2.6): one ``maddubs`` per 32 products
-instead of widening every weight to float32. Its results differ from dequantize-then-matmul by
-the activations' int8 rounding (like llama.cpp's); ``float`` (:data:`DEFAULT_STRATEGY` or the
-``strategy`` argument) gives dequantize-then-matmul's products, summed in another order.
+Serves ``forwardkit::quant_linear`` (``quantization/ops.py``) on the CPU for ``q8_0``, ``q4_0``
+and ``q4_1`` weights, reading the packed GGUF blocks directly (34, 18 or 20 bytes per 32
+weights instead of 64 in bf16). Activations go in as float32 (a bf16/fp16 ``x`` is widened
+first, the result cast back). Two kernels, chosen by the number of activation rows:
 
-One portable C source compiled per ISA, like the native decode attention: ``avx512``
-(AVX-512F/BW/VL + FMA + F16C), ``avx2`` (AVX2 + FMA + F16C) or ``generic`` (the compiler's
-baseline), through :mod:`forwardkit.kernels.cpu.native_build` (the checked, checksummed
-``native/`` directory of the cache root). Each build is self-checked at first load against
-dequantize-then-``F.linear`` in float64 for every row count and both formats (and its
-dequantization, :func:`dequantize_rows`, used for more rows, against the torch one bit for
-bit); the first build
-this CPU runs that passes serves, and when none does the op's reference path serves every
-call. ``FORWARDKIT_CPU_NATIVE_LINEAR=0`` turns it off with the other native linear kernels.
+* **few rows** (1-3 rows by default, any up to :data:`MAX_ROWS` when asked: decode steps of one
+  or two sequences): each weight row streams once past groups of 4 activation rows. Two strategies: ``int8`` (the default; activations
+  quantized per block of 32 to int8, integer dot products, as llama.cpp does) and ``float``
+  (each weight block dequantized in registers: dequantize-then-matmul's products, summed in
+  another order). ``int8`` measured faster on one core of an AVX-512 Xeon with a 2048 x 2048
+  weight: 0.18 / 0.54 / 2.2 ms at 1 / 4 / 16 rows (q8_0) against ``float``'s 0.56 / 0.61 / 2.7
+  (q4_0: 0.21 / 0.57 / 2.4 against 0.58 / 0.61 / 2.6): one ``maddubs`` per 32 products instead
+  of widening every weight to float32.
+* **tiles** (from :data:`TILES_MIN_ROWS` = 4 rows: batched decode and prompts): the activations are quantized to int8 once per call, then
+  each register tile of 4 activation rows x 4 weight rows (2 on AVX2, which has 16 vector
+  registers) costs, per block, one integer dot product per pair (``vpdpbusd`` in the
+  ``avx512_vnni`` build, ``maddubs`` + ``madd`` otherwise), a conversion and an FMA with the
+  pair's scale; weight tiles are split over the OpenMP threads. Chosen over dequantizing the
+  weight and calling ``F.linear`` (the op's former path) by measurement: see
+  ``benchmarks/quantized_prefill.py`` and the README's quantization section (1.6-2.0x faster
+  at 64 rows on the 2-core EPYC, 3.2-3.7x where bf16 matmuls are emulated,
+  and no float copy of the weight per call). The other candidate, weight tiles dequantized in
+  registers into a float32 GEMM, is not built: measured only through the few-row kernel's
+  ``float`` strategy at 16 rows, which was not consistently faster or slower than ``int8`` on
+  the (heavily shared) machine. Against the few-row kernel (one thread, 2048 x 2048 weight,
+  medians of 20 interleaved calls on the 2-core EPYC) the tiles took 1.0-1.45x less time at
+  4-16 rows with the ``avx2`` build and 1.14-1.58x with ``avx512_vnni``, but 1.1-2.5x more at
+  1-2 rows (a 4-row tile computes padding rows), hence :data:`TILES_MIN_ROWS`.
+
+Both kernels' results differ from dequantize-then-matmul by the activations' int8 rounding
+(like llama.cpp's); ``q4_1``'s minimum adds ``m * d_x * sum(q_x)`` per block.
+
+One portable C source compiled per ISA, like the native decode attention: ``avx512_vnni``
+(AVX-512F/BW/VL + VNNI + FMA + F16C), ``avx512`` (the same without VNNI), ``avx2`` (AVX2 + FMA
++ F16C) or ``generic`` (the compiler's baseline), through
+:mod:`forwardkit.kernels.cpu.native_build` (the checked, checksummed ``native/`` directory of
+the cache root). Each build is self-checked at first load against dequantize-then-``F.linear``
+in float64 for every format, every few-row count, both strategies and tiled row counts (and
+its dequantization, :func:`dequantize_rows`, against the torch one bit for bit); the first
+build this CPU runs that passes serves, and when none does the op's reference path serves
+every call. ``FORWARDKIT_CPU_NATIVE_LINEAR=0`` turns it off with the other native linear
+kernels.
 """
 
 from __future__ import annotations
@@ -41,18 +59,22 @@ from forwardkit import envs
 from forwardkit.kernels.cpu import native_build, native_linear
 from forwardkit.logger import init_logger
 
-__all__ = ["FORMATS", "MAX_ROWS", "STRATEGIES", "available", "candidate_builds", "dequantize_rows",
+__all__ = ["FORMATS", "MAX_ROWS", "STRATEGIES", "TILES_MIN_ROWS", "available", "candidate_builds", "dequantize_rows",
            "isa_supported", "kernel_isa", "max_rows", "quant_linear_rows"]
 
 logger = init_logger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "quant_linear.c"
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 MAX_ROWS = 16
-FORMATS = {"q8_0": 0, "q4_0": 1}  # the kernel's format ids
+FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the kernel's format ids
+_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # the GGUF block layouts (formats.py)
 STRATEGIES = {"float": 0, "int8": 1}
 # int8 measured faster at every row count 1-16 (module doc); "float" is exact to summation order
 DEFAULT_STRATEGY = "int8"
+# From this many rows the tiled kernel serves (int8): measured 1.0-1.6x the few-row kernel at
+# 4-16 rows and 0.4-0.9x at 1-2 (module doc)
+TILES_MIN_ROWS = 4
 _BLOCK = 32
 
 
@@ -63,17 +85,20 @@ class _Isa(NamedTuple):
     needs: frozenset[str]
 
 
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-mprefer-vector-width=512")
+_AVX512_NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "fma", "f16c"})
+# Tried in this order; the first this CPU runs that builds and passes its self-check serves.
 _ISAS: dict[str, _Isa] = {
-    "avx512": _Isa(("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c",
-                    "-mprefer-vector-width=512"),
-                   frozenset({"avx512f", "avx512bw", "avx512vl", "fma", "f16c"})),
+    "avx512_vnni": _Isa((*_AVX512, "-mavx512vnni"), _AVX512_NEEDS | {"avx512_vnni"}),
+    "avx512": _Isa(_AVX512, _AVX512_NEEDS),
     "avx2": _Isa(("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})),
     "generic": _Isa((), frozenset()),
 }
 
 
 def isa_supported(isa: str) -> bool:
-    """Whether this CPU has the instructions build ``isa`` ("avx512", "avx2", "generic") uses."""
+    """Whether this CPU has the instructions build ``isa`` (a key of ``_ISAS``: "avx512_vnni",
+    "avx512", "avx2", "generic") uses."""
     return _ISAS[isa].needs <= native_linear.cpu_flags()
 
 
@@ -83,7 +108,8 @@ def candidate_builds() -> list[str]:
 
 
 def _flags(isa: str) -> list[str]:
-    return [*native_build.COMMON_FLAGS, *_ISAS[isa].flags]
+    # no contracted a * b + c: q4_1's d * q + m rounds twice, as ggml's dequantization does
+    return [*native_build.COMMON_FLAGS, "-ffp-contract=off", *_ISAS[isa].flags]
 
 
 def _library_name(isa: str) -> str:
@@ -119,8 +145,19 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                     None if bias is None else bias.double())
 
 
-def _self_check(fn: Callable[..., int]) -> None:
-    """Every row count, both formats, both strategies, a bias, against float64."""
+class _Build(NamedTuple):
+    """One loaded, self-checked build's entry points."""
+
+    isa: str
+    few_rows: Callable[..., int]  # fk_quant_linear: 1..MAX_ROWS rows, either strategy
+    tiles: Callable[..., int]  # fk_quant_linear_tiles: any rows, int8 activations
+    dequantize: Callable[..., int]  # fk_quant_dequantize
+
+
+def _self_check(build: _Build) -> None:
+    """Every format against float64 dequantize-then-matmul, with a bias: the few-row kernel at
+    every row count and both strategies, the tiles at row counts that leave short tiles; an
+    output count that leaves a short weight tile."""
     from forwardkit.quantization.formats import quantize
 
     gen = torch.Generator().manual_seed(0)
@@ -128,22 +165,37 @@ def _self_check(fn: Callable[..., int]) -> None:
         w = torch.randn(13, 96, generator=gen)
         packed = quantize(w, fmt)
         b = torch.randn(13, generator=gen)
-        for rows in range(1, MAX_ROWS + 1):
+        for rows in [*range(1, MAX_ROWS + 1), 17, 22]:
             x = torch.randn(rows, 96, generator=gen)
             ref = _reference(x, packed, b, fmt)
             for strategy, mode in STRATEGIES.items():
+                if rows > MAX_ROWS and strategy == "float":
+                    continue
                 y = torch.full((rows, 13), float("nan"))
-                rc = fn(x.data_ptr(), packed.data_ptr(), b.data_ptr(), y.data_ptr(), rows, 13, 96,
-                        fmt_id, mode)
+                args = (x.data_ptr(), packed.data_ptr(), b.data_ptr(), y.data_ptr(), rows, 13, 96, fmt_id)
+                rc = build.few_rows(*args, mode) if rows <= MAX_ROWS else build.tiles(*args)
                 # int8 activations carry their own rounding: 2% of the largest output
                 tol = 1e-4 if strategy == "float" else 0.02 * float(ref.abs().max())
                 if rc != 0 or not torch.allclose(y.double(), ref, rtol=tol, atol=tol):
                     raise RuntimeError(f"{fmt} {strategy} self-check failed for {rows} rows (rc={rc})")
 
 
+def _self_check_dequantize(deq: Callable[..., int]) -> None:
+    """Every format's dequantization equals the torch one bit for bit."""
+    from forwardkit.quantization.formats import dequantize, quantize
+
+    w = torch.randn(7, 96, generator=torch.Generator().manual_seed(1))
+    for fmt, fmt_id in FORMATS.items():
+        packed = quantize(w, fmt)
+        out = torch.empty(7, 96)
+        if deq(packed.data_ptr(), out.data_ptr(), 7, 96, fmt_id) != 0 or not torch.equal(
+                out, dequantize(packed, fmt)):
+            raise RuntimeError(f"{fmt} dequantize self-check failed")
+
+
 @functools.cache
-def _function(isa: str) -> Callable[..., int] | None:
-    """Build ``isa``'s kernel, loaded and self-checked; None when off, unsupported or failing."""
+def _function(isa: str) -> _Build | None:
+    """Build ``isa`` loaded and self-checked; None when off, unsupported or failing."""
     if not envs.FORWARDKIT_CPU_NATIVE_LINEAR or not isa_supported(isa):
         return None
     directory = _build_dir()
@@ -158,36 +210,28 @@ def _function(isa: str) -> Callable[..., int] | None:
     if lib.fk_quant_max_rows() != MAX_ROWS:
         logger.warning_once("Native %s quantized linear off (row limit differs)", isa)
         return None
-    fn = lib.fk_quant_linear
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
+    few = lib.fk_quant_linear
+    few.restype = ctypes.c_int
+    few.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
+    tiles = lib.fk_quant_linear_tiles
+    tiles.restype = ctypes.c_int
+    tiles.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     deq = lib.fk_quant_dequantize
     deq.restype = ctypes.c_int
     deq.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_int]
+    build = _Build(isa, few, tiles, deq)
     try:
-        _self_check(fn)
+        _self_check(build)
         _self_check_dequantize(deq)
     except RuntimeError as exc:
         logger.warning_once("Native %s quantized linear off (%s)", isa, exc)
         return None
-    _DEQUANTIZE[isa] = deq
-    return fn
+    return build
 
 
-_DEQUANTIZE: dict[str, Callable[..., int]] = {}
-
-
-def _self_check_dequantize(deq: Callable[..., int]) -> None:
-    """Both formats' dequantization equals the torch one bit for bit."""
-    from forwardkit.quantization.formats import dequantize, quantize
-
-    w = torch.randn(7, 96, generator=torch.Generator().manual_seed(1))
-    for fmt, fmt_id in FORMATS.items():
-        packed = quantize(w, fmt)
-        out = torch.empty(7, 96)
-        if deq(packed.data_ptr(), out.data_ptr(), 7, 96, fmt_id) != 0 or not torch.equal(
-                out, dequantize(packed, fmt)):
-            raise RuntimeError(f"{fmt} dequantize self-check failed")
+def _packed_ok(packed: torch.Tensor, fmt: str, k: int) -> bool:
+    return (packed.dtype == torch.uint8 and packed.dim() == 2 and packed.is_contiguous()
+            and k % _BLOCK == 0 and k > 0 and packed.shape[1] == k // _BLOCK * _BLOCK_BYTES[fmt])
 
 
 def dequantize_rows(packed: torch.Tensor, fmt: str) -> torch.Tensor | None:
@@ -195,31 +239,31 @@ def dequantize_rows(packed: torch.Tensor, fmt: str) -> torch.Tensor | None:
     build; None when it does not apply (another format, no usable build)."""
     fmt_id = FORMATS.get(fmt)
     found = _selected()
-    if fmt_id is None or found is None or packed.dtype != torch.uint8 or not packed.is_contiguous():
+    if fmt_id is None or found is None or packed.dtype != torch.uint8 or packed.dim() != 2:
         return None
-    block_bytes = 2 + (_BLOCK if fmt == "q8_0" else _BLOCK // 2)
-    if packed.dim() != 2 or packed.shape[1] % block_bytes:
+    k = packed.shape[1] // _BLOCK_BYTES[fmt] * _BLOCK
+    if not _packed_ok(packed, fmt, k):
         return None
-    n, k = packed.shape[0], packed.shape[1] // block_bytes * _BLOCK
+    n = packed.shape[0]
     out = torch.empty((n, k), dtype=torch.float32)
-    if _DEQUANTIZE[found[0]](packed.data_ptr(), out.data_ptr(), n, k, fmt_id) != 0:
+    if found.dequantize(packed.data_ptr(), out.data_ptr(), n, k, fmt_id) != 0:
         return None
     return out
 
 
 @functools.cache
-def _selected() -> tuple[str, Callable[..., int]] | None:
+def _selected() -> _Build | None:
     for isa in _ISAS:
-        fn = _function(isa)
-        if fn is not None:
-            return isa, fn
+        build = _function(isa)
+        if build is not None:
+            return build
     return None
 
 
 def kernel_isa() -> str | None:
-    """Which build serves here ("avx512", "avx2", "generic"), or None."""
+    """Which build serves here (a key of ``_ISAS``), or None."""
     found = _selected()
-    return None if found is None else found[0]
+    return None if found is None else found.isa
 
 
 def available() -> bool:
@@ -228,7 +272,8 @@ def available() -> bool:
 
 
 def max_rows() -> int:
-    """Most activation rows the kernel serves (0 when none is usable)."""
+    """Most activation rows the few-row kernel serves (0 when no build is usable); more rows
+    take the tiled kernel (:func:`quant_linear_rows`)."""
     return MAX_ROWS if available() else 0
 
 
@@ -237,41 +282,50 @@ def cache_clear() -> None:
     _selected.cache_clear()
     _function.cache_clear()
     _build_dir.cache_clear()
-    _DEQUANTIZE.clear()
 
 
 def quant_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, fmt: str,
-                      isa: str | None = None, strategy: str | None = None) -> torch.Tensor | None:
+                      isa: str | None = None, strategy: str | None = None,
+                      path: str | None = None) -> torch.Tensor | None:
     """``x @ W.T + bias`` for the ``fmt`` weight ``packed`` holds, by the native kernel; None when
-    it does not apply (another format or device, more than :data:`MAX_ROWS` rows, a shape that
-    does not match, no usable build): the caller then takes the reference path. ``isa`` forces
-    one build and ``strategy`` ("float", "int8") one strategy (tests and benchmarks; None:
-    :data:`DEFAULT_STRATEGY`)."""
+    it does not apply (another format or device, a shape that does not match, no usable build):
+    the caller then takes the reference path. Fewer than :data:`TILES_MIN_ROWS` rows take the
+    few-row kernel, more the tiled one (both with int8 activations); with the ``float``
+    strategy, up to :data:`MAX_ROWS` rows take the few-row kernel and more decline (the tiles
+    have no float strategy: the caller's dequantize-then-matmul gives those products).
+    ``isa`` forces one build, ``strategy`` ("float", "int8") one few-row strategy (None:
+    :data:`DEFAULT_STRATEGY`) and ``path`` ("few", "tiles") one kernel whatever the row count
+    (tests and benchmarks; "few" declines more than :data:`MAX_ROWS` rows)."""
     fmt_id = FORMATS.get(fmt)
-    if fmt_id is None or x.device.type != "cpu" or packed.dtype != torch.uint8 or packed.dim() != 2:
+    if fmt_id is None or x.device.type != "cpu" or not x.is_floating_point():
         return None
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    n = packed.shape[0]
-    block_bytes = 2 + (_BLOCK if fmt == "q8_0" else _BLOCK // 2)
-    if (rows < 1 or rows > MAX_ROWS or k % _BLOCK or packed.shape[1] != k // _BLOCK * block_bytes
-            or not packed.is_contiguous() or not x.is_floating_point()):
+    n = packed.shape[0] if packed.dim() == 2 else 0
+    if rows < 1 or n < 1 or not _packed_ok(packed, fmt, k):
         return None
-    if isa is None:
-        found = _selected()
-        if found is None:
-            return None
-        fn = found[1]
-    else:
-        forced = _function(isa)
-        if forced is None:
-            return None
-        fn = forced
+    strategy = strategy or DEFAULT_STRATEGY
+    if path is None:
+        if strategy == "float":  # dequantize-then-matmul's products: the few-row kernel only
+            path = "few"
+        else:
+            path = "few" if rows < TILES_MIN_ROWS else "tiles"
+    if path == "few" and rows > MAX_ROWS:
+        return None
+    build = _selected() if isa is None else _function(isa)
+    if build is None:
+        return None
     x32 = x.reshape(rows, k).to(torch.float32).contiguous()
     b32 = None if bias is None else bias.to(torch.float32).contiguous()
     out = torch.empty((rows, n), dtype=torch.float32)
-    rc = fn(x32.data_ptr(), packed.data_ptr(), None if b32 is None else b32.data_ptr(),
-            out.data_ptr(), rows, n, k, fmt_id, STRATEGIES[strategy or DEFAULT_STRATEGY])
+    args = (x32.data_ptr(), packed.data_ptr(), None if b32 is None else b32.data_ptr(),
+            out.data_ptr(), rows, n, k, fmt_id)
+    if path == "few":
+        rc = build.few_rows(*args, STRATEGIES[strategy])
+    elif path == "tiles":
+        rc = build.tiles(*args)
+    else:
+        raise ValueError(f"path must be 'few', 'tiles' or None, got {path!r}")
     if rc != 0:
         return None
     return out.reshape(*x.shape[:-1], n).to(x.dtype)

@@ -7,6 +7,9 @@ call by the number of rows of the input:
 - 1-2 rows (batch-1/2 decode), and 3-16 rows in bf16 where the AVX2 build serves it (no
   native bf16 arithmetic on the CPU: ``native_linear.max_rows``): the native kernel of
   :mod:`.native_linear` streams the plain weight (memory-bound; no packed copy needed);
+- more rows in bf16 on such a CPU (oneDNN cannot pack bf16 there, and PyTorch's bf16 matmul is
+  emulated): the AVX2 build's blocked kernel (``native_linear.linear_bf16_rows``: bf16 weights
+  widened in registers, no float32 copy);
 - 3..``LAZY_PACK_MAX_ROWS`` rows (batched decode): oneDNN's matmul on a packed copy of the
   weight, made at the first such call (compute-bound; the packing pays for itself);
 - more rows (prompts): the packed copy if it exists, else plain ``F.linear``.
@@ -181,8 +184,10 @@ class CpuLinearRouter:
             plain = sum(not any(self.tune(w, b)) for w, b in todo)
             logger.info_once("%d of %d small linear weights take plain F.linear at every row count "
                              "(faster here, timed)", plain, len(todo))
-        more = ("oneDNN-packed copies (made at first use; plain F.linear where oneDNN lacks the "
-                "dtype)" if self.may_pack else "plain F.linear (no memory for packed copies)")
+        more = ("oneDNN-packed copies (made at first use; the native blocked kernel for bf16 "
+                "where oneDNN lacks bf16)" if self.may_pack
+                else "plain F.linear (no memory for packed copies; bf16 where oneDNN lacks it: the "
+                "native blocked kernel)")
         logger.info_once("%d bf16/float32 linear weights (%.2f GiB) use the native kernel for few "
                          "rows and %s for more", len(todo), need / 2**30, more)
         return len(todo)
@@ -379,8 +384,13 @@ def _fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return out
     packed = entry.packed
     if packed is None:
+        if not _packable(weight.dtype):
+            # bf16 without native bf16 arithmetic (AVX2): the blocked native kernel, never the
+            # emulated bf16 matmul
+            out = native_linear.linear_bf16_rows(x, weight, bias)
+            return F.linear(x, weight, bias) if out is None else out
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows > LAZY_PACK_MAX_ROWS or not may_pack or not _packable(weight.dtype):
+        if rows > LAZY_PACK_MAX_ROWS or not may_pack:
             return F.linear(x, weight, bias)
         packed = entry.packed = _packed_copy(weight)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -1,5 +1,5 @@
 /* Linear for few rows on AVX2 + FMA CPUs: y[M,N] = x[M,K] @ w[N,K]^T (+ bias), M = 1..16 in
- * bf16 and 1..2 in float32. The AVX-512 twin is linear_few_rows.c; this file serves CPUs without it
+ * bf16 and 1..2 in float32; fk_linear_bf16_rows takes any number of bf16 rows (prompts). The AVX-512 twin is linear_few_rows.c; this file serves CPUs without it
  * (AMD Zen 1-3, older Intel), where decode is bound by streaming the weights just the same.
  *
  * AVX2 has no bf16 arithmetic, but a bf16 value is the upper half of a float32, so a 256-bit
@@ -150,6 +150,47 @@ int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
     if (M == 1) fkb_1_8(xe, xo, H, x, w, bias, y, n0, nr, N, K);
     else if (M == 2) fkb_2_4(xe, xo, H, x, w, bias, y, n0, nr, N, K);
     else fkb_group(xe, xo, H, x, w, bias, y, n0, nr, N, K, M);
+  }
+  free(buf);
+  return 0;
+}
+
+/* bf16, any number of rows (prompts: more rows than fk_linear_bf16 takes). A CPU without
+ * native bf16 arithmetic has no fast bf16 matmul (oneDNN widens the weight on every call, or
+ * PyTorch emulates the products), so this blocked kernel serves them: the activations are
+ * widened to float32 once, a chunk of rows at a time (the chunk's even/odd halves stay in L2),
+ * and every block of 8 weight rows (one thread's, in L1/L2) meets every group of 4 activation
+ * rows of the chunk as 4 x 2 register tiles of float32 FMAs, each weight widened in registers.
+ * No float32 copy of the weight is made. */
+#define FK_CHUNK_BYTES (512L << 10) /* float32 activation halves per chunk of rows */
+
+int fk_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                        long M, long N, long K) {
+  if (M < 1 || N < 1 || K < 1) return -1;
+  const long H = K / 32 * 16;
+  long chunk = FK_CHUNK_BYTES / (long)sizeof(float) / (K > 32 ? K : 32) / 4 * 4;
+  if (chunk < 4) chunk = 4;
+  if (chunk > M) chunk = M;
+  float* buf = (float*)malloc(sizeof(float) * (size_t)(2 * chunk * H + 1));
+  if (!buf) return -1;
+  float* xe = buf;
+  float* xo = buf + chunk * H;
+  const long R = 8;
+  const long nblocks = (N + R - 1) / R;
+  for (long c0 = 0; c0 < M; c0 += chunk) {
+    const long rows = M - c0 < chunk ? M - c0 : chunk;
+    const uint16_t* cx = x + c0 * K;
+    for (long i = 0; i < rows; i++)
+      for (long h = 0; h < H; h++) {
+        xe[i * H + h] = fk_bf16_to_f32(cx[i * K + 2 * h]);
+        xo[i * H + h] = fk_bf16_to_f32(cx[i * K + 2 * h + 1]);
+      }
+#pragma omp parallel for schedule(static) if (N * K * rows >= FK_PARALLEL_MIN)
+    for (long b = 0; b < nblocks; b++) {
+      const long n0 = b * R;
+      const long nr = N - n0 < R ? N - n0 : R;
+      fkb_group(xe, xo, H, cx, w, bias, y + c0 * N, n0, nr, N, K, rows);
+    }
   }
   free(buf);
   return 0;

@@ -1,23 +1,40 @@
 /*
- * forwardkit's native few-row linear over block-quantized weights (q8_0, q4_0: the GGUF block
- * layouts, 32 weights a block, fp16 scale first).
+ * forwardkit's native linear over block-quantized weights (q8_0, q4_0, q4_1: the GGUF block
+ * layouts, 32 weights a block; fp16 scale first, q4_1 then its fp16 minimum).
  *
- *   y[r, j] = sum_k x[r, k] * W[j, k] (+ bias[j])   for r < M (1..16 rows), j < N
+ *   y[r, j] = sum_k x[r, k] * W[j, k] (+ bias[j])   for r < M, j < N
  *
- * Portable C, compiled per ISA (AVX-512, AVX2 + FMA + F16C, or the compiler's baseline) by
- * forwardkit.kernels.cpu.native_quant and vectorised by the compiler: every inner loop runs over
- * the 32 lanes of a block with no reduction inside it (partial sums stay per lane), so no
- * reassociation flag is needed.
+ * Portable C plus AVX2 intrinsics, compiled per ISA (AVX-512 with VNNI, AVX-512, AVX2 + FMA +
+ * F16C, or the compiler's baseline) by forwardkit.kernels.cpu.native_quant. Built with
+ * -ffp-contract=off, so the dequantization (q4_1: d * q + m, two roundings) gives ggml's float32
+ * values bit for bit.
  *
- * Two strategies (argument `mode`):
- *   0 (float)  each weight block is dequantized in registers (d * q as float32) and multiplied
- *              into float32 activations: the products are those of dequantize-then-matmul.
+ * Two entry points:
+ *
+ * fk_quant_linear (1..16 rows: decode steps, small batches). Two strategies (argument `mode`):
+ *   0 (float)  each weight block is dequantized in registers and multiplied into float32
+ *              activations: the products are those of dequantize-then-matmul.
  *   1 (int8)   the activations are quantized per block of 32 to int8 with one float scale
  *              (ggml's q8_0 rounding), each block's dot product is an integer sum of int8
- *              products, scaled by d_w * d_x (what llama.cpp's CPU backend does).
+ *              products, scaled by d_w * d_x (what llama.cpp's CPU backend does); q4_1 adds
+ *              m_w * d_x * sum(q_x) per block.
+ *   Activation rows are taken in groups of 4, the remainder one at a time; a weight row (at
+ *   most a few KB) stays in L1 while every group passes over it.
  *
- * Activation rows are taken in groups of 4, the remainder one at a time; a weight row (at most a
- * few KB) stays in L1 while every group passes over it.
+ * fk_quant_linear_tiles (any number of rows: prompts). The activations are quantized to int8
+ * once per call (as the int8 strategy above), then every tile of FK_MR activation rows x FK_NR
+ * weight rows is one register block: per 32-weight block each weight row is loaded once and
+ * each activation row once, and each pair costs one integer dot product (VPDPBUSD with
+ * AVX-512 VNNI; VPMADDUBSW + VPMADDWD on AVX2), one conversion and one FMA with the pair's
+ * scale. Signedness: VPDPBUSD multiplies unsigned by signed bytes, so
+ *   q4_0 / q4_1  take the nibbles as the unsigned operand (0..15); q4_0's "- 8" is the
+ *                accumulator's start value, -8 * sum(q_x) per lane (exact, in integers);
+ *                q4_1's minimum adds m_w * d_x * sum(q_x) per block, summed after the tile;
+ *   q8_0         (VNNI) takes q_x + 128 as the unsigned operand, the accumulator starting at
+ *                -128 * sum(q_w) per lane (exact); (AVX2) |q_x| against q_w with q_x's sign
+ *                (VPMADDUBSW's 16-bit pair sums would saturate on q_x + 128).
+ * Weight tiles are split over the OpenMP threads; activation rows are taken in chunks whose
+ * int8 copy stays in L2 while every weight tile passes over it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,13 +44,14 @@
 #include <immintrin.h>
 #endif
 
-#define FK_QUANT_ABI_VERSION 1
+#define FK_QUANT_ABI_VERSION 2
 #define FK_QK 32
 #define FK_G 4
 #define FK_MAX_ROWS 16
-#define FK_PARALLEL_MIN (1L << 18) /* weight elements below which one thread serves */
+#define FK_PARALLEL_MIN (1L << 18) /* weight elements (times rows) below which one thread serves */
+#define FK_CHUNK_BYTES (256L << 10) /* int8 activations per chunk of rows (tiles) */
 
-enum { FK_Q8_0 = 0, FK_Q4_0 = 1 };
+enum { FK_Q8_0 = 0, FK_Q4_0 = 1, FK_Q4_1 = 2 };
 
 int fk_quant_abi_version(void) { return FK_QUANT_ABI_VERSION; }
 int fk_quant_max_rows(void) { return FK_MAX_ROWS; }
@@ -55,29 +73,132 @@ static inline float fk_half(const uint8_t* p) {
 #endif
 }
 
-static inline long fk_block_bytes(int fmt) { return fmt == FK_Q8_0 ? 2 + FK_QK : 2 + FK_QK / 2; }
+static inline int fk_fmt_ok(int fmt) { return fmt == FK_Q8_0 || fmt == FK_Q4_0 || fmt == FK_Q4_1; }
+static inline long fk_block_bytes(int fmt) {
+    return fmt == FK_Q8_0 ? 2 + FK_QK : fmt == FK_Q4_0 ? 2 + FK_QK / 2 : 4 + FK_QK / 2;
+}
+/* Offset of a block's quants (after its fp16 scale, and q4_1's fp16 minimum). */
+static inline long fk_quants_at(int fmt) { return fmt == FK_Q4_1 ? 4 : 2; }
 
-/* The 32 integer values of a block (q8_0: q; q4_0: nibble - 8) and its scale. */
-static inline float fk_block_ints(const uint8_t* blk, int fmt, int8_t* q) {
+/* The 32 integer values of a block (q8_0: q; q4_0: nibble - 8; q4_1: nibble), its scale, and
+ * its minimum in *m (q4_1; 0 otherwise). Nibbles: byte i holds element i low, i + 16 high. */
+static inline float fk_block_ints(const uint8_t* blk, int fmt, int8_t* q, float* m) {
+    *m = 0.0f;
     if (fmt == FK_Q8_0) {
         memcpy(q, blk + 2, FK_QK);
-    } else {
-        for (int i = 0; i < FK_QK / 2; i++) {
-            q[i] = (int8_t)((blk[2 + i] & 0x0F) - 8);
-            q[i + FK_QK / 2] = (int8_t)((blk[2 + i] >> 4) - 8);
-        }
+        return fk_half(blk);
     }
+    const uint8_t* qs = blk + fk_quants_at(fmt);
+    const int off = fmt == FK_Q4_0 ? 8 : 0;
+    for (int i = 0; i < FK_QK / 2; i++) {
+        q[i] = (int8_t)((qs[i] & 0x0F) - off);
+        q[i + FK_QK / 2] = (int8_t)((qs[i] >> 4) - off);
+    }
+    if (fmt == FK_Q4_1) *m = fk_half(blk + 2);
     return fk_half(blk);
 }
 
 #define FK_INLINE static inline __attribute__((always_inline))
 
+/* ------------------------------------------------------------------ activations to int8 */
 #if defined(__AVX2__)
-static inline __m256i fk_block_vec(const uint8_t* blk, int fmt);
-static inline float fk_hsum(__m256 v);
+static inline float fk_hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* C roundf (halves away from zero) of every lane, exactly: truncate, then step away from zero
+ * where the dropped fraction is at least one half. */
+static inline __m256 fk_roundf(__m256 t) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 r = _mm256_round_ps(t, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __m256 frac = _mm256_andnot_ps(sign, _mm256_sub_ps(t, r));
+    __m256 step = _mm256_or_ps(_mm256_and_ps(t, sign), _mm256_set1_ps(1.0f));
+    return _mm256_add_ps(r, _mm256_and_ps(_mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ), step));
+}
+#endif
+
+/* ggml's q8_0 rounding of one activation row's blocks: d = max|x| / 127, q = roundf(x * (1 / d))
+ * (float32, as the scalar C gives it); xs (when not NULL) gets d * sum(q) per block. */
+static void fk_quantize_row(const float* v, long K, int8_t* xq, float* xd, float* xs) {
+    long nb = K / FK_QK;
+    for (long b = 0; b < nb; b++) {
+        const float* x = v + b * FK_QK;
+#if defined(__AVX2__)
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
+        __m256 x2 = _mm256_loadu_ps(x + 16), x3 = _mm256_loadu_ps(x + 24);
+        __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x0), _mm256_andnot_ps(sign, x1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, x2), _mm256_andnot_ps(sign, x3)));
+        float amax = fk_hmax(a);
+        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        __m256 idv = _mm256_set1_ps(id);
+        __m256i q0 = _mm256_cvttps_epi32(fk_roundf(_mm256_mul_ps(x0, idv)));
+        __m256i q1 = _mm256_cvttps_epi32(fk_roundf(_mm256_mul_ps(x1, idv)));
+        __m256i q2 = _mm256_cvttps_epi32(fk_roundf(_mm256_mul_ps(x2, idv)));
+        __m256i q3 = _mm256_cvttps_epi32(fk_roundf(_mm256_mul_ps(x3, idv)));
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i*)(xq + b * FK_QK), p);
+        if (xs) {
+            __m256i s = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+            xs[b] = d * (float)_mm_cvtsi128_si32(h);
+        }
+#else
+        float amax = 0.0f;
+        for (int i = 0; i < FK_QK; i++) amax = fmaxf(amax, fabsf(x[i]));
+        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < FK_QK; i++) {
+            int8_t q = (int8_t)roundf(x[i] * id);
+            xq[b * FK_QK + i] = q;
+            sum += q;
+        }
+        if (xs) xs[b] = d * (float)sum;
+#endif
+        xd[b] = d;
+    }
+}
+
+static void fk_quantize_rows(const float* x, long rows, long K, int8_t* xq, float* xd, float* xs) {
+    long nb = K / FK_QK;
+#pragma omp parallel for schedule(static) if (rows * K >= FK_PARALLEL_MIN)
+    for (long r = 0; r < rows; r++)
+        fk_quantize_row(x + r * K, K, xq + r * K, xd + r * nb, xs ? xs + r * nb : NULL);
+}
+
+/* ------------------------------------------------------------------ few rows (1..16) */
+#if defined(__AVX2__)
+/* 32 int8 weights of a block in one register: q8_0 signed, q4_0 nibble - 8, q4_1 nibble. */
+static inline __m256i fk_block_vec(const uint8_t* blk, int fmt) {
+    if (fmt == FK_Q8_0) return _mm256_loadu_si256((const __m256i*)(blk + 2));
+    __m128i packed = _mm_loadu_si128((const __m128i*)(blk + fk_quants_at(fmt)));
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+    __m256i nib = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+    return fmt == FK_Q4_0 ? _mm256_sub_epi8(nib, _mm256_set1_epi8(8)) : nib;
+}
+
+static inline float fk_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Sum of the 32 int8 products of w and x, as 8 int32 lanes (|x| * sign-adjusted w pairs). */
+static inline __m256i fk_dot_i8(__m256i w, __m256i x) {
+    __m256i ax = _mm256_sign_epi8(x, x), sw = _mm256_sign_epi8(w, x);
+    __m256i pairs = _mm256_maddubs_epi16(ax, sw);
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
 
 /* One weight row against G (1 or FK_G, a constant after inlining) activation rows, float:
- * each block's 32 weights widened to 4 x 8 floats, scaled, multiplied into x. */
+ * each block's 32 weights widened to 4 x 8 floats, d * q (+ m), multiplied into x. */
 FK_INLINE void fk_row_float(const float* x, long K, const uint8_t* wrow, int fmt, const int G,
                             float* sums) {
     __m256 acc[FK_G];
@@ -93,6 +214,10 @@ FK_INLINE void fk_row_float(const float* x, long K, const uint8_t* wrow, int fmt
         w[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
         w[2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
         w[3] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+        if (fmt == FK_Q4_1) {
+            __m256 m = _mm256_set1_ps(fk_half(blk + 2));
+            for (int v = 0; v < 4; v++) w[v] = _mm256_add_ps(w[v], m);
+        }
         for (int r = 0; r < G; r++) {
             const float* xr = x + r * K + b * FK_QK;
             for (int v = 0; v < 4; v++) acc[r] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(xr + 8 * v), acc[r]);
@@ -100,9 +225,34 @@ FK_INLINE void fk_row_float(const float* x, long K, const uint8_t* wrow, int fmt
     }
     for (int r = 0; r < G; r++) sums[r] = fk_hsum(acc[r]);
 }
-#else
 
-/* One weight row against G (1 or FK_G, a constant after inlining) activation rows, float. */
+/* One weight row against G int8 activation rows (xq, scales xd, xs = d * sum(q)), int8. */
+FK_INLINE void fk_row_int8(const int8_t* xq, const float* xd, const float* xs, long K,
+                           const uint8_t* wrow, int fmt, const int G, float* sums) {
+    __m256 acc[FK_G];
+    float macc[FK_G];
+    for (int r = 0; r < G; r++) {
+        acc[r] = _mm256_setzero_ps();
+        macc[r] = 0.0f;
+    }
+    long nb = K / FK_QK, bb = fk_block_bytes(fmt);
+    for (long b = 0; b < nb; b++) {
+        const uint8_t* blk = wrow + b * bb;
+        __m256i w = fk_block_vec(blk, fmt);
+        float d = fk_half(blk);
+        for (int r = 0; r < G; r++) {
+            __m256i x = _mm256_loadu_si256((const __m256i*)(xq + r * K + b * FK_QK));
+            __m256 dot = _mm256_cvtepi32_ps(fk_dot_i8(w, x));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r * nb + b]), dot, acc[r]);
+        }
+        if (fmt == FK_Q4_1) {
+            float m = fk_half(blk + 2);
+            for (int r = 0; r < G; r++) macc[r] += m * xs[r * nb + b];
+        }
+    }
+    for (int r = 0; r < G; r++) sums[r] = fk_hsum(acc[r]) + macc[r];
+}
+#else
 FK_INLINE void fk_row_float(const float* x, long K, const uint8_t* wrow, int fmt, const int G,
                             float* sums) {
     float acc[FK_G][FK_QK];
@@ -110,9 +260,9 @@ FK_INLINE void fk_row_float(const float* x, long K, const uint8_t* wrow, int fmt
     long nb = K / FK_QK, bb = fk_block_bytes(fmt);
     for (long b = 0; b < nb; b++) {
         int8_t q[FK_QK];
-        float w[FK_QK];
-        float d = fk_block_ints(wrow + b * bb, fmt, q);
-        for (int i = 0; i < FK_QK; i++) w[i] = d * (float)q[i];
+        float w[FK_QK], m;
+        float d = fk_block_ints(wrow + b * bb, fmt, q, &m);
+        for (int i = 0; i < FK_QK; i++) w[i] = d * (float)q[i] + m;
         for (int r = 0; r < G; r++) {
             const float* xr = x + r * K + b * FK_QK;
             for (int i = 0; i < FK_QK; i++) acc[r][i] += w[i] * xr[i];
@@ -124,94 +274,36 @@ FK_INLINE void fk_row_float(const float* x, long K, const uint8_t* wrow, int fmt
         sums[r] = s;
     }
 }
-#endif
 
-/* One weight row against G int8 activation rows (xq, scales xd), int8 strategy. */
-#if defined(__AVX2__)
-/* 32 signed int8 weights of a block in one register (q4_0: low nibbles are elements 0-15, high
- * nibbles 16-31, minus 8). */
-static inline __m256i fk_block_vec(const uint8_t* blk, int fmt) {
-    if (fmt == FK_Q8_0) return _mm256_loadu_si256((const __m256i*)(blk + 2));
-    __m128i packed = _mm_loadu_si128((const __m128i*)(blk + 2));
-    __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-    return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
-}
-
-/* Sum of the 32 int8 products of w and x, as 8 int32 lanes (|x| * sign-adjusted w pairs). */
-static inline __m256i fk_dot_i8(__m256i w, __m256i x) {
-    __m256i ax = _mm256_sign_epi8(x, x), sw = _mm256_sign_epi8(w, x);
-    __m256i pairs = _mm256_maddubs_epi16(ax, sw);
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
-
-static inline float fk_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-FK_INLINE void fk_row_int8(const int8_t* xq, const float* xd, long K, const uint8_t* wrow, int fmt,
-                           const int G, float* sums) {
-    __m256 acc[FK_G];
-    for (int r = 0; r < G; r++) acc[r] = _mm256_setzero_ps();
-    long nb = K / FK_QK, bb = fk_block_bytes(fmt);
-    for (long b = 0; b < nb; b++) {
-        const uint8_t* blk = wrow + b * bb;
-        __m256i w = fk_block_vec(blk, fmt);
-        float d = fk_half(blk);
-        for (int r = 0; r < G; r++) {
-            __m256i x = _mm256_loadu_si256((const __m256i*)(xq + r * K + b * FK_QK));
-            __m256 dot = _mm256_cvtepi32_ps(fk_dot_i8(w, x));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[r * nb + b]), dot, acc[r]);
-        }
-    }
-    for (int r = 0; r < G; r++) sums[r] = fk_hsum(acc[r]);
-}
-#else
-FK_INLINE void fk_row_int8(const int8_t* xq, const float* xd, long K, const uint8_t* wrow, int fmt,
-                           const int G, float* sums) {
+FK_INLINE void fk_row_int8(const int8_t* xq, const float* xd, const float* xs, long K,
+                           const uint8_t* wrow, int fmt, const int G, float* sums) {
     float acc[FK_G] = {0.0f, 0.0f, 0.0f, 0.0f};
     long nb = K / FK_QK, bb = fk_block_bytes(fmt);
     for (long b = 0; b < nb; b++) {
         int8_t q[FK_QK];
-        float d = fk_block_ints(wrow + b * bb, fmt, q);
+        float m;
+        float d = fk_block_ints(wrow + b * bb, fmt, q, &m);
         for (int r = 0; r < G; r++) {
             const int8_t* xr = xq + r * K + b * FK_QK;
             int32_t s = 0;
             for (int i = 0; i < FK_QK; i++) s += (int32_t)q[i] * (int32_t)xr[i];
-            acc[r] += (d * xd[r * nb + b]) * (float)s;
+            acc[r] += (d * xd[r * nb + b]) * (float)s + m * xs[r * nb + b];
         }
     }
     for (int r = 0; r < G; r++) sums[r] = acc[r];
 }
 #endif
 
-/* ggml's q8_0 rounding of activation blocks: d = max|x| / 127, q = roundf(x / d). */
-static void fk_quantize_rows(const float* x, long rows, long K, int8_t* xq, float* xd) {
-    long nb = K / FK_QK;
-    for (long r = 0; r < rows; r++) {
-        for (long b = 0; b < nb; b++) {
-            const float* v = x + r * K + b * FK_QK;
-            float amax = 0.0f;
-            for (int i = 0; i < FK_QK; i++) amax = fmaxf(amax, fabsf(v[i]));
-            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            for (int i = 0; i < FK_QK; i++) xq[r * K + b * FK_QK + i] = (int8_t)roundf(v[i] * id);
-            xd[r * nb + b] = d;
-        }
-    }
-}
-
 /* Rows [r0, r0 + G) of y for weight row j. */
-FK_INLINE void fk_rows(const float* x, const int8_t* xq, const float* xd, const uint8_t* wrow,
-                       float add, float* y, long r0, long N, long K, long j, int fmt, int mode,
-                       const int G) {
+FK_INLINE void fk_rows(const float* x, const int8_t* xq, const float* xd, const float* xs,
+                       const uint8_t* wrow, float add, float* y, long r0, long N, long K, long j,
+                       int fmt, int mode, const int G) {
     float sums[FK_G];
     long nb = K / FK_QK;
     if (mode == 0)
         fk_row_float(x + r0 * K, K, wrow, fmt, G, sums);
     else
-        fk_row_int8(xq + r0 * K, xd + r0 * nb, K, wrow, fmt, G, sums);
+        fk_row_int8(xq + r0 * K, xd + r0 * nb, xs + r0 * nb, K, wrow, fmt, G, sums);
     for (int r = 0; r < G; r++) y[(r0 + r) * N + j] = sums[r] + add;
 }
 
@@ -221,30 +313,211 @@ FK_INLINE void fk_rows(const float* x, const int8_t* xq, const float* xd, const 
  */
 int fk_quant_linear(const float* x, const uint8_t* w, const float* bias, float* y, long M, long N,
                     long K, int fmt, int mode) {
-    if (M < 1 || M > FK_MAX_ROWS || N < 1 || K < FK_QK || K % FK_QK ||
-        (fmt != FK_Q8_0 && fmt != FK_Q4_0) || (mode != 0 && mode != 1))
+    if (M < 1 || M > FK_MAX_ROWS || N < 1 || K < FK_QK || K % FK_QK || !fk_fmt_ok(fmt) ||
+        (mode != 0 && mode != 1))
         return -1;
     long full = M / FK_G * FK_G, nb = K / FK_QK, row_bytes = nb * fk_block_bytes(fmt);
     int8_t* xq = NULL;
     float* xd = NULL;
     if (mode == 1) {
         xq = (int8_t*)malloc((size_t)(M * K));
-        xd = (float*)malloc(sizeof(float) * (size_t)(M * nb));
+        xd = (float*)malloc(sizeof(float) * (size_t)(2 * M * nb));
         if (!xq || !xd) {
             free(xq);
             free(xd);
             return -1;
         }
-        fk_quantize_rows(x, M, K, xq, xd);
+        fk_quantize_rows(x, M, K, xq, xd, xd + M * nb);
     }
+    const float* xs = xd ? xd + M * nb : NULL;
 #pragma omp parallel for schedule(static) if (N * K >= FK_PARALLEL_MIN)
     for (long j = 0; j < N; j++) {
         const uint8_t* wrow = w + j * row_bytes;
         float add = bias ? bias[j] : 0.0f;
         for (long r0 = 0; r0 < full; r0 += FK_G)
-            fk_rows(x, xq, xd, wrow, add, y, r0, N, K, j, fmt, mode, FK_G);
+            fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, FK_G);
         for (long r0 = full; r0 < M; r0++)
-            fk_rows(x, xq, xd, wrow, add, y, r0, N, K, j, fmt, mode, 1);
+            fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, 1);
+    }
+    free(xq);
+    free(xd);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ tiles (any rows) */
+#define FK_MR 4
+#if defined(__AVX512VL__)
+#define FK_NR 4 /* 32 vector registers: 16 accumulators, 4 weights, 4 start values, rows */
+#else
+#define FK_NR 2 /* 16 vector registers */
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define FK_VNNI 1
+#endif
+
+#if defined(__AVX2__)
+/* c + the dot products of unsigned bytes a with signed bytes b, 4 per int32 lane. */
+static inline __m256i fk_dpbusd(__m256i c, __m256i a, __m256i b) {
+#if defined(FK_VNNI)
+    return _mm256_dpbusd_epi32(c, a, b);
+#else
+    return _mm256_add_epi32(c, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* Rows m0.. (mr <= FK_MR) of x against weight rows n0.. (nr <= FK_NR); a short tile repeats
+ * its last row (computed, not stored). */
+FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
+                       const float* bias, float* y, long m0, long mr, long n0, long nr, long N,
+                       long K, const int fmt) {
+    const long nb = K / FK_QK, bb = fk_block_bytes(fmt), qat = fk_quants_at(fmt);
+    const int8_t* xr[FK_MR];
+    const float* dr[FK_MR];
+    const uint8_t* wr[FK_NR];
+    __m256 acc[FK_MR][FK_NR];
+    for (int i = 0; i < FK_MR; i++) {
+        long r = m0 + (i < mr ? i : mr - 1);
+        xr[i] = xq + r * K;
+        dr[i] = xd + r * nb;
+        for (int j = 0; j < FK_NR; j++) acc[i][j] = _mm256_setzero_ps();
+    }
+    for (int j = 0; j < FK_NR; j++) wr[j] = w + (n0 + (j < nr ? j : nr - 1)) * nb * bb;
+    for (long b = 0; b < nb; b++) {
+        __m256i wv[FK_NR];
+#if defined(FK_VNNI)
+        __m256i wc[FK_NR];
+#endif
+        __m256 wd[FK_NR];
+        for (int j = 0; j < FK_NR; j++) {
+            const uint8_t* blk = wr[j] + b * bb;
+            wd[j] = _mm256_set1_ps(fk_half(blk));
+            if (fmt == FK_Q8_0) {
+                wv[j] = _mm256_loadu_si256((const __m256i*)(blk + 2));
+#if defined(FK_VNNI)
+                wc[j] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                         fk_dpbusd(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), wv[j]));
+#endif
+            } else {
+                __m128i packed = _mm_loadu_si128((const __m128i*)(blk + qat));
+                wv[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                                         _mm256_set1_epi8(0x0F));
+            }
+        }
+        for (int i = 0; i < FK_MR; i++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i*)(xr[i] + b * FK_QK));
+            __m256 xdv = _mm256_set1_ps(dr[i][b]);
+            __m256i xa = xv, xc = _mm256_setzero_si256();
+            if (fmt == FK_Q8_0) {
+#if defined(FK_VNNI)
+                xa = _mm256_xor_si256(xv, _mm256_set1_epi8((char)0x80));
+#else
+                xa = _mm256_sign_epi8(xv, xv);
+#endif
+            } else if (fmt == FK_Q4_0) {
+                xc = _mm256_sub_epi32(xc, fk_dpbusd(_mm256_setzero_si256(), _mm256_set1_epi8(8), xv));
+            }
+            for (int j = 0; j < FK_NR; j++) {
+                __m256i dot;
+                if (fmt == FK_Q8_0) {
+#if defined(FK_VNNI)
+                    dot = fk_dpbusd(wc[j], xa, wv[j]);
+#else
+                    dot = fk_dpbusd(xc, xa, _mm256_sign_epi8(wv[j], xv));
+#endif
+                } else {
+                    dot = fk_dpbusd(xc, wv[j], xv);
+                }
+                /* the pair's scale d_w * d_x as one vector multiply (not a scalar one and a
+                 * broadcast per pair): an empty asm keeps GCC from folding it back */
+                __m256 scale = _mm256_mul_ps(wd[j], xdv);
+                __asm__("" : "+v"(scale));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i][j]);
+            }
+        }
+    }
+    float out[FK_MR][FK_NR];
+    for (int i = 0; i < FK_MR; i++)
+        for (int j = 0; j < FK_NR; j++) out[i][j] = fk_hsum(acc[i][j]);
+    if (fmt == FK_Q4_1) { /* + sum over blocks of m_w * d_x * sum(q_x) */
+        for (int j = 0; j < FK_NR; j++)
+            for (long b = 0; b < nb; b++) {
+                float m = fk_half(wr[j] + b * bb + 2);
+                for (int i = 0; i < FK_MR; i++) out[i][j] += m * xs[(m0 + (i < mr ? i : mr - 1)) * nb + b];
+            }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++)
+            y[(m0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
+}
+#else
+FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
+                       const float* bias, float* y, long m0, long mr, long n0, long nr, long N,
+                       long K, const int fmt) {
+    const long nb = K / FK_QK, bb = fk_block_bytes(fmt);
+    float acc[FK_MR][FK_NR];
+    memset(acc, 0, sizeof acc);
+    for (long b = 0; b < nb; b++)
+        for (int j = 0; j < nr; j++) {
+            int8_t q[FK_QK];
+            float m;
+            float d = fk_block_ints(w + ((n0 + j) * nb + b) * bb, fmt, q, &m);
+            for (int i = 0; i < mr; i++) {
+                const long r = m0 + i;
+                const int8_t* xr = xq + r * K + b * FK_QK;
+                int32_t s = 0;
+                for (int t = 0; t < FK_QK; t++) s += (int32_t)q[t] * (int32_t)xr[t];
+                acc[i][j] += (d * xd[r * nb + b]) * (float)s + m * xs[r * nb + b];
+            }
+        }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) y[(m0 + i) * N + n0 + j] = acc[i][j] + (bias ? bias[n0 + j] : 0.0f);
+}
+#endif
+
+#define FK_TILE_FN(NAME, FMT)                                                                  \
+    static void NAME(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,    \
+                     const float* bias, float* y, long m0, long mr, long n0, long nr, long N, \
+                     long K) {                                                                 \
+        fk_tile(xq, xd, xs, w, bias, y, m0, mr, n0, nr, N, K, FMT);                           \
+    }
+FK_TILE_FN(fk_tile_q8_0, FK_Q8_0)
+FK_TILE_FN(fk_tile_q4_0, FK_Q4_0)
+FK_TILE_FN(fk_tile_q4_1, FK_Q4_1)
+
+int fk_quant_tile_rows(void) { return FK_MR; }
+int fk_quant_tile_cols(void) { return FK_NR; }
+
+/*
+ * Any number of rows, int8 activations (see the top of the file). x: [M, K] float32; w, bias,
+ * y as for fk_quant_linear. Returns 0, or -1 for a bad argument or no memory (nothing written).
+ */
+int fk_quant_linear_tiles(const float* x, const uint8_t* w, const float* bias, float* y, long M,
+                          long N, long K, int fmt) {
+    if (M < 1 || N < 1 || K < FK_QK || K % FK_QK || !fk_fmt_ok(fmt)) return -1;
+    const long nb = K / FK_QK;
+    int8_t* xq = (int8_t*)malloc((size_t)(M * K));
+    float* xd = (float*)malloc(sizeof(float) * (size_t)(2 * M * nb));
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -1;
+    }
+    float* xs = xd + M * nb;
+    fk_quantize_rows(x, M, K, xq, xd, xs);
+    void (*tile)(const int8_t*, const float*, const float*, const uint8_t*, const float*, float*,
+                 long, long, long, long, long, long) =
+        fmt == FK_Q8_0 ? fk_tile_q8_0 : fmt == FK_Q4_0 ? fk_tile_q4_0 : fk_tile_q4_1;
+    long chunk = FK_CHUNK_BYTES / K / FK_MR * FK_MR;
+    if (chunk < FK_MR) chunk = FK_MR;
+    const long ntiles = (N + FK_NR - 1) / FK_NR;
+    for (long c0 = 0; c0 < M; c0 += chunk) {
+        const long c1 = c0 + chunk < M ? c0 + chunk : M;
+#pragma omp parallel for schedule(static) if (N * K * (c1 - c0) >= FK_PARALLEL_MIN)
+        for (long t = 0; t < ntiles; t++) {
+            const long n0 = t * FK_NR, nr = N - n0 < FK_NR ? N - n0 : FK_NR;
+            for (long m0 = c0; m0 < c1; m0 += FK_MR)
+                tile(xq, xd, xs, w, bias, y, m0, c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
+        }
     }
     free(xq);
     free(xd);
@@ -252,20 +525,21 @@ int fk_quant_linear(const float* x, const uint8_t* w, const float* bias, float* 
 }
 
 /*
- * The weight w ([N, K / 32 * block bytes]) dequantized into out ([N, K] float32): d * q per
- * element, the float32 values ggml's dequantization gives. For products of more rows than the
- * few-row kernel serves. Returns 0, or -1 for a bad argument.
+ * The weight w ([N, K / 32 * block bytes]) dequantized into out ([N, K] float32): d * q (+ m)
+ * per element, the float32 values ggml's dequantization gives. Returns 0, or -1 for a bad
+ * argument.
  */
 int fk_quant_dequantize(const uint8_t* w, float* out, long N, long K, int fmt) {
-    if (N < 1 || K < FK_QK || K % FK_QK || (fmt != FK_Q8_0 && fmt != FK_Q4_0)) return -1;
+    if (N < 1 || K < FK_QK || K % FK_QK || !fk_fmt_ok(fmt)) return -1;
     long nb = K / FK_QK, bb = fk_block_bytes(fmt);
 #pragma omp parallel for schedule(static) if (N * K >= FK_PARALLEL_MIN)
     for (long j = 0; j < N; j++) {
         for (long b = 0; b < nb; b++) {
             int8_t q[FK_QK];
-            float d = fk_block_ints(w + (j * nb + b) * bb, fmt, q);
+            float m;
+            float d = fk_block_ints(w + (j * nb + b) * bb, fmt, q, &m);
             float* o = out + j * K + b * FK_QK;
-            for (int i = 0; i < FK_QK; i++) o[i] = d * (float)q[i];
+            for (int i = 0; i < FK_QK; i++) o[i] = d * (float)q[i] + m;
         }
     }
     return 0;
