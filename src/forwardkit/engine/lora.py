@@ -382,6 +382,7 @@ class LoRAManager:
             empty = [s for s in self._slot_lru if self.slot_ids[s] is None]
             free = empty[0] if empty else next(s for s in self._slot_lru
                                                if self.slot_ids[s] not in wanted)
+            self.slot_ids[free] = None  # swapped out: its host copy may be dropped now
             self._write_slot(free, self._adapter(lid))
             slot_of[lid] = free
         for slot in slot_of.values():
