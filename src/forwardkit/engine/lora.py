@@ -157,10 +157,11 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ building adapters
     def build_adapter(self, request: LoRARequest, config: Mapping[str, object],
-                      tensors: Mapping[str, torch.Tensor], source: str) -> LoRAAdapter:
+                      tensors: Mapping[str, torch.Tensor], source: str,
+                      cfg_source: str) -> LoRAAdapter:
         """Check ``tensors`` (PEFT names) against the model; the adapter, or ``LoRAError``
-        naming ``source`` and the field or tensor. Changes nothing."""
-        cfg_source = f"{source} (adapter_config)" if not source.endswith(".json") else source
+        naming ``source`` (the tensors) or ``cfg_source`` (the config) and the field or
+        tensor. Changes nothing."""
         rank = _config_value(config, "r", cfg_source)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise LoRAError(f"{cfg_source}: r={rank!r} is invalid; expected an integer >= 1")
@@ -191,6 +192,8 @@ class LoRAManager:
         scaling = float(alpha) / (math.sqrt(rank) if rslora else rank)
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise LoRAError(f"{source}: {key!r} is a {type(tensor).__name__}, not a tensor")
             name = key.removeprefix(_PEFT_PREFIX)
             for part in (".lora_A.weight", ".lora_B.weight"):
                 if name.endswith(part):
@@ -250,7 +253,8 @@ class LoRAManager:
         config, tensors = read_peft_dir(path)
         self.loads += 1
         return self.build_adapter(request, config, tensors,
-                                  os.path.join(path, "adapter_model.safetensors"))
+                                  os.path.join(path, "adapter_model.safetensors"),
+                                  os.path.join(path, "adapter_config.json"))
 
     # ------------------------------------------------------------------ registry
     def check_request(self, request: LoRARequest) -> None:
@@ -316,7 +320,8 @@ class LoRAManager:
                 config["r"] = rank
         request = known if known is not None else LoRARequest(
             name, max(self.requests, default=0) + 1, "")
-        adapter = self.build_adapter(request, config, tensors, f"update_lora({name!r})")
+        adapter = self.build_adapter(request, config, tensors, f"update_lora({name!r})",
+                                     f"update_lora({name!r}) config")
         # checked: now commit
         self.requests[request.lora_int_id] = request
         self.loaded.pop(request.lora_int_id, None)
