@@ -150,5 +150,5 @@ def test_cuda_graphs_for_both_lora_cases(lora_paths, save_peft_dir, tmp_path, mo
     assert _tokens(llm, PROMPTS[:3], None) == expected_base
     end = replays()
     assert mid[True] > start[True]  # steps with adapters replayed has_lora=True graphs
-    base_key = False if specialize else True  # steps without: their own graphs, or the same
+    base_key = not specialize  # steps without adapters: their own graphs, or the same ones
     assert end[base_key] > mid[base_key]

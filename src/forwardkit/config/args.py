@@ -120,7 +120,26 @@ FLAG_NAMES = {
     "enable_prefix_caching": "--enable-prefix-caching",
     "prefix_caching_hash_algo": "--prefix-caching-hash-algo",
     "speculative_config": "--speculative-config",
+    "enable_lora": "--enable-lora",
+    "max_loras": "--max-loras",
+    "max_lora_rank": "--max-lora-rank",
+    "max_cpu_loras": "--max-cpu-loras",
 }
+
+
+def _lora_args(ns: argparse.Namespace) -> dict[str, Any]:
+    """The LoRA engine arguments of ``--enable-lora`` / ``--lora`` / ``--max-loras`` ...:
+    ``--lora`` implies ``--enable-lora``, and ``--max-loras`` defaults to the adapter count."""
+    loras = getattr(ns, "loras", None) or []
+    enable = bool(getattr(ns, "enable_lora", False)) or bool(loras)
+    out: dict[str, Any] = {"enable_lora": enable}
+    for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+        value = getattr(ns, name, None)
+        if value is not None:
+            out[name] = value
+    if loras and "max_loras" not in out:
+        out["max_loras"] = len(loras)
+    return out
 
 
 def engine_config_from_args(ns: argparse.Namespace, *,
@@ -149,6 +168,7 @@ def engine_config_from_args(ns: argparse.Namespace, *,
         enable_prefix_caching=getattr(ns, "enable_prefix_caching", None),
         prefix_caching_hash_algo=getattr(ns, "prefix_caching_hash_algo", None),
         speculative_config=getattr(ns, "speculative_config", None),
+        **_lora_args(ns),
         platform=getattr(ns, "platform", None),
         arg_names=FLAG_NAMES,
         quantization=getattr(ns, "quantization", None),

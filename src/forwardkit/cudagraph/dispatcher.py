@@ -199,8 +199,6 @@ class CudagraphDispatcher:
         ):
             return CUDAGraphMode.NONE, BatchDescriptor(num_tokens)
 
-        if self.engine_config.lora_config is not None and not self.compilation_config.cudagraph_specialize_lora:
-            has_lora = True  # as in vLLM: one set of graphs, every one with the LoRA ops
         desc = self._create_padded_batch_descriptor(num_tokens, uniform_decode, has_lora)
         relaxed = desc.relax_for_mixed_batch_cudagraphs()
         if not disable_full:

@@ -362,7 +362,9 @@ class ModelRunner:
         if pad_to is not None and pad_to > self.max_num_tokens:
             raise ValueError(f"pad_to={pad_to} exceeds the input buffers "
                              f"({self.max_num_tokens} tokens)")
-        has_lora = batch.has_lora and self.lora_token_slots is not None
+        # without cudagraph_specialize_lora every graph has the LoRA ops: every step keys them
+        has_lora = self.lora_token_slots is not None and (
+            batch.has_lora or not self.compilation_config.cudagraph_specialize_lora)
         plan = self.planner.plan(n, batch.num_reqs, batch.query_lens, batch.max_query_len,
                                  pad_to=pad_to, allow_microbatching=self._model_ran,
                                  has_lora=has_lora)
