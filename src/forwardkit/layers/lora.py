@@ -7,8 +7,10 @@ buffers, for every slice of a merged projection (``q``/``k``/``v``, gate/up):
 
 * ``a`` ``[max_loras * num_slices * max_rank, in]``: slot ``l``, slice ``j`` at rows
   ``(l * num_slices + j) * max_rank ...`` (a smaller rank is zero-padded);
-* ``b`` ``[out, max_loras * num_slices * max_rank]``: the same columns, the slice's output
-  rows only (block-diagonal over the slices), pre-multiplied by the adapter's scaling.
+* ``b`` ``[max_loras * num_slices * max_rank, out]`` (B transposed): the same rows, the
+  slice's output columns only (block-diagonal over the slices), pre-multiplied by the
+  adapter's scaling. Both are row-major in the order the products read them, so a slot is a
+  contiguous block of rows of each.
 
 ``forwardkit::lora_add_(out, x, a, b, token_slots, num_slots)`` adds ``(x @ A_s.T) @ B_s.T`` to
 each row of ``out`` for the slot ``s = token_slots[row]`` (-1: no adapter), in place. It is one
@@ -112,7 +114,7 @@ def _add_mixed(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
     n = x.shape[0]
     shrunk = F.linear(x, a).view(n, num_slots, -1)
     shrunk.mul_(mask)
-    out.addmm_(shrunk.view(n, -1), b.t())
+    out.addmm_(shrunk.view(n, -1), b)
 
 
 def lora_add_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -129,7 +131,7 @@ def lora_add_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
             width = a.shape[0] // num_slots
             lo = plan.single * width
             shrunk = F.linear(x, a[lo:lo + width])
-            out.addmm_(shrunk, b[:, lo:lo + width].t())
+            out.addmm_(shrunk, b[lo:lo + width])
             return
         assert plan.mask is not None
         _add_mixed(out, x, a, b, plan.mask.to(x.dtype), num_slots)
@@ -176,13 +178,13 @@ class LoRASlots(LoRAHook):
         device = token_slots.device
         self.register_buffer("a", torch.zeros(width, input_size, dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("b", torch.zeros(output_size, width, dtype=dtype, device=device),
+        self.register_buffer("b", torch.zeros(width, output_size, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("token_slots", token_slots, persistent=False)
 
     @property
     def slot_width(self) -> int:
-        """Columns of ``b`` (rows of ``a``) one slot holds: slices x max rank."""
+        """Rows of ``a`` and ``b`` one slot holds: slices x max rank."""
         return len(self.slices) * self.max_rank
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> None:
@@ -201,7 +203,7 @@ class LoRASlots(LoRAHook):
         w = self.slot_width
         with torch.no_grad():
             self.a[slot * w:(slot + 1) * w].zero_()
-            self.b[:, slot * w:(slot + 1) * w].zero_()
+            self.b[slot * w:(slot + 1) * w].zero_()
 
     def load(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write slot ``slot``: per slice index, the full ``(A [r, in], B [out, r] x scaling)``
@@ -216,7 +218,7 @@ class LoRASlots(LoRAHook):
                 a_part = a_full if sl.a_cols is None else a_full.narrow(1, *sl.a_cols)
                 b_part = b_full if sl.b_rows is None else b_full.narrow(0, *sl.b_rows)
                 self.a[col:col + rank].copy_(a_part)
-                self.b[sl.out_offset:sl.out_offset + sl.out_size, col:col + rank].copy_(b_part)
+                self.b[col:col + rank, sl.out_offset:sl.out_offset + sl.out_size].copy_(b_part.t())
 
     def extra_repr(self) -> str:
         ids = [s.shard_id for s in self.slices]
