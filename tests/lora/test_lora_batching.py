@@ -152,3 +152,19 @@ def test_cuda_graphs_for_both_lora_cases(lora_paths, save_peft_dir, tmp_path, mo
     assert mid[True] > start[True]  # steps with adapters replayed has_lora=True graphs
     base_key = not specialize  # steps without adapters: their own graphs, or the same ones
     assert end[base_key] > mid[base_key]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_tensor_parallel_equals_one_rank(lora_paths, save_peft_dir, tmp_path):
+    """tp=2 (LLM's own worker process): column-parallel layers hold their rows of B,
+    row-parallel ones their columns of A; a mixed step gives the tokens of tp=1, with slots
+    swapped (three adapters, two slots) on both ranks."""
+    base, reqs = _requests(lora_paths, tmp_path, save_peft_dir, 3)
+    loras = [reqs[0], reqs[1], None, reqs[2]]
+    one = _tokens(_engine(base, max_loras=2), PROMPTS, loras)
+    tp2 = _engine(base, max_loras=2, tensor_parallel_size=2)
+    try:
+        assert _tokens(tp2, PROMPTS, loras) == one
+    finally:
+        tp2.shutdown()

@@ -35,7 +35,13 @@ from forwardkit.engine.inputs import (
     build_requests,
     parse_prompts,
 )
-from forwardkit.engine.lora import LoRAError, LoRAManager, LoRARequest
+from forwardkit.engine.lora import (
+    LoRAError,
+    LoRAManager,
+    LoRARequest,
+    SlotWeights,
+    pack_slot_weights,
+)
 from forwardkit.engine.metrics import EngineStats, Metric
 from forwardkit.engine.outputs import RequestOutput
 from forwardkit.engine.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
@@ -258,13 +264,21 @@ class LLM:
         """The adapter manager over the runner's slots (None without ``enable_lora``)."""
         if cfg.lora_config is None:
             return None
-        if cfg.parallel_config.tensor_parallel_size > 1 or self._tp_link is not None:
-            raise ValueError("enable_lora=True with tensor_parallel_size > 1 is not supported "
-                             "yet (accepted: tensor_parallel_size=1)")
+        if self._tp_link is not None:
+            raise ValueError("enable_lora=True with tensor_parallel_size > 1 under torchrun is "
+                             "not supported (LLM's own TP workers are: run without torchrun)")
         if cfg.parallel_config.use_ubatching:
             raise ValueError("enable_lora=True with micro-batching (enable_dbo) is not "
                              "supported (each micro-batch would need its own token slots)")
-        return LoRAManager(cfg.lora_config, self.runner.module, self.runner.lora_slots)
+        manager = LoRAManager(cfg.lora_config, self.runner.module, self.runner.lora_slots)
+        pool = self._tp_pool
+        if pool is not None:  # the TP workers fill their slots from the same full tensors
+
+            def write_on_workers(slot: int, weights: SlotWeights | None) -> None:
+                pool.call("lora_slot", (slot, pack_slot_weights(weights)))
+
+            manager.on_slot_write = write_on_workers
+        return manager
 
     def _require_lora(self, what: str) -> LoRAManager:
         if self.lora is None:

@@ -17,11 +17,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,7 +35,8 @@ from forwardkit.logger import init_logger
 if TYPE_CHECKING:
     from forwardkit.config.lora import LoRAConfig
 
-__all__ = ["LoRAAdapter", "LoRAError", "LoRAManager", "LoRARequest", "read_peft_dir"]
+__all__ = ["LoRAAdapter", "LoRAError", "LoRAManager", "LoRARequest", "SlotWeights",
+           "pack_slot_weights", "read_peft_dir", "unpack_slot_weights", "write_slot"]
 
 logger = init_logger(__name__)
 
@@ -76,7 +78,7 @@ class LoRAAdapter:
     request: LoRARequest
     rank: int
     scaling: float
-    weights: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    weights: SlotWeights = field(default_factory=dict)
     lora_alpha: float = 0.0
     use_rslora: bool = False
 
@@ -127,6 +129,37 @@ def _config_value(config: Mapping[str, object], key: str, source: str,
     return value
 
 
+SlotWeights = dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]
+
+
+def write_slot(slots: Mapping[str, LoRASlots], slot: int, weights: SlotWeights | None) -> None:
+    """Fill slot ``slot`` of every projection from ``weights`` (full tensors, per projection
+    and slice; projections not named, or ``weights`` None, are cleared)."""
+    for proj, proj_slots in slots.items():
+        mine = None if weights is None else weights.get(proj)
+        if mine is None:
+            proj_slots.clear(slot)
+        else:
+            proj_slots.load(slot, mine)
+
+
+def pack_slot_weights(weights: SlotWeights | None) -> bytes | None:
+    """``weights`` as bytes for a TP worker's socket (tensors are not sent as shared memory)."""
+    if weights is None:
+        return None
+    buf = io.BytesIO()
+    torch.save(weights, buf)
+    return buf.getvalue()
+
+
+def unpack_slot_weights(data: bytes | None) -> SlotWeights | None:
+    """The inverse of :func:`pack_slot_weights`."""
+    if data is None:
+        return None
+    weights: SlotWeights = torch.load(io.BytesIO(data), weights_only=True)
+    return weights
+
+
 class LoRAManager:
     """The engine's adapters: registered requests, host copies (LRU), slots (LRU).
 
@@ -154,6 +187,9 @@ class LoRAManager:
         self.versions: dict[int, int] = {}  # updates of an adapter (part of its cache key)
         self.loads = 0  # adapters read from disk (reloads included)
         self.slot_loads = 0  # adapters copied into a slot
+        # called after a slot is written (slot, weights by projection; None: cleared), so the
+        # other TP ranks write theirs (each takes its own part of the full tensors)
+        self.on_slot_write: Callable[[int, SlotWeights | None], None] | None = None
 
     # ------------------------------------------------------------------ building adapters
     def build_adapter(self, request: LoRARequest, config: Mapping[str, object],
@@ -295,8 +331,9 @@ class LoRAManager:
         for slot, held in enumerate(self.slot_ids):
             if held == lora_int_id:
                 self.slot_ids[slot] = None
-                for s in self.slots.values():
-                    s.clear(slot)
+                write_slot(self.slots, slot, None)
+                if self.on_slot_write is not None:
+                    self.on_slot_write(slot, None)
         return True
 
     def update(self, name: str, tensors: Mapping[str, torch.Tensor],
@@ -361,14 +398,11 @@ class LoRAManager:
         return adapter
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        for proj, slots in self.slots.items():
-            weights = adapter.weights.get(proj)
-            if weights is None:
-                slots.clear(slot)
-            else:
-                slots.load(slot, weights)
+        write_slot(self.slots, slot, adapter.weights)
         self.slot_ids[slot] = adapter.request.lora_int_id
         self.slot_loads += 1
+        if self.on_slot_write is not None:
+            self.on_slot_write(slot, adapter.weights)
 
     def activate(self, lora_ids: Sequence[int]) -> list[int]:
         """Put the adapters of a step into slots; returns the slot of each entry of
