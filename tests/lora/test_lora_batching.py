@@ -81,6 +81,7 @@ def test_more_adapters_than_slots(lora_paths, save_peft_dir, tmp_path, monkeypat
     assert llm.lora.slot_loads > 2 and len(llm.lora.loaded) <= 2
 
 
+@pytest.mark.slow
 def test_swapping_adapters_does_not_recompile(lora_paths, save_peft_dir, tmp_path):
     """Mode 3 (Inductor): the LoRA op is one node over persistent slot buffers; changing which
     adapters fill the slots recompiles nothing and gives the eager engine's tokens."""

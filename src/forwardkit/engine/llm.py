@@ -551,6 +551,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to chat conversations (vLLM's ``LLM.chat``).
 
@@ -558,7 +559,8 @@ class LLM:
         them. Each is rendered with the tokenizer's chat template (or ``chat_template``), the
         text tokenized without adding special tokens (the template writes them), then generated
         as :meth:`generate` does; one ``RequestOutput`` per conversation, in order.
-        ``chat_template_kwargs`` go to the template (e.g. ``{"enable_thinking": False}``).
+        ``chat_template_kwargs`` go to the template (e.g. ``{"enable_thinking": False}``);
+        ``lora_request`` as for :meth:`generate` (one per conversation, or one for all).
         """
         from forwardkit.engine.chat import ChatTokenizer, render_chats
 
@@ -566,7 +568,7 @@ class LLM:
         ids = render_chats(tokenizer, messages, chat_template, add_generation_prompt,
                            continue_final_message, chat_template_kwargs)
         return self.generate([{"prompt_token_ids": p} for p in ids], sampling_params,
-                             use_tqdm=use_tqdm)
+                             use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _tp_link_agrees(self, pairs: list[ParsedPrompt],
                         params: list[SamplingParams]) -> bool:
