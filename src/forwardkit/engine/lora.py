@@ -262,8 +262,9 @@ class LoRAManager:
             per_proj = adapter.weights.setdefault(proj, {})
             if sl_index in per_proj:
                 raise LoRAError(f"{source}: {module} is given twice")
-            per_proj[sl_index] = (a.detach().to("cpu", self.dtype),
-                                  (b.detach().to("cpu", torch.float32) * scaling).to(self.dtype))
+            scaled = b.detach().to("cpu", torch.float32, copy=True).mul_(scaling)
+            # copies: the caller (a trainer) may change its tensors in place afterwards
+            per_proj[sl_index] = (a.detach().to("cpu", self.dtype, copy=True), scaled.to(self.dtype))
         return adapter
 
     def _target(self, module: str, source: str) -> tuple[str, int, LoRASlots]:

@@ -208,17 +208,24 @@ class LoRASlots(LoRAHook):
     def load(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write slot ``slot``: per slice index, the full ``(A [r, in], B [out, r] x scaling)``
         (this rank's part is taken here); slices not given are zeroed."""
-        self.clear(slot)
         w, r_max = self.slot_width, self.max_rank
         with torch.no_grad():
-            for j, (a_full, b_full) in weights.items():
-                sl = self.slices[j]
-                rank = a_full.shape[0]
+            # every row of the slot is written once: the adapter's rank rows of each slice it
+            # has, zeros for the rest (B's entries outside a slice's own columns stay zero)
+            for j, sl in enumerate(self.slices):
                 col = slot * w + j * r_max
-                a_part = a_full if sl.a_cols is None else a_full.narrow(1, *sl.a_cols)
-                b_part = b_full if sl.b_rows is None else b_full.narrow(0, *sl.b_rows)
-                self.a[col:col + rank].copy_(a_part)
-                self.b[col:col + rank, sl.out_offset:sl.out_offset + sl.out_size].copy_(b_part.t())
+                cols = slice(sl.out_offset, sl.out_offset + sl.out_size)
+                rank = 0
+                if j in weights:
+                    a_full, b_full = weights[j]
+                    rank = a_full.shape[0]
+                    a_part = a_full if sl.a_cols is None else a_full.narrow(1, *sl.a_cols)
+                    b_part = b_full if sl.b_rows is None else b_full.narrow(0, *sl.b_rows)
+                    self.a[col:col + rank].copy_(a_part)
+                    self.b[col:col + rank, cols].copy_(b_part.t())
+                if rank < r_max:
+                    self.a[col + rank:col + r_max].zero_()
+                    self.b[col + rank:col + r_max, cols].zero_()
 
     def extra_repr(self) -> str:
         ids = [s.shard_id for s in self.slices]
