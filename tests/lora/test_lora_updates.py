@@ -177,3 +177,18 @@ def test_lora_calls_need_enable_lora(lora_paths):
         _tokens(llm, LoRARequest("a", 1, good_dir))
     with pytest.raises(ValueError, match=r"add_lora needs LLM\(enable_lora=True\)"):
         llm.add_lora(LoRARequest("a", 1, good_dir))
+
+
+def test_the_engine_keeps_its_own_copy_of_given_tensors(lora_paths, peft_state_dict):
+    """A trainer changing its tensors in place after update_lora changes nothing served, also
+    when the adapter comes back into a slot from the host copy."""
+    base, other_dir = lora_paths("llama_ko_gate")
+    llm = _engine(base, max_loras=1)
+    state, config = peft_state_dict("llama_all", 0)
+    request = llm.update_lora("rl", state, config)
+    before = _tokens(llm, request)
+    with torch.no_grad():
+        for t in state.values():
+            t.mul_(-3.0)  # the trainer's next step, in place
+    _tokens(llm, LoRARequest("other", 9, other_dir))  # swaps "rl" out of the only slot
+    assert _tokens(llm, request) == before
