@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 # facade over every layer, so these are strings, not imports (the layering rule still holds).
 _LAZY: dict[str, str] = {
     "LLM": "forwardkit.engine.llm",
+    "LoRARequest": "forwardkit.engine.lora",
     "SamplingParams": "forwardkit.engine.sampling_params",
     "RequestOutput": "forwardkit.engine.outputs",
     "CompletionOutput": "forwardkit.engine.outputs",
@@ -39,7 +40,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "BatchDescriptor", "CUDAGraphMode", "CompilationConfig", "CompilationMode", "CompletionOutput",
-    "EngineConfig", "ForwardContext", "LLM", "Logprob", "RequestOutput", "SamplingParams",
+    "EngineConfig", "ForwardContext", "LLM", "Logprob", "LoRARequest", "RequestOutput", "SamplingParams",
     "__version__", "create_forward_context", "get_forward_context", "is_forward_context_available",
     "override_forward_context", "set_forward_context",
 ]

@@ -109,9 +109,17 @@ ACTING = {
     "cudagraph_metrics": (True, lambda c: c.observability_config.cudagraph_metrics, True),
     "model_shape": ("mixtral-small", lambda c: c.model_config.is_moe, True),
     "platform": ("cuda", lambda c: c.platform.name, "cuda"),
+    "enable_lora": (True, lambda c: c.lora_config is not None, True),
+    "max_loras": (3, lambda c: getattr(c.lora_config, "max_loras", None), 3),
+    "max_lora_rank": (64, lambda c: getattr(c.lora_config, "max_lora_rank", None), 64),
+    "max_cpu_loras": (5, lambda c: getattr(c.lora_config, "max_cpu_loras", None), 5),
+    "lora_dtype": ("float16", lambda c: getattr(c.lora_config, "lora_dtype", None), "float16"),
 }
 NEEDS_CUDA = {"cudagraph_capture_sizes", "max_cudagraph_capture_size"}
-WITH = {"data_parallel_rank": {"data_parallel_size": 2}}  # a rank acts with DP only
+WITH = {"data_parallel_rank": {"data_parallel_size": 2},  # a rank acts with DP only
+        # the LoRA slots act with enable_lora only (tests/engine/test_lora_config.py)
+        **{n: {"enable_lora": True} for n in ("max_loras", "max_lora_rank", "max_cpu_loras",
+                                               "lora_dtype")}}
 ACTS_ON_LLM = LLM_LEVEL_ARGS | {"model"}  # shown by tests/engine/test_engine_args_llm.py
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,8 +219,9 @@ def transformers_generate(model: Any) -> GenerateFn:
     return generate
 
 
-def llm_generate(llm: Any) -> GenerateFn:
-    """Greedy ``LLM.generate`` over prompts, EOS ignored."""
+def llm_generate(llm: Any, loras: Sequence[Any] = ()) -> GenerateFn:
+    """Greedy ``LLM.generate`` over prompts, EOS ignored; with ``loras`` (``LoRARequest``s)
+    prompt ``i`` uses adapter ``i mod len(loras)``."""
     from forwardkit.engine.sampling_params import SamplingParams
 
     def generate(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -228,7 +229,9 @@ def llm_generate(llm: Any) -> GenerateFn:
         # The timing runs repeat the same prompts: each must compute them, as the other
         # contenders do (shared prefixes are measured by ``--workload``).
         llm.reset_prefix_cache()
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        per_prompt = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False,
+                            lora_request=per_prompt)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     return generate

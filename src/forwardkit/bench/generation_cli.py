@@ -256,7 +256,10 @@ def _build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, A
         module = llm.runner.module
         compiled = torch.compile(module.get_submodule("model"), dynamic=True)
         module.add_module("model", cast(torch.nn.Module, compiled))
-    return gen.llm_generate(llm), llm
+    from forwardkit.commands.generate import lora_requests
+
+    loras = lora_requests(args, len(getattr(args, "loras", None) or [])) or []
+    return gen.llm_generate(llm, [r for r in loras if r is not None]), llm
 
 
 def run_generation(args: argparse.Namespace) -> int:
@@ -290,6 +293,15 @@ def run_generation(args: argparse.Namespace) -> int:
                   f"{' and '.join(borrowers)} left out (they take forwardkit's float weights)",
                   file=sys.stderr)
             names = [n for n in names if n not in borrowers]
+    if getattr(args, "loras", None):
+        plain = [n for n in names if n in ("transformers", "llama.cpp")]
+        if plain and args.contenders is not None:
+            raise ValueError(f"--contenders {plain[0]} cannot run with --lora (it serves no "
+                             "adapters); leave it out")
+        if plain:
+            print(f"forwardkit bench --generation: --lora: {' and '.join(plain)} left out "
+                  "(they serve no adapters)", file=sys.stderr)
+            names = [n for n in names if n not in plain]
     for borrower in ("transformers", "llama.cpp"):  # they take forwardkit's weights: after it
         if borrower in names and "forwardkit" in names:
             names = [n for n in names if n != borrower] + [borrower]

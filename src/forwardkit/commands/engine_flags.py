@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["ALL2ALL_BACKENDS", "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_NUM_SEQS",
-           "add_engine_args", "int_list", "non_negative_float", "normalize_engine_argv",
+           "add_engine_args", "int_list", "lora_spec", "non_negative_float", "normalize_engine_argv",
            "positive_int", "strict_float", "strict_int", "token_ids"]
 
 # Copies of the config layer's values (importing it would import torch); a test keeps them equal.
@@ -142,6 +142,15 @@ def normalize_engine_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def lora_spec(text: str) -> tuple[str, str]:
+    """argparse type of ``--lora NAME=DIR``: ``(name, directory)``, both non-empty."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR (a PEFT adapter directory), got "
+                                         f"{text!r}")
+    return name.strip(), path.strip()
+
+
 def _install_normalizer(parser: argparse.ArgumentParser) -> None:
     original = parser.parse_known_args
 
@@ -189,6 +198,18 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
     g.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (default off)')
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (implied by --lora)")
+    g.add_argument("--lora", dest="loras", action="append", type=lora_spec, default=None,
+                   metavar="NAME=DIR", help="a PEFT LoRA adapter directory (repeatable; prompts "
+                   "take the adapters in turn: prompt i uses adapter i mod count)")
+    g.add_argument("--max-loras", type=positive_int, default=None, metavar="N",
+                   help="adapters one step may hold (default: the number of --lora, else 1)")
+    g.add_argument("--max-lora-rank", type=positive_int, default=None, metavar="R",
+                   help="largest adapter rank: 1, 8, 16, 32, 64, 128, 256, 320 or 512 "
+                        "(default 16)")
+    g.add_argument("--max-cpu-loras", type=positive_int, default=None, metavar="N",
+                   help="adapters kept loaded in host memory (default: --max-loras)")
     g.add_argument("--quantization", default=None, metavar="FORMAT",
                    help="quantize the attention/MLP projections on load: q8_0, q4_0 or q4_1 "
                         "(embeddings and the LM head stay in --dtype)")

@@ -127,6 +127,10 @@ FLAG_NAMES = {
     "enable_prefix_caching": "--enable-prefix-caching",
     "prefix_caching_hash_algo": "--prefix-caching-hash-algo",
     "speculative_config": "--speculative-config",
+    "enable_lora": "--enable-lora",
+    "max_loras": "--max-loras",
+    "max_lora_rank": "--max-lora-rank",
+    "max_cpu_loras": "--max-cpu-loras",
 }
 
 
@@ -162,12 +166,31 @@ class EngineFlags:
     platform: str | None = None
     engine_O: list[str] | None = None
     compilation_config: str | None = None
+    enable_lora: bool = False
+    loras: list[tuple[str, str]] | None = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> EngineFlags:
         """The engine flags ``ns`` carries (other attributes, the subcommand's own, are left)."""
         given = vars(ns)
         return cls(**{f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given})
+
+
+def _lora_args(flags: EngineFlags) -> dict[str, Any]:
+    """The LoRA engine arguments of ``--enable-lora`` / ``--lora`` / ``--max-loras`` ...:
+    ``--lora`` implies ``--enable-lora``, and ``--max-loras`` defaults to the adapter count."""
+    loras = flags.loras or []
+    out: dict[str, Any] = {"enable_lora": bool(flags.enable_lora) or bool(loras)}
+    for name, value in (("max_loras", flags.max_loras), ("max_lora_rank", flags.max_lora_rank),
+                        ("max_cpu_loras", flags.max_cpu_loras)):
+        if value is not None:
+            out[name] = value
+    if loras and "max_loras" not in out:
+        out["max_loras"] = len(loras)
+    return out
 
 
 def engine_config_from_args(ns: argparse.Namespace, *,
@@ -196,6 +219,7 @@ def engine_config_from_args(ns: argparse.Namespace, *,
         enable_prefix_caching=flags.enable_prefix_caching,
         prefix_caching_hash_algo=flags.prefix_caching_hash_algo,
         speculative_config=flags.speculative_config,
+        **_lora_args(flags),
         platform=flags.platform,
         arg_names=FLAG_NAMES,
         quantization=flags.quantization,

@@ -31,6 +31,7 @@ from forwardkit.commands.engine_flags import (
 
 if TYPE_CHECKING:
     from forwardkit.config.engine import EngineConfig
+    from forwardkit.engine.lora import LoRARequest
     from forwardkit.engine.outputs import CompletionOutput, RequestOutput
     from forwardkit.engine.sampling_params import SamplingParams
 
@@ -172,15 +173,34 @@ def run(args: argparse.Namespace) -> int:
     output = args.output
     if dp > 1:
         assert rank is not None
+        if getattr(args, "loras", None):
+            raise ValueError("--lora with --data-parallel-size > 1 is not supported")
         return _run_data_parallel(args, config, prompts, params, rank, dp, tp, output)
     llm = LLM.from_engine_config(config, seed=0 if args.seed is None else args.seed,
                                  tokenizer=args.tokenizer)
     mode = _output_mode(output, llm, config)
-    outputs = llm.generate(_prompt_dicts(prompts, llm), params, use_tqdm=False)
+    outputs = llm.generate(_prompt_dicts(prompts, llm), params, use_tqdm=False,
+                           lora_request=lora_requests(args, len(prompts)))
     if not llm.is_tp_driver:
         return 0  # under torchrun with TP: the replica's TP rank 0 prints its outputs
     _print(list(enumerate(outputs)), mode)
     return 0
+
+
+def lora_requests(args: argparse.Namespace, count: int) -> list[LoRARequest | None] | None:
+    """The adapters of ``--lora NAME=DIR`` (ids 1, 2, ... in flag order) given to ``count``
+    prompts in turn; None without ``--lora``."""
+    from forwardkit.engine.lora import LoRARequest
+
+    specs = getattr(args, "loras", None) or []
+    if not specs:
+        return None
+    names = [n for n, _ in specs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"--lora {dup[0]}=... is given twice; each adapter needs its own NAME")
+    reqs = [LoRARequest(n, i + 1, d) for i, (n, d) in enumerate(specs)]
+    return [reqs[i % len(reqs)] for i in range(count)]
 
 
 def _output_mode(output: str, llm: object, config: EngineConfig) -> str:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from forwardkit.config.compilation import CompilationConfig
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.engine_args import ENGINE_ARGS, LLM_LEVEL_ARGS, screen_engine_args
 from forwardkit.config.gguf import gguf_model_config, is_gguf_path
+from forwardkit.config.lora import LoRAConfig
 from forwardkit.config.model import QUANTIZATION_FORMATS, ModelConfig
 from forwardkit.config.model_shapes import (
     BUILTIN_MODEL_SHAPE,
@@ -99,7 +100,8 @@ def routed_field_names() -> dict[str, frozenset[str]]:
     parallel, scheduler = engine_kwarg_names()
     return {"parallel": parallel, "scheduler": scheduler,
             "cache": _init_fields(CacheConfig) - _NAMED_CACHE,
-            "observability": _init_fields(ObservabilityConfig)}
+            "observability": _init_fields(ObservabilityConfig),
+            "lora": _init_fields(LoRAConfig) | {"enable_lora"}}
 
 
 def default_batch_limits(max_num_seqs: int | None, max_num_batched_tokens: int | None, *,
@@ -290,6 +292,9 @@ def build_engine_config(
             "observability_config": ObservabilityConfig(**routed["observability"]),
             "platform": resolved_platform,
         }
+        lora_config = _lora_config(routed["lora"], label)
+        if lora_config is not None:
+            config_kwargs["lora_config"] = lora_config
         if speculative_config is not None:
             config_kwargs["speculative_config"] = _speculative(speculative_config,
                                                                label("speculative_config"))
@@ -305,6 +310,29 @@ def build_engine_config(
         return engine_config
     except ValidationError as exc:
         raise ValueError(one_line_error(exc)) from None
+
+
+def _lora_config(kwargs: Mapping[str, Any], label: Callable[[str], str]) -> LoRAConfig | None:
+    """The ``LoRAConfig`` of ``enable_lora=True`` and its companions; None without it (then a
+    companion given anyway is refused: it would change nothing)."""
+    kwargs = dict(kwargs)
+    enable = kwargs.pop("enable_lora", False)
+    if not isinstance(enable, bool):
+        raise ValueError(f"{label('enable_lora')} must be True or False, got {short_repr(enable)}")
+    if not enable:
+        defaults = {f.name: f.default for f in dataclasses.fields(LoRAConfig)}
+        changed = sorted(n for n, v in kwargs.items() if v != defaults.get(n))
+        if changed:
+            name = changed[0]
+            raise ValueError(f"{label(name)}={short_repr(kwargs[name])} needs enable_lora=True "
+                             "(without it the engine serves no adapters)")
+        return None
+    for name, value in kwargs.items():
+        if name == "lora_dtype":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{label(name)} must be an integer, got {short_repr(value)}")
+    return LoRAConfig(**kwargs)
 
 
 def _speculative(value: object, name: str) -> SpeculativeConfig:

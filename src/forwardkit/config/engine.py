@@ -66,6 +66,7 @@ from forwardkit.config.levels import (
     apply_level_defaults,
     default_capture_sizes,
 )
+from forwardkit.config.lora import LoRAConfig
 from forwardkit.config.model import ModelConfig
 from forwardkit.config.observability import ObservabilityConfig
 from forwardkit.config.parallel import ParallelConfig, check_parallel_fits_model
@@ -113,8 +114,8 @@ class EngineConfig(FreezableConfig):
     """``CompilationConfig``; a dict or a JSON object string is converted; None = defaults."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (a dict is accepted); None = off."""
-    lora_config: None = None
-    """LoRA is not supported; must stay None."""
+    lora_config: LoRAConfig | None = None
+    """LoRA adapter slots (a dict is accepted); None = no LoRA."""
     observability_config: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     """Per-step statistics (a dict is accepted); not part of the compile-cache hash."""
     optimization_level: OptimizationLevel = OptimizationLevel.O2
@@ -146,7 +147,7 @@ class EngineConfig(FreezableConfig):
         # A sub-config resolved before (it belongs to another engine config) is read-only:
         # this config resolves a copy of it and the original stays as it is.
         for name in ("model_config", "parallel_config", "scheduler_config", "cache_config",
-                     "compilation_config", "speculative_config"):
+                     "compilation_config", "speculative_config", "lora_config"):
             value = getattr(self, name)
             if is_frozen(value):
                 setattr(self, name, thawed_copy(value))
@@ -434,7 +435,7 @@ class EngineConfig(FreezableConfig):
             self.scheduler_config.compute_hash(),
             self.compilation_config.compute_hash(),
             self.speculative_config.compute_hash() if self.speculative_config is not None else "None",
-            "None",  # lora
+            self.lora_config.compute_hash() if self.lora_config is not None else "None",
             self.platform.name,
         ]
         return hashlib.sha256(str(parts).encode()).hexdigest()[:10]

@@ -60,7 +60,6 @@ def _no(name: str, why: str, *allowed: object, vllm: bool = True) -> EngineArg:
 
 
 _MM = "no multimodal models here"
-_LORA = "LoRA adapters are not supported"
 _LOCAL = "models are local directories (nothing is downloaded)"
 _TRACE = "no tracing or metrics export here"
 _CUDA_KV = "the KV cache holds the model dtype only"
@@ -239,14 +238,18 @@ _ROWS: tuple[EngineArg, ...] = (
     _no("mm_encoder_attn_backend", _MM, None),
     _no("skip_mm_profiling", _MM, False),
     _no("video_pruning_rate", _MM, None),
-    _no("enable_lora", _LORA, False),
-    _no("max_loras", _LORA, 1),
-    _no("max_lora_rank", _LORA, 16),
-    _no("default_mm_loras", _LORA, None),
-    _no("fully_sharded_loras", _LORA, False),
-    _no("max_cpu_loras", _LORA, None),
-    _no("lora_dtype", _LORA, "auto"),
-    _no("enable_tower_connector_lora", _LORA, False),
+    _acts("enable_lora", "serve PEFT LoRA adapters (`generate(..., lora_request=)`, "
+          "`add_lora`, `update_lora`); builds the LoRA config"),
+    _acts("max_loras", "adapters one step may hold (slots); needs enable_lora"),
+    _acts("max_lora_rank", "largest adapter rank (1, 8, 16, 32, 64, 128, 256, 320, 512); "
+          "needs enable_lora"),
+    _acts("max_cpu_loras", "adapters kept loaded in host memory (>= max_loras); needs "
+          "enable_lora"),
+    _acts("lora_dtype", "dtype of the adapter slots: auto (the model's), float32, bfloat16, "
+          "float16; needs enable_lora"),
+    _no("default_mm_loras", _MM, None),
+    _no("fully_sharded_loras", "the LoRA A of column-parallel layers is replicated", False),
+    _no("enable_tower_connector_lora", _MM, False),
     # ---- forwardkit's own
     _acts("model_shape", "a named real architecture with seeded random weights "
           "(`llama-3.2-1b`, ...)", vllm=False),

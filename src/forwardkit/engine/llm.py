@@ -36,6 +36,13 @@ from forwardkit.engine.inputs import (
     build_requests,
     parse_prompts,
 )
+from forwardkit.engine.lora import (
+    LoRAError,
+    LoRAManager,
+    LoRARequest,
+    SlotWeights,
+    pack_slot_weights,
+)
 from forwardkit.engine.metrics import EngineStats, Metric
 from forwardkit.engine.outputs import RequestOutput
 from forwardkit.engine.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
@@ -242,7 +249,9 @@ class LLM:
             max_model_len=self.runner.max_model_len,
             # micro-batches of one step do not see each other's KV writes
             allow_pending_hits=not cfg.parallel_config.use_ubatching,
+            max_loras=None if cfg.lora_config is None else cfg.lora_config.max_loras,
         )
+        self.lora = self._init_lora(cfg)
         self.stats = EngineStats()
         spec = cfg.speculative_config
         check_runnable(spec, cfg.parallel_config.tensor_parallel_size)
@@ -256,6 +265,104 @@ class LLM:
         self.sampler = Sampler()
         self._seed_rng = torch.Generator().manual_seed(seed)
         self._next_id = 0
+
+    def _init_lora(self, cfg: EngineConfig) -> LoRAManager | None:
+        """The adapter manager over the runner's slots (None without ``enable_lora``)."""
+        if cfg.lora_config is None:
+            return None
+        if self._tp_link is not None:
+            raise ValueError("enable_lora=True with tensor_parallel_size > 1 under torchrun is "
+                             "not supported (LLM's own TP workers are: run without torchrun)")
+        if cfg.parallel_config.use_ubatching:
+            raise ValueError("enable_lora=True with micro-batching (enable_dbo) is not "
+                             "supported (each micro-batch would need its own token slots)")
+        manager = LoRAManager(cfg.lora_config, self.runner.module, self.runner.lora_slots)
+        pool = self._tp_pool
+        if pool is not None:  # the TP workers fill their slots from the same full tensors
+
+            def write_on_workers(slot: int, weights: SlotWeights | None) -> None:
+                pool.call("lora_slot", (slot, pack_slot_weights(weights)))
+
+            manager.on_slot_write = write_on_workers
+        return manager
+
+    def _require_lora(self, what: str) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError(f"{what} needs LLM(enable_lora=True)")
+        return self.lora
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and register a PEFT adapter (``lora_request.lora_path``); False when it is
+        registered already. ``LoRAError`` names the file and field of a bad adapter."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"add_lora takes a LoRARequest, got {type(lora_request).__name__}")
+        return self._require_lora("add_lora").add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter ``lora_id`` (``ValueError`` naming it when unknown)."""
+        return self._require_lora("remove_lora").remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The registered adapters' ids."""
+        return self._require_lora("list_loras").registered_ids()
+
+    def update_lora(self, name: str, tensors: Mapping[str, torch.Tensor],
+                    config: Mapping[str, object] | None = None) -> LoRARequest:
+        """Load adapter ``name`` from tensors in memory (for RL: no disk round trip).
+
+        ``tensors``: a PEFT-named state dict, as ``peft.get_peft_model_state_dict`` returns
+        it (``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``). ``config``: the
+        adapter's ``adapter_config`` fields (``lora_alpha``, ``use_rslora``; ``r`` is read from
+        the tensors when absent); needed for a new name, else the adapter's own are kept. All
+        or nothing: a bad tensor raises ``LoRAError`` and the old adapter keeps serving.
+        Cached prefixes computed with the old weights are not reused (the update is part of
+        the blocks' hash). Returns the ``LoRARequest`` to generate with.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"update_lora: name must be a non-empty string, got {name!r:.60}")
+        if not isinstance(tensors, Mapping):
+            raise ValueError(f"update_lora({name!r}): tensors must be a mapping of PEFT names "
+                             f"to tensors, got {type(tensors).__name__}")
+        return self._require_lora("update_lora").update(name, tensors, config)
+
+    def _lora_requests(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                       num_prompts: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, every one checked and loaded (all or nothing)."""
+        if lora_request is None:
+            return [None] * num_prompts
+        manager = self._require_lora("generate(lora_request=...)")
+        if isinstance(lora_request, LoRARequest):
+            per_prompt: list[LoRARequest | None] = [lora_request] * num_prompts
+        elif isinstance(lora_request, Sequence) and not isinstance(lora_request, str):
+            per_prompt = list(lora_request)
+            if len(per_prompt) != num_prompts:
+                raise ValueError(f"lora_request has {len(per_prompt)} entries for {num_prompts} "
+                                 "prompts; give one LoRARequest or one per prompt")
+        else:
+            raise ValueError(f"lora_request must be a LoRARequest, a list of them or None, got "
+                             f"{type(lora_request).__name__}")
+        new: dict[int, LoRARequest] = {}
+        for i, r in enumerate(per_prompt):
+            if r is None:
+                continue
+            if not isinstance(r, LoRARequest):
+                raise ValueError(f"prompt {i}: lora_request is a {type(r).__name__}, not a "
+                                 "LoRARequest")
+            manager.check_request(r)
+            if r.lora_int_id not in manager.requests:
+                seen = new.setdefault(r.lora_int_id, r)
+                if seen != r:
+                    raise ValueError(f"prompt {i}: lora_int_id={r.lora_int_id} names two "
+                                     f"adapters ({seen.lora_name!r}, {r.lora_name!r})")
+        for r in new.values():
+            if not r.lora_path:
+                raise LoRAError(f"LoRARequest {r.lora_name!r} is not registered and has no "
+                                "lora_path")
+        adapters = [manager.adapter_from_dir(r) for r in new.values()]  # every one checked ...
+        for adapter in adapters:  # ... before any is registered
+            manager.register(adapter)
+        return per_prompt
 
     @classmethod
     def from_engine_config(cls, engine_config: EngineConfig, seed: int = 0,
@@ -388,8 +495,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: TokenIdsArg = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions; returns one ``RequestOutput`` per prompt, in prompt order.
+
+        ``lora_request``: the adapter of every prompt, or a list with one per prompt (None:
+        the base model); needs ``enable_lora=True``. Adapters not registered yet are loaded.
 
         ``prompts``: a string, a list of strings, or dicts with ``prompt_token_ids`` (or
         ``prompt``); ``prompt_token_ids``: one list of ids or a list of them. Text and stop
@@ -415,9 +526,15 @@ class LLM:
                                      "tokenizer, and this model ships none; use stop_token_ids")
         if self._tp_link is not None and self._tp_link_agrees(pairs, params):
             return self._follow()
+        loras = self._lora_requests(lora_request, len(pairs))
         groups = build_requests(pairs, params, self._next_id, self.eos_token_id,
                                 self.runner.max_model_len, self._decoder)
         requests = [r for _, children in groups for r in children]
+        for (_, children), lr in zip(groups, loras):
+            if lr is not None and self.lora is not None:
+                for req in children:
+                    req.lora_int_id = lr.lora_int_id
+                    req.lora_cache_key = self.lora.cache_key(lr.lora_int_id)
         for req in requests:
             self.scheduler.check_fits(req)
         # Everything is valid: now commit ids, draw seeds and queue.
@@ -442,6 +559,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, object] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to chat conversations (vLLM's ``LLM.chat``).
 
@@ -449,7 +567,8 @@ class LLM:
         them. Each is rendered with the tokenizer's chat template (or ``chat_template``), the
         text tokenized without adding special tokens (the template writes them), then generated
         as :meth:`generate` does; one ``RequestOutput`` per conversation, in order.
-        ``chat_template_kwargs`` go to the template (e.g. ``{"enable_thinking": False}``).
+        ``chat_template_kwargs`` go to the template (e.g. ``{"enable_thinking": False}``);
+        ``lora_request`` as for :meth:`generate` (one per conversation, or one for all).
         """
         from forwardkit.engine.chat import ChatTokenizer, render_chats
 
@@ -457,7 +576,7 @@ class LLM:
         ids = render_chats(tokenizer, messages, chat_template, add_generation_prompt,
                            continue_final_message, chat_template_kwargs)
         return self.generate([{"prompt_token_ids": p} for p in ids], sampling_params,
-                             use_tqdm=use_tqdm)
+                             use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _tp_link_agrees(self, pairs: list[ParsedPrompt],
                         params: list[SamplingParams]) -> bool:
@@ -529,6 +648,8 @@ class LLM:
             raise RuntimeError(f"scheduler could not schedule any of {len(self.scheduler.waiting)} "
                                "waiting requests (KV cache too small?)")
         batch = out.to_batch()
+        if self.lora is not None and any(r.lora_int_id for r in out.requests):
+            batch.lora_slots = self.lora.activate([r.lora_int_id for r in out.requests])
         plan = plan_prompt_logprobs(out.requests, out.num_scheduled_tokens)
         # hidden-state rows scored by the LM head besides each request's last token: the
         # prompt-logprob rows, then each draft-carrying request's rows before its last

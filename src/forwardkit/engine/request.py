@@ -89,6 +89,9 @@ class Request:
         # were registered / marked computed, and the prompt tokens its first admission found
         # cached (None until admitted).
         self.cache_salt = cache_salt
+        # LoRA: the adapter's id (0: none) and what it adds to every block's hash
+        self.lora_int_id = 0
+        self.lora_cache_key: tuple[int, ...] = ()
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         self.num_marked_blocks = 0
@@ -142,12 +145,13 @@ class Request:
             return self.output_token_ids[start - n : stop - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
 
-    def block_extra_keys(self, block_index: int) -> tuple[str, ...]:
+    def block_extra_keys(self, block_index: int) -> tuple[str | int, ...]:
         """What besides its tokens tells block ``block_index``'s KV apart from another request's
-        (the ``cache_salt``, first block only: the chain carries it to every later block)."""
+        (the ``cache_salt``, first block only: the chain carries it to every later block; the
+        LoRA adapter's key, every block, as vLLM)."""
         if block_index == 0 and self.cache_salt is not None:
-            return (self.cache_salt,)
-        return ()
+            return (*self.lora_cache_key, self.cache_salt)
+        return self.lora_cache_key
 
     def drop_prompt_logprobs(self) -> None:
         """Stop computing prompt logprobs (an ``n > 1`` sibling: completion 0 computes them);

@@ -82,6 +82,8 @@ class Scheduler:
         allow_pending_hits: a request may start from cached blocks that a request scheduled
             earlier in the same step is computing (False when steps may be split into
             micro-batches, which do not see each other's writes).
+        max_loras: most distinct LoRA adapters in one step (None: no LoRA); a request whose
+            adapter would exceed it waits for a later step.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         max_model_len: int | None = None,
         allow_pending_hits: bool = True,
+        max_loras: int | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} is invalid; expected an integer >= 1")
@@ -105,6 +108,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.max_model_len = max_model_len
         self.allow_pending_hits = allow_pending_hits
+        self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -161,10 +165,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
+        loras: set[int] = set()
 
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
+            if not self._lora_fits(req, loras):
+                index += 1  # its adapter waits for a step with a free slot
+                continue
             n = min(req.num_pending_tokens + len(req.spec_token_ids), budget)
             if req.spec_token_ids:  # the budget may cut the drafts short
                 del req.spec_token_ids[max(0, n - req.num_pending_tokens):]
@@ -195,8 +203,8 @@ class Scheduler:
                     if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
                         break
                     n = budget
-                if not self.block_manager.can_admit(req, hits, n):
-                    break  # wait for running requests to free blocks
+                if not self.block_manager.can_admit(req, hits, n) or not self._lora_fits(req, loras):
+                    break  # wait for running requests to free blocks (or adapter slots)
                 self.waiting.popleft()
                 self.block_manager.admit(req, hits, n)
                 if req.first_scheduled_time is None:
@@ -207,6 +215,16 @@ class Scheduler:
                 out.num_scheduled_tokens.append(n)
                 budget -= n
         return out
+
+    def _lora_fits(self, req: Request, loras: set[int]) -> bool:
+        """Whether ``req``'s adapter fits this step's ``max_loras``; adds it to ``loras``."""
+        lid = req.lora_int_id
+        if not lid or lid in loras:
+            return True
+        if self.max_loras is not None and len(loras) >= self.max_loras:
+            return False
+        loras.add(lid)
+        return True
 
     def _preempt(self, request: Request) -> None:
         """Free ``request``'s blocks and put it back at the head of the queue (recompute)."""

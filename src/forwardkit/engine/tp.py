@@ -149,6 +149,11 @@ def _serve(runner: ModelRunner, engine_config: EngineConfig, conn: Connection, p
             if kind == "update_weights":
                 pairs = _receive_tensors(msg[1])
                 result: Any = update_model_weights(engine_config, runner.module, pairs)
+            elif kind == "lora_slot":  # the driver filled (or cleared) a LoRA slot
+                from forwardkit.engine.lora import unpack_slot_weights, write_slot
+
+                write_slot(runner.lora_slots, msg[1][0], unpack_slot_weights(msg[1][1]))
+                result = None
             elif kind == "weight_bytes":
                 result = weight_bytes(runner.module)
             elif kind in ("sleep", "wake_up"):

@@ -30,8 +30,17 @@ from forwardkit.compilation.custom_op import CustomOp
 from forwardkit.kernels.cpu import router
 from forwardkit.quantization.linear_method import QuantizedLinearMethod
 
-__all__ = ["CpuLinearLayer", "Linear", "LMHead", "MergedLinear", "VocabEmbedding", "WeightShapeError",
+__all__ = ["CpuLinearLayer", "Linear", "LMHead", "LoRAHook", "MergedLinear", "VocabEmbedding", "WeightShapeError",
            "copy_weight", "linear_op_weights", "quantized_linears"]
+
+
+class LoRAHook(nn.Module):
+    """What a projection's ``lora`` attribute is: a module adding the adapters' products to
+    the projection's output in place (``layers/lora.py``'s ``LoRASlots``)."""
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """Add the products of ``x`` to ``out`` in place."""
+        raise NotImplementedError
 
 
 class WeightShapeError(ValueError):
@@ -80,6 +89,9 @@ class Linear(CpuLinearLayer):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.quant_method = quant_method
+        # LoRA slots (``layers/lora.py``'s ``LoRASlots``), attached by the engine when it
+        # serves adapters: applied to the projection's output in place
+        self.lora: LoRAHook | None = None
         if quant_method is not None:
             self.weight = quant_method.create_weights(input_size, output_size, dtype)
         else:
@@ -100,10 +112,14 @@ class Linear(CpuLinearLayer):
         """``x @ W.T + bias``: by the quant method when there is one, else by the
         ``forwardkit::linear`` op (``op``) or ``F.linear``."""
         if self.quant_method is not None:
-            return self.quant_method.apply(self, x, bias)
-        if op:
-            return torch.ops.forwardkit.linear(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+            out = self.quant_method.apply(self, x, bias)
+        elif op:
+            out = torch.ops.forwardkit.linear(x, self.weight, bias)
+        else:
+            out = F.linear(x, self.weight, bias)
+        if self.lora is not None:
+            self.lora.add_to(out, x)
+        return out
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         """The projection by ``F.linear`` (or the quant method)."""

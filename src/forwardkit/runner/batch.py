@@ -24,6 +24,7 @@ class StepBatch:
             up to ``num_computed_tokens + len(token_ids)``).
         sample: per request, whether the logits of its last scheduled token are wanted (the
             prompt is fully computed after this step, or it is decoding). Default: all True.
+        lora_slots: per request, the LoRA slot its tokens use (-1: no adapter); None = none.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -31,6 +32,7 @@ class StepBatch:
     num_computed_tokens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     sample: list[bool] | None = None
+    lora_slots: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.req_ids)
@@ -42,6 +44,8 @@ class StepBatch:
             "block_tables": len(self.block_tables),
             "sample": len(self.sample),
         }
+        if self.lora_slots is not None:
+            lengths["lora_slots"] = len(self.lora_slots)
         for name, length in lengths.items():
             if length != n:
                 raise ValueError(
@@ -51,6 +55,11 @@ class StepBatch:
         for rid, tokens in zip(self.req_ids, self.token_ids):
             if not tokens:
                 raise ValueError(f"StepBatch: request {rid!r} has no scheduled tokens")
+
+    @property
+    def has_lora(self) -> bool:
+        """Whether any request of the step uses an adapter."""
+        return any(s >= 0 for s in self.lora_slots or ())
 
     @property
     def num_reqs(self) -> int:

@@ -47,6 +47,7 @@ from forwardkit.layers.kv_cache import (
     bind_kv_cache,
     kv_cache_bytes_per_block,
 )
+from forwardkit.layers.lora import LoRASlots, LoRAStepPlan, attach_lora_slots, bind_plan
 from forwardkit.logger import init_logger
 from forwardkit.microbatching.overlap import run_ubatches
 from forwardkit.microbatching.slices import (
@@ -56,7 +57,7 @@ from forwardkit.microbatching.slices import (
 )
 from forwardkit.runner.batch import StepBatch
 from forwardkit.runner.input_buffers import InputBuffers, int64_tensor
-from forwardkit.runner.planner import StepPlanner
+from forwardkit.runner.planner import StepPlan, StepPlanner
 from forwardkit.runner.setup import num_kv_blocks
 from forwardkit.runner.static_metadata import StaticMetadataPool
 
@@ -216,6 +217,7 @@ class ModelRunner:
         max_capture = self.compilation_config.max_cudagraph_capture_size or 0
         self.max_num_tokens = max(int(cfg.scheduler_config.max_num_batched_tokens), max_capture)
         self.buffers = InputBuffers(self.max_num_tokens, self.device)
+        self._init_lora()
         self._init_cudagraphs()
         self.last_step: StepInfo | None = None
         # Set by the engine for steps that need more than last-token logits (prompt logprobs).
@@ -265,6 +267,39 @@ class ModelRunner:
         # Block id num_blocks is the backend's scratch block: dummy requests live there.
         self.scratch_block = self.num_blocks
         self.max_blocks_per_req = math.ceil(self.max_model_len / self.block_size)
+
+    def _init_lora(self) -> None:
+        """With a LoRA config: every adaptable projection gets its slot buffers before the
+        model is compiled (the LoRA op is part of every graph) and the shared per-token slot
+        buffer (:attr:`lora_token_slots`); None and empty otherwise."""
+        lora = self.engine_config.lora_config
+        self.lora_slots: dict[str, LoRASlots] = {}
+        self.lora_token_slots: torch.Tensor | None = None
+        self.lora_num_slots = 0
+        if lora is None:
+            return
+        dtype = self.dtype if lora.lora_dtype == "auto" else getattr(torch, lora.lora_dtype)
+        self.lora_num_slots = int(lora.max_loras)
+        self.lora_token_slots, self.lora_slots = attach_lora_slots(
+            self.module, self.lora_num_slots, int(lora.max_lora_rank), dtype, self.max_num_tokens)
+
+    def _lora_step(self, batch: StepBatch, padded: int) -> LoRAStepPlan | None:
+        """Write the step's per-token slots (``batch.lora_slots``, -1 on padding rows) into the
+        shared buffer; the step's host plan (None without LoRA)."""
+        buf = self.lora_token_slots
+        if buf is None:
+            return None
+        per_req = batch.lora_slots or [-1] * batch.num_reqs
+        tokens = [s for s, q in zip(per_req, batch.query_lens) for _ in range(q)]
+        tokens += [-1] * (padded - len(tokens))
+        buf[:padded].copy_(torch.tensor(tokens, dtype=torch.long))
+        return LoRAStepPlan(tokens, self.lora_num_slots, self.lora_slots_dtype, buf.device)
+
+    @property
+    def lora_slots_dtype(self) -> torch.dtype:
+        """dtype of the LoRA slot buffers (the model's when there are none)."""
+        first = next(iter(self.lora_slots.values()), None)
+        return self.dtype if first is None else first.a.dtype
 
     def _served_graph_mode(self) -> CUDAGraphMode:
         """The engine config's ``served_cudagraph_mode``; a ``ValueError`` when it has graphs
@@ -357,12 +392,27 @@ class ModelRunner:
         if pad_to is not None and pad_to > self.max_num_tokens:
             raise ValueError(f"pad_to={pad_to} exceeds the input buffers "
                              f"({self.max_num_tokens} tokens)")
+        # without cudagraph_specialize_lora every graph has the LoRA ops: every step keys them
+        has_lora = self.lora_token_slots is not None and (
+            batch.has_lora or not self.compilation_config.cudagraph_specialize_lora)
         plan = self.planner.plan(n, batch.num_reqs, batch.query_lens, batch.max_query_len,
-                                 pad_to=pad_to, allow_microbatching=self._model_ran)
+                                 pad_to=pad_to, allow_microbatching=self._model_ran,
+                                 has_lora=has_lora)
         mode, desc, across_dp = plan.cudagraph_mode, plan.batch_descriptor, plan.num_tokens_across_dp
         padded = desc.num_tokens
         self.buffers.check_fits(padded)
         input_ids, positions = self.buffers.fill(batch, padded)
+        lora_plan = self._lora_step(batch, padded)
+        if mode != CUDAGraphMode.NONE:
+            lora_plan = None  # graphs replay what their capture recorded: no host plan
+        with bind_plan(lora_plan):
+            return self._run_step(batch, plan, mode, desc, across_dp, padded, input_ids, positions)
+
+    def _run_step(self, batch: StepBatch, plan: StepPlan, mode: CUDAGraphMode,
+                  desc: BatchDescriptor, across_dp: torch.Tensor | None, padded: int,
+                  input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The forward of a planned step and its last-token logits."""
+        n = batch.num_tokens
         slices = None
         if plan.should_ubatch:  # every DP rank agreed: dual-batch overlap
             hidden, slices = self._forward_ubatched(batch.query_lens, batch.seq_lens,
@@ -493,14 +543,15 @@ class ModelRunner:
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, runtime_mode: CUDAGraphMode | None = None,
                   uniform_decode: bool = False, force_attention: bool = False,
-                  allow_microbatching: bool = False) -> None:
+                  allow_microbatching: bool = False, has_lora: bool = False) -> None:
         """Run a batch of ``num_tokens`` zero tokens: warm-up, capture, or an idle DP rank.
 
         Goes through the same dispatch and DP coordination as ``execute``. Attention
         metadata is built only when ``force_attention`` or the mode is FULL (dummy requests
         on the scratch block); otherwise attention layers get None and output zeros.
         ``allow_microbatching`` lets this rank vote for micro-batching (capturing micro-batched
-        graphs); by default its vote keeps every rank off it.
+        graphs); by default its vote keeps every rank off it. ``has_lora``: the step's
+        descriptor key (captures of the graphs with LoRA work).
         """
         if num_tokens > self.max_num_tokens:
             raise ValueError(f"dummy run of {num_tokens} tokens exceeds max_num_tokens "
@@ -509,7 +560,8 @@ class ModelRunner:
         plan = self.planner.plan(num_tokens, len(lens), lens, max(lens),
                                  force_eager=runtime_mode == CUDAGraphMode.NONE,
                                  force_uniform_decode=uniform_decode,
-                                 allow_microbatching=allow_microbatching and self._model_ran)
+                                 allow_microbatching=allow_microbatching and self._model_ran,
+                                 has_lora=has_lora and self.lora_token_slots is not None)
         mode, desc, across_dp = plan.cudagraph_mode, plan.batch_descriptor, plan.num_tokens_across_dp
         if runtime_mode is not None:
             assert mode == runtime_mode, (
@@ -601,8 +653,9 @@ class ModelRunner:
                 for desc in descs:
                     for _ in range(warmups):
                         self.dummy_run(desc.num_tokens, CUDAGraphMode.NONE, desc.uniform,
-                                       force_attention=mode == CUDAGraphMode.FULL)
-                    self.dummy_run(desc.num_tokens, mode, desc.uniform)
+                                       force_attention=mode == CUDAGraphMode.FULL,
+                                       has_lora=desc.has_lora)
+                    self.dummy_run(desc.num_tokens, mode, desc.uniform, has_lora=desc.has_lora)
             for desc in (self.planner.microbatched_capture_descs() if self.ubatch_graphs is not None else []):
                 keys[MICROBATCHED_FULL] = keys.get(MICROBATCHED_FULL, 0) + 1
                 for _ in range(warmups):  # eager micro-batched steps of the same shape

@@ -132,7 +132,7 @@ class StepPlanner:
     def plan(self, num_tokens: int, num_reqs: int, num_scheduled_tokens: Sequence[int],
              max_num_scheduled_tokens: int, *, force_eager: bool = False,
              force_uniform_decode: bool | None = None, pad_to: int | None = None,
-             allow_microbatching: bool = True) -> StepPlan:
+             allow_microbatching: bool = True, has_lora: bool = False) -> StepPlan:
         """Plan one step of ``num_tokens`` tokens over ``num_reqs`` requests.
 
         ``force_eager`` (warm-up, ``pad_to``) dispatches NONE; ``force_uniform_decode``
@@ -140,7 +140,8 @@ class StepPlanner:
         padded to at least that many tokens (tests use it to show padding never changes
         results). With DP > 1 this is a collective: every rank must plan every step.
         ``allow_microbatching`` False makes this rank vote against micro-batching (dummy steps),
-        which keeps every rank off it this step; with micro-batching configured
+        which keeps every rank off it this step; ``has_lora`` (a request of the step has an
+        adapter) is the descriptor's ``has_lora`` key; with micro-batching configured
         (``ParallelConfig.use_ubatching``) the plan's ``should_ubatch`` is the agreed decision,
         the same on every rank.
         """
@@ -154,8 +155,11 @@ class StepPlanner:
 
         def dispatch(n: int, disable_full: bool) -> tuple[CUDAGraphMode, BatchDescriptor]:
             if eager:
-                return CUDAGraphMode.NONE, BatchDescriptor(max(n, pad_to or 0))
-            return self.dispatcher.dispatch(n, uniform, False, disable_full)
+                return CUDAGraphMode.NONE, BatchDescriptor(max(n, pad_to or 0), has_lora=has_lora)
+            mode, desc = self.dispatcher.dispatch(n, uniform, has_lora, disable_full)
+            if mode == CUDAGraphMode.NONE and has_lora:
+                desc = BatchDescriptor(desc.num_tokens, has_lora=True)
+            return mode, desc
 
         mode, desc = dispatch(num_tokens_padded, False)
         num_tokens_padded = desc.num_tokens

@@ -1,0 +1,277 @@
+"""LoRA in the model: per-projection slot buffers and the registered op that applies them.
+
+Every projection an adapter may target (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
+``down_proj``) gets a :class:`LoRASlots` child (attribute ``lora``) when the engine serves
+adapters. It holds ``max_loras`` slots of the adapters' A and B matrices in two persistent
+buffers, for every slice of a merged projection (``q``/``k``/``v``, gate/up):
+
+* ``a`` ``[max_loras * num_slices * max_rank, in]``: slot ``l``, slice ``j`` at rows
+  ``(l * num_slices + j) * max_rank ...`` (a smaller rank is zero-padded);
+* ``b`` ``[max_loras * num_slices * max_rank, out]`` (B transposed): the same rows, the
+  slice's output columns only (block-diagonal over the slices), pre-multiplied by the
+  adapter's scaling. Both are row-major in the order the products read them, so a slot is a
+  contiguous block of rows of each.
+
+``forwardkit::lora_add_(out, x, a, b, token_slots, num_slots)`` adds ``(x @ A_s.T) @ B_s.T`` to
+each row of ``out`` for the slot ``s = token_slots[row]`` (-1: no adapter), in place. It is one
+opaque node in compiled graphs, so loading an adapter into a slot is a copy into the buffers:
+nothing recompiles. ``token_slots`` is one persistent int64 buffer shared by every layer (the
+runner writes it per step, -1 on padding rows).
+
+Per call the op needs to know which slots the step uses. The runner binds a
+:class:`LoRAStepPlan` per step (:func:`bind_plan`: a ``ContextVar``, like the CPU linear
+router): none used (a step without adapters: the op returns at once), one slot for every row
+(two small matmuls on that slot's rows of the buffers), or a mix (one matmul over all slots,
+the per-row slot mask, one matmul back). Without a bound plan (start-up dummy steps, CUDA-graph
+captures) the op reads the forward context's ``batch_descriptor.has_lora``: False adds nothing
+(the graph of a step without adapters has no LoRA work), True takes the mixed path with the
+mask computed on the device from ``token_slots`` (no host read: capturable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from forwardkit.forward_context import get_forward_context, is_forward_context_available
+from forwardkit.layers.linear import Linear, LoRAHook, MergedLinear
+from forwardkit.layers.parallel import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["LORA_PROJECTIONS", "LoRASlice", "LoRASlots", "LoRAStepPlan", "attach_lora_slots",
+           "bind_plan", "current_plan", "lora_add_"]
+
+
+@dataclass(frozen=True)
+class LoRASlice:
+    """One slice of a (merged) projection: its shard id (``"q"``, ``0``, ... or None for a plain
+    projection), its rows in this rank's output, and which part of the adapter's full tensors
+    this rank holds: ``b_rows`` (start, length) of the full B's rows (column-parallel), or
+    ``a_cols`` (start, length) of the full A's columns (row-parallel); None = all of it."""
+
+    shard_id: Hashable | None
+    out_offset: int
+    out_size: int
+    full_out_size: int
+    b_rows: tuple[int, int] | None = None
+    a_cols: tuple[int, int] | None = None
+
+
+class LoRAStepPlan:
+    """The slots one step uses, known on the host: ``slots`` per token (-1 none).
+
+    ``single`` is the slot every row uses (None: no slot, or a mix); ``mask`` (mixed steps
+    only) is ``[num_tokens, num_slots, 1]`` ones where a row uses the slot."""
+
+    def __init__(self, token_slots: Sequence[int], num_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_tokens = len(token_slots)
+        used = sorted({s for s in token_slots if s >= 0})
+        self.active = bool(used)
+        self.single: int | None = None
+        self.mask: torch.Tensor | None = None
+        if len(used) == 1 and all(s == used[0] for s in token_slots):
+            self.single = used[0]
+        elif used:
+            index = torch.tensor(token_slots, dtype=torch.long)
+            mask = torch.zeros(self.num_tokens, num_slots + 1, 1, dtype=dtype)
+            mask[torch.arange(self.num_tokens), index.clamp(min=-1) + 1] = 1  # col 0: none
+            self.mask = mask[:, 1:].contiguous().to(device)
+
+
+_PLAN: ContextVar[LoRAStepPlan | None] = ContextVar("forwardkit_lora_plan", default=None)
+
+
+@contextmanager
+def bind_plan(plan: LoRAStepPlan | None) -> Iterator[None]:
+    """Make ``plan`` the one ``forwardkit::lora_add_`` reads until the block ends."""
+    token = _PLAN.set(plan)
+    try:
+        yield
+    finally:
+        _PLAN.reset(token)
+
+
+def current_plan() -> LoRAStepPlan | None:
+    """The plan bound by :func:`bind_plan`, or None."""
+    return _PLAN.get()
+
+
+def _descriptor_has_lora() -> bool:
+    if not is_forward_context_available():
+        return True  # outside a step (a direct call): apply whatever token_slots says
+    desc = get_forward_context().batch_descriptor
+    return desc is None or bool(desc.has_lora)
+
+
+def _add_mixed(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               mask: torch.Tensor, num_slots: int) -> None:
+    n = x.shape[0]
+    shrunk = F.linear(x, a).view(n, num_slots, -1)
+    shrunk.mul_(mask)
+    out.addmm_(shrunk.view(n, -1), b)
+
+
+def lora_add_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              token_slots: torch.Tensor, num_slots: int) -> None:
+    """``out[i] += (x[i] @ A_s.T) @ B_s.T`` for ``s = token_slots[i] >= 0`` (module docstring)."""
+    n = x.shape[0]
+    if n == 0:
+        return
+    plan = _PLAN.get()
+    if plan is not None and plan.num_tokens == n:
+        if not plan.active:
+            return
+        if plan.single is not None:
+            width = a.shape[0] // num_slots
+            lo = plan.single * width
+            shrunk = F.linear(x, a[lo:lo + width])
+            out.addmm_(shrunk, b[lo:lo + width])
+            return
+        assert plan.mask is not None
+        _add_mixed(out, x, a, b, plan.mask.to(x.dtype), num_slots)
+        return
+    if not _descriptor_has_lora():
+        return
+    slots = token_slots[:n]
+    ids = torch.arange(num_slots, device=slots.device)
+    mask = (slots.unsqueeze(1) == ids.unsqueeze(0)).to(x.dtype).unsqueeze(-1)
+    _add_mixed(out, x, a, b, mask, num_slots)
+
+
+# Registered with torch.library.Library (like forwardkit::linear): a light call, one per
+# projection per step; ``out`` is mutated in place (Inductor keeps the node and reuses out).
+_LIB = torch.library.Library("forwardkit", "FRAGMENT")
+_LIB.define("lora_add_(Tensor(a!) out, Tensor x, Tensor a, Tensor b, Tensor token_slots, "
+            "int num_slots) -> ()")
+_LIB.impl("lora_add_", lora_add_, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forwardkit::lora_add_", lib=_LIB)
+def _(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+      token_slots: torch.Tensor, num_slots: int) -> None:
+    return None
+
+
+class LoRASlots(LoRAHook):
+    """The adapter slots of one projection (module docstring): buffers ``a``, ``b`` and the
+    shared ``token_slots``; :meth:`load` / :meth:`clear` write one slot."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    token_slots: torch.Tensor
+
+    def __init__(self, input_size: int, output_size: int, slices: Sequence[LoRASlice],
+                 max_loras: int, max_rank: int, dtype: torch.dtype, token_slots: torch.Tensor,
+                 full_input_size: int | None = None) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.full_input_size = full_input_size if full_input_size is not None else input_size
+        self.slices = list(slices)
+        self.max_loras, self.max_rank = max_loras, max_rank
+        width = max_loras * len(self.slices) * max_rank
+        device = token_slots.device
+        self.register_buffer("a", torch.zeros(width, input_size, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("b", torch.zeros(width, output_size, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("token_slots", token_slots, persistent=False)
+
+    @property
+    def slot_width(self) -> int:
+        """Rows of ``a`` and ``b`` one slot holds: slices x max rank."""
+        return len(self.slices) * self.max_rank
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """Add every row's adapter product to ``out`` (the projection of ``x``), in place."""
+        torch.ops.forwardkit.lora_add_(out, x, self.a, self.b, self.token_slots, self.max_loras)
+
+    def slice_of(self, shard_id: Hashable | None) -> int:
+        """Index of the slice with ``shard_id``; ``KeyError`` naming the known ids."""
+        for i, sl in enumerate(self.slices):
+            if sl.shard_id == shard_id:
+                return i
+        raise KeyError(f"no slice {shard_id!r}; slices: {[s.shard_id for s in self.slices]}")
+
+    def clear(self, slot: int) -> None:
+        """Zero slot ``slot`` (no adapter: adds nothing)."""
+        w = self.slot_width
+        with torch.no_grad():
+            self.a[slot * w:(slot + 1) * w].zero_()
+            self.b[slot * w:(slot + 1) * w].zero_()
+
+    def load(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write slot ``slot``: per slice index, the full ``(A [r, in], B [out, r] x scaling)``
+        (this rank's part is taken here); slices not given are zeroed."""
+        w, r_max = self.slot_width, self.max_rank
+        with torch.no_grad():
+            # every row of the slot is written once: the adapter's rank rows of each slice it
+            # has, zeros for the rest (B's entries outside a slice's own columns stay zero)
+            for j, sl in enumerate(self.slices):
+                col = slot * w + j * r_max
+                cols = slice(sl.out_offset, sl.out_offset + sl.out_size)
+                rank = 0
+                if j in weights:
+                    a_full, b_full = weights[j]
+                    rank = a_full.shape[0]
+                    a_part = a_full if sl.a_cols is None else a_full.narrow(1, *sl.a_cols)
+                    b_part = b_full if sl.b_rows is None else b_full.narrow(0, *sl.b_rows)
+                    self.a[col:col + rank].copy_(a_part)
+                    self.b[col:col + rank, cols].copy_(b_part.t())
+                if rank < r_max:
+                    self.a[col + rank:col + r_max].zero_()
+                    self.b[col + rank:col + r_max, cols].zero_()
+
+    def extra_repr(self) -> str:
+        ids = [s.shard_id for s in self.slices]
+        return f"slots={self.max_loras}, max_rank={self.max_rank}, slices={ids}"
+
+
+# The projections adapters may target, by the attribute name the model gives them.
+LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _slices_of(layer: Linear) -> tuple[list[LoRASlice], int | None]:
+    """The LoRA slices of a projection layer and, row-parallel, its full input size."""
+    if isinstance(layer, ColumnParallelLinear):
+        out = []
+        for (sid, (offset, size)), full in zip(layer.shard_offsets.items(), layer.full_output_sizes):
+            rows = None
+            if layer.tp_size > 1:
+                rows = layer._local(sid, full, layer.tp_rank, layer.tp_size, "output size")
+            out.append(LoRASlice(sid, offset, size, full, b_rows=rows))
+        return out, None
+    if isinstance(layer, RowParallelLinear):
+        cols = None
+        if layer.tp_size > 1:
+            cols = (layer.tp_rank * layer.input_size, layer.input_size)
+        return [LoRASlice(None, 0, layer.output_size, layer.output_size, a_cols=cols)], \
+            layer.full_input_size
+    if isinstance(layer, MergedLinear):
+        return [LoRASlice(sid, off, size, size) for sid, (off, size) in layer.shard_offsets.items()], None
+    return [LoRASlice(None, 0, layer.output_size, layer.output_size)], None
+
+
+def attach_lora_slots(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
+                      max_num_tokens: int) -> tuple[torch.Tensor, dict[str, LoRASlots]]:
+    """Give every LoRA-capable projection of ``model`` its :class:`LoRASlots` (``layer.lora``).
+
+    Returns the shared per-token slot buffer (``max_num_tokens`` entries, all -1) and the
+    slots by projection name (``model.layers.0.self_attn.qkv_proj``, ...)."""
+    param = next(model.parameters())
+    token_slots = torch.full((max_num_tokens,), -1, dtype=torch.long, device=param.device)
+    found: dict[str, LoRASlots] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or name.rsplit(".", 1)[-1] not in LORA_PROJECTIONS:
+            continue
+        slices, full_in = _slices_of(module)
+        slots = LoRASlots(module.input_size, module.output_size, slices, max_loras, max_rank,
+                          dtype, token_slots, full_input_size=full_in)
+        module.lora = slots
+        found[name] = slots
+    return token_slots, found
