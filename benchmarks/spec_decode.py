@@ -6,7 +6,8 @@ Prints, medians over ``--repeats`` rounds that alternate the two engines:
 
 1. the model step alone (``ModelRunner.execute``): a verify step of ``1 + k`` tokens (on the
    speculating engine's runner, which runs a request's drafts as decode rows) against a
-   1-token decode step, one request at a context of ``--context`` tokens;
+   1-token decode step, one request at a context of ``--context`` tokens, the two timed in
+   alternation;
 2. greedy generation of ``--new-tokens`` tokens at batch 1 from a repetitive prompt (the loops
    random-weight models fall into are what prompt lookup catches) and from a random prompt
    (drafts mostly rejected): tokens/s with and without drafts, the acceptance measured, and
@@ -32,20 +33,29 @@ def _metric(llm: LLM, name: str) -> float:
     return next(m.value for m in llm.get_metrics() if m.name == name)
 
 
-def _step_ms(llm: LLM, context: int, query: int, repeats: int) -> float:
-    """Median ms of one model step of ``query`` tokens for one request after ``context``."""
-    runner = llm.runner
-    blocks = list(range(-(-(context + query) // runner.block_size)))
-    batch = StepBatch(req_ids=["x"], token_ids=[[7] * query], num_computed_tokens=[context],
-                      block_tables=[blocks])
+def _step_batch(llm: LLM, context: int, query: int) -> StepBatch:
+    """One request of ``query`` tokens after ``context`` on ``llm``'s runner."""
+    blocks = list(range(-(-(context + query) // llm.runner.block_size)))
+    return StepBatch(req_ids=["x"], token_ids=[[7] * query], num_computed_tokens=[context],
+                     block_tables=[blocks])
+
+
+def _step_costs(plain: LLM, spec: LLM, context: int, query: int, repeats: int) -> tuple[float, float]:
+    """Median ms of a 1-token decode step on ``plain``'s runner and of a ``query``-token verify
+    step on ``spec``'s, timed in alternation (a background job of either engine, such as its
+    weights moving to huge pages after its first steps, then weighs on both alike)."""
+    decode_batch, verify_batch = _step_batch(plain, context, 1), _step_batch(spec, context, query)
     for _ in range(3):  # first uses of a row count make packed weight copies: untimed
-        runner.execute(batch)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner.execute(batch)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        plain.runner.execute(decode_batch)
+        spec.runner.execute(verify_batch)
+    times: dict[str, list[float]] = {"decode": [], "verify": []}
+    for r in range(repeats):
+        order = (("decode", plain, decode_batch), ("verify", spec, verify_batch))
+        for name, llm, batch in (order if r % 2 == 0 else order[::-1]):
+            start = time.perf_counter()
+            llm.runner.execute(batch)
+            times[name].append(time.perf_counter() - start)
+    return statistics.median(times["decode"]) * 1e3, statistics.median(times["verify"]) * 1e3
 
 
 def main() -> None:
@@ -70,9 +80,8 @@ def main() -> None:
     for llm in (plain, spec):  # compile, first shapes
         llm.generate(prompt_token_ids=[loop[:16]], sampling_params=SamplingParams(max_tokens=8),
                      use_tqdm=False)
-    decode = _step_ms(plain, args.context, 1, 5 * args.repeats)
-    # on the speculating engine's runner: its verify steps run the drafts as decode rows
-    verify = _step_ms(spec, args.context, 1 + args.k, 5 * args.repeats)
+    # the verify step on the speculating engine's runner: it runs the drafts as decode rows
+    decode, verify = _step_costs(plain, spec, args.context, 1 + args.k, 5 * args.repeats)
     print(f"model step, 1 request at context {args.context}: decode {decode:.2f} ms, verify of "
           f"{1 + args.k} tokens {verify:.2f} ms = {verify / decode:.2f}x")
     print("| prompt | plain tok/s | spec tok/s | speed-up | acceptance | mean emitted/step | "

@@ -20,9 +20,9 @@ def test_spec_contender_beside_plain_forwardkit(tmp_path, capsys, monkeypatch):
     seen: dict[int, object] = {}
     plain_llm_generate = gen.llm_generate
 
-    def recording(llm):  # which contender LLM speculates
+    def recording(llm, loras=()):  # which contender LLM speculates
         seen[id(llm)] = llm.engine_config.speculative_config
-        return plain_llm_generate(llm)
+        return plain_llm_generate(llm, loras)
 
     monkeypatch.setattr(gen, "llm_generate", recording)
     out = tmp_path / "gen.json"
