@@ -20,7 +20,7 @@ its weight (a staging weight, quantized by the loader once loaded) and apply it 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -34,13 +34,13 @@ __all__ = ["CpuLinearLayer", "Linear", "LMHead", "LoRAHook", "MergedLinear", "Vo
            "copy_weight", "linear_op_weights", "quantized_linears"]
 
 
-class LoRAHook(nn.Module):
-    """What a projection's ``lora`` attribute is: a module adding the adapters' products to
-    the projection's output in place (``layers/lora.py``'s ``LoRASlots``)."""
+class LoRAHook(Protocol):
+    """What a projection's ``lora`` attribute is (a typing protocol, no base class): a module
+    adding the adapters' products to the projection's output in place (``layers/lora.py``'s
+    ``LoRASlots``)."""
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """Add the products of ``x`` to ``out`` in place."""
-        raise NotImplementedError
 
 
 class WeightShapeError(ValueError):

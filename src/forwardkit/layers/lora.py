@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from forwardkit.forward_context import get_forward_context, is_forward_context_available
-from forwardkit.layers.linear import Linear, LoRAHook, MergedLinear
+from forwardkit.layers.linear import Linear, MergedLinear
 from forwardkit.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["LORA_PROJECTIONS", "LoRASlice", "LoRASlots", "LoRAStepPlan", "attach_lora_slots",
@@ -158,7 +158,7 @@ def _(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     return None
 
 
-class LoRASlots(LoRAHook):
+class LoRASlots(nn.Module):
     """The adapter slots of one projection (module docstring): buffers ``a``, ``b`` and the
     shared ``token_slots``; :meth:`load` / :meth:`clear` write one slot."""
 

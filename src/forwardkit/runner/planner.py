@@ -92,6 +92,7 @@ class StepPlanner:
         self.allow_dp_padding = CUDAGraphMode.parse(configured or CUDAGraphMode.NONE) != CUDAGraphMode.NONE
         self.collect_stats = bool(engine_config.observability_config.cudagraph_metrics)
         self.max_num_seqs = int(engine_config.scheduler_config.max_num_seqs)
+        self.sp_multiple = engine_config.sequence_parallel_multiple  # read once, not per step
         # the padded sizes a micro-batched FULL step replays a graph for (planned, not patched)
         self._microbatched_sizes = frozenset(d.num_tokens for d in self.microbatched_capture_descs())
 
@@ -150,7 +151,7 @@ class StepPlanner:
                    is_uniform_decode(max_num_scheduled_tokens, self.uniform_decode_query_len,
                                      num_tokens, num_reqs))
         eager = force_eager or pad_to is not None
-        tp = cfg.sequence_parallel_multiple
+        tp = self.sp_multiple
         num_tokens_padded = -(-num_tokens // tp) * tp
 
         def dispatch(n: int, disable_full: bool) -> tuple[CUDAGraphMode, BatchDescriptor]:
