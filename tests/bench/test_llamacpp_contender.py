@@ -224,3 +224,72 @@ def test_llamacpp_generates_forwardkits_tokens(model, request):
         assert cpp.generate(prompts[:1], 6) == want[:1]  # a fresh cache per call
     finally:
         cpp.close()
+
+
+@pytest.fixture(scope="module", params=["q8_0", "q4_0", "q4_1"])
+def quant_llm(request):
+    """The built-in shape with a whole number of 32-weight blocks in every row, quantized."""
+    from forwardkit.config import build_engine_config
+    from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE, model_shape_config
+
+    hf = {**model_shape_config(BUILTIN_MODEL_SHAPE), "intermediate_size": 704}
+    return LLM(engine_config=build_engine_config(default_hf_config=hf, platform="cpu",
+                                                 quantization=request.param, **ENGINE), seed=6)
+
+
+def test_quantized_weights_go_over_as_the_same_blocks(quant_llm, tmp_path):
+    """A quantized model's GGUF holds forwardkit's packed blocks under the GGUF type of their
+    format, byte for byte (Q/K rows in llama.cpp's order), and ``gguf``'s own dequantization of
+    them equals forwardkit's: llama.cpp runs the very bits forwardkit runs."""
+    from forwardkit.bench.generation import hf_quant_formats
+    from forwardkit.quantization.formats import dequantize
+
+    hf = quant_llm.runner.model_config.hf_config
+    model = quant_llm.runner.model
+    state, formats = hf_state_dict(model), hf_quant_formats(model)
+    fmt = quant_llm.runner.model_config.quantization
+    want_type = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+                 "q4_1": gguf.GGMLQuantizationType.Q4_1}[fmt]
+    # every linear of every layer is quantized (7 a layer), the norms are not
+    assert len(formats) == 7 * hf["num_hidden_layers"] and set(formats.values()) == {fmt}
+    reader = gguf.GGUFReader(write_llama_gguf(tmp_path / "m.gguf", hf, state, formats))
+    tensors = {t.name: t for t in reader.tensors}
+    heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    for layer in range(hf["num_hidden_layers"]):
+        for hf_leaf, ours, n_heads in (("self_attn.q_proj", "attn_q", heads),
+                                       ("self_attn.k_proj", "attn_k", kv_heads),
+                                       ("self_attn.v_proj", "attn_v", None),
+                                       ("mlp.down_proj", "ffn_down", None)):
+            packed = state[f"model.layers.{layer}.{hf_leaf}.weight"]
+            t = tensors[f"blk.{layer}.{ours}.weight"]
+            assert t.tensor_type == want_type
+            rows = packed if n_heads is None else packed[_llamacpp_row_order(packed.shape[0], n_heads)]
+            got = torch.from_numpy(t.data.copy()).reshape(rows.shape)
+            assert torch.equal(got, rows)
+            theirs = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+            assert torch.equal(theirs.reshape(rows.shape[0], -1).float(), dequantize(rows, fmt))
+
+
+def test_a_format_gguf_lacks_is_refused_by_name(llm, tmp_path):
+    hf = llm.runner.model_config.hf_config
+    state = hf_state_dict(llm.runner.model)
+    with pytest.raises(ValueError, match=r"no GGUF type for .*'q3_x'.*accepted formats"):
+        write_llama_gguf(tmp_path / "m.gguf", hf, state, {"model.norm.weight": "q3_x"})
+
+
+@pytest.mark.skipif(not llamacpp_available(), reason=NO_BINDING)
+def test_llamacpp_generates_forwardkits_tokens_on_the_same_quantized_bits(quant_llm):
+    from forwardkit.bench.generation import hf_quant_formats
+    from forwardkit.bench.llamacpp import LlamaCppGenerator
+
+    prompts = [[5, 17, 300, 42, 8], [9, 10, 11, 12, 13]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = [list(o.outputs[0].token_ids) for o in quant_llm.generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+    model = quant_llm.runner.model
+    cpp = LlamaCppGenerator(quant_llm.runner.model_config.hf_config, hf_state_dict(model),
+                            max_seqs=2, max_len=16, threads=1, formats=hf_quant_formats(model))
+    try:
+        assert cpp.generate(prompts, 6) == want
+    finally:
+        cpp.close()

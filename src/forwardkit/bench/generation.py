@@ -178,6 +178,21 @@ def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def hf_quant_formats(model: torch.nn.Module) -> dict[str, str]:
+    """Hugging Face name -> block format (``q4_0``, ...) of every packed quantized weight of
+    ``model``, under the names :func:`hf_state_dict` gives them (merged projections split)."""
+    stacked = getattr(model, "stacked_params", ())
+    out: dict[str, str] = {}
+    for name, param in model.named_parameters():
+        fmt = getattr(param, "quant_format", None)
+        if fmt is None:
+            continue
+        merged = [name.replace(ours, hf) for hf, ours, _ in stacked if ours in name]
+        for hf_name in merged or [name]:
+            out[hf_name] = str(fmt)
+    return out
+
+
 def build_transformers_model(hf_config: dict[str, Any], dtype: torch.dtype,
                              fk_model: torch.nn.Module) -> Any:
     """A ``transformers`` causal LM of ``hf_config`` holding ``fk_model``'s weights."""

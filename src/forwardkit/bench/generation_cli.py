@@ -234,10 +234,12 @@ def _build_contender(name: str, args: argparse.Namespace, hf_config: dict[str, A
         from forwardkit.bench.llamacpp import LlamaCppGenerator
 
         runner = fk_llm.runner
+        # quantized weights go over as the same packed blocks (GGUF Q8_0 / Q4_0 / Q4_1)
         cpp = LlamaCppGenerator(runner.model_config.hf_config, gen.hf_state_dict(runner.module),
                                 max_seqs=max(s["batch_sizes"]),
                                 max_len=s["prompt_len"] + s["new_tokens"] + 2,
-                                threads=torch.get_num_threads())
+                                threads=torch.get_num_threads(),
+                                formats=gen.hf_quant_formats(runner.module))
         return cpp.generate, cpp
     if name == "transformers":
         if fk_llm is None:
@@ -282,15 +284,16 @@ def run_generation(args: argparse.Namespace) -> int:
     names = _with_llamacpp(names, explicit=args.contenders is not None)
     names = _with_spec(names, args)
     if getattr(args, "quantization", None):
-        # they borrow forwardkit's weights as float tensors; quantized ones are packed blocks
-        borrowers = [n for n in names if n in ("transformers", "llama.cpp")]
+        # transformers borrows forwardkit's weights as float tensors; quantized ones are packed
+        # blocks (llama.cpp takes those blocks as they are)
+        borrowers = [n for n in names if n == "transformers"]
         if borrowers and args.contenders is not None:
             raise ValueError(f"--contenders {borrowers[0]} cannot run with --quantization (it "
                              "takes forwardkit's weights, which are packed quantized blocks); "
                              "leave it out")
         if borrowers:
             print(f"forwardkit bench --generation: --quantization {args.quantization}: "
-                  f"{' and '.join(borrowers)} left out (they take forwardkit's float weights)",
+                  f"{' and '.join(borrowers)} left out (it takes forwardkit's float weights)",
                   file=sys.stderr)
             names = [n for n in names if n not in borrowers]
     if getattr(args, "loras", None):

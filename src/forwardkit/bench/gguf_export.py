@@ -15,7 +15,10 @@ with the ``gguf`` package under llama.cpp's ``llama`` architecture names:
 - no vocabulary (tokenizer model ``no_vocab``): the benchmark feeds token ids.
 
 bf16 tensors are stored as BF16, float32 as F32, float16 as F16, so both engines read the
-same number of bytes per step.
+same number of bytes per step. Block-quantized weights (``formats`` names their format:
+``q8_0``, ``q4_0``, ``q4_1``) are forwardkit's packed ``uint8`` rows, which hold ggml's block
+bytes: they are written as GGUF ``Q8_0`` / ``Q4_0`` / ``Q4_1`` as they are, never requantized,
+so llama.cpp runs the very bits forwardkit runs (the rotary permutation moves whole rows).
 """
 
 from __future__ import annotations
@@ -87,11 +90,14 @@ def _gguf_names(layers: int) -> dict[str, str]:
 
 
 def write_llama_gguf(path: str | os.PathLike[str], hf_config: Mapping[str, Any],
-                     state: Mapping[str, torch.Tensor]) -> str:
+                     state: Mapping[str, torch.Tensor],
+                     formats: Mapping[str, str] | None = None) -> str:
     """Write ``state`` (Hugging Face names, a Llama-family model of ``hf_config``) to ``path``
-    as a GGUF file llama.cpp loads; returns the path. Raises ``ValueError`` for a model this
-    cannot express (mixture of experts, other rope types, names it does not know); attention
-    biases (Llama's ``attention_bias``, Qwen2's q/k/v) are written."""
+    as a GGUF file llama.cpp loads; returns the path. ``formats`` maps the names whose tensor
+    is a packed block-quantized ``uint8`` weight to its format (``q8_0``, ``q4_0``, ``q4_1``).
+    Raises ``ValueError`` for a model this cannot express (mixture of experts, other rope
+    types, names it does not know, a format GGUF has no type for here); attention biases
+    (Llama's ``attention_bias``, Qwen2's q/k/v) are written."""
     import gguf
     import numpy as np
 
@@ -111,6 +117,12 @@ def write_llama_gguf(path: str | os.PathLike[str], hf_config: Mapping[str, Any],
     kinds = {torch.bfloat16: gguf.GGMLQuantizationType.BF16,
              torch.float16: gguf.GGMLQuantizationType.F16,
              torch.float32: gguf.GGMLQuantizationType.F32}
+    block_kinds = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+                   "q4_1": gguf.GGMLQuantizationType.Q4_1}
+    formats = dict(formats or {})
+    strange = sorted(f"{n}: {f!r}" for n, f in formats.items() if f not in block_kinds)
+    if strange:
+        raise ValueError(f"no GGUF type for {strange[:3]} (accepted formats: {sorted(block_kinds)})")
     writer = gguf.GGUFWriter(os.fspath(path), "llama")
     writer.add_context_length(int(hf_config.get("max_position_embeddings", 4096)))
     writer.add_embedding_length(hidden)
@@ -134,6 +146,14 @@ def write_llama_gguf(path: str | os.PathLike[str], hf_config: Mapping[str, Any],
             # a bias's entries follow its projection's rows into llama.cpp's rotary order
             rows = t.reshape(t.shape[0], -1)
             t = _rotary_interleaved(rows, heads if ".q_proj." in hf_name else kv_heads).reshape(t.shape)
+        fmt = formats.get(hf_name)
+        if fmt is not None:
+            if t.dtype != torch.uint8 or t.dim() != 2:
+                raise ValueError(f"{hf_name}: a {fmt} weight is packed uint8 rows, got "
+                                 f"{t.dtype} of shape {tuple(t.shape)}")
+            # the packed bytes as they are; the GGUF shape is derived from the byte shape
+            writer.add_tensor(names[hf_name], t.numpy(), raw_dtype=block_kinds[fmt])
+            continue
         if t.dtype not in kinds:
             raise ValueError(f"{hf_name}: dtype {t.dtype} has no GGUF type here "
                              f"(accepted: {sorted(str(d) for d in kinds)})")

@@ -54,10 +54,12 @@ class LlamaCppGenerator:
     """Greedy batched generation with llama.cpp over a GGUF of ``state`` (Hugging Face names).
 
     ``max_seqs`` sequences of at most ``max_len`` tokens each; ``threads`` for decode and
-    prefill. The GGUF lives in a temporary directory removed by :meth:`close`."""
+    prefill; ``formats`` names the packed block-quantized weights of ``state`` (written as
+    they are, see :func:`~forwardkit.bench.gguf_export.write_llama_gguf`). The GGUF lives in a temporary directory removed by :meth:`close`."""
 
     def __init__(self, hf_config: Mapping[str, Any], state: Mapping[str, torch.Tensor], *,
-                 max_seqs: int, max_len: int, threads: int) -> None:
+                 max_seqs: int, max_len: int, threads: int,
+                 formats: Mapping[str, str] | None = None) -> None:
         import llama_cpp as lc
 
         from forwardkit.bench.gguf_export import write_llama_gguf
@@ -67,7 +69,8 @@ class LlamaCppGenerator:
         self.weight_bytes = sum(t.numel() * t.element_size() for name, t in state.items()
                                 if not (tied and name == "lm_head.weight"))
         self._dir = tempfile.TemporaryDirectory(prefix="forwardkit-gguf-")
-        path = write_llama_gguf(os.path.join(self._dir.name, "model.gguf"), hf_config, state)
+        path = write_llama_gguf(os.path.join(self._dir.name, "model.gguf"), hf_config, state,
+                                formats)
         lc.llama_log_set(_quiet, ctypes.c_void_p())
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
