@@ -2,8 +2,9 @@
 
 Allowed are skips that say the machine lacks something the test needs and CI cannot provide:
 a CUDA GPU, a CPU feature (AVX-512, native bf16 matmuls, a vector ISA) or the operating system;
-and, by its exact reason, the llama.cpp benchmark contender's binding (a third-party engine CI
-does not install; the GGUF layout it reads is checked without it).
+and, by their exact reasons, the llama.cpp benchmark contender's binding and llama.cpp's
+``llama-quantize`` tool (third-party software CI does not install; the GGUF layout and reading
+they exercise are checked without them).
 Anything else (a missing dev dependency such as transformers or torchrun, a skip added to hide
 a failure) fails the run, listed with its reason. Loaded by ``tests/conftest.py``; CI passes
 the option (``.ci/run``).
@@ -28,6 +29,10 @@ ALLOWED_SKIP_REASONS: tuple[tuple[str, str], ...] = (
      r"installed; the GGUF layout it would read is checked without it$",
      "an optional third-party contender CI does not install; what forwardkit gives it (the GGUF "
      "export's layout) is tested without it in the same file"),
+    (r"^llama\.cpp's llama-quantize tool \(optional, not installed by CI\) is not on PATH or "
+     r"in LLAMA_QUANTIZE; GGUF reading and ggml's rounding are checked without it$",
+     "an optional third-party tool CI does not install; GGUF reading and ggml's reference "
+     "rounding are tested without it (test_gguf.py, test_formats.py)"),
 )
 
 def skip_allowed(reason: str) -> bool:

@@ -55,29 +55,47 @@ class LlamaCppGenerator:
 
     ``max_seqs`` sequences of at most ``max_len`` tokens each; ``threads`` for decode and
     prefill; ``formats`` names the packed block-quantized weights of ``state`` (written as
-    they are, see :func:`~forwardkit.bench.gguf_export.write_llama_gguf`). The GGUF lives in a temporary directory removed by :meth:`close`."""
+    they are, see :func:`~forwardkit.bench.gguf_export.write_llama_gguf`). The GGUF lives in
+    a temporary directory removed by :meth:`close`; :meth:`from_gguf` runs an existing file."""
 
     def __init__(self, hf_config: Mapping[str, Any], state: Mapping[str, torch.Tensor], *,
                  max_seqs: int, max_len: int, threads: int,
                  formats: Mapping[str, str] | None = None) -> None:
-        import llama_cpp as lc
-
         from forwardkit.bench.gguf_export import write_llama_gguf
 
-        self._lc = lc
         tied = bool(hf_config.get("tie_word_embeddings", False))
         self.weight_bytes = sum(t.numel() * t.element_size() for name, t in state.items()
                                 if not (tied and name == "lm_head.weight"))
-        self._dir = tempfile.TemporaryDirectory(prefix="forwardkit-gguf-")
+        self._dir: tempfile.TemporaryDirectory[str] | None = tempfile.TemporaryDirectory(
+            prefix="forwardkit-gguf-")
         path = write_llama_gguf(os.path.join(self._dir.name, "model.gguf"), hf_config, state,
                                 formats)
+        self._open(path, max_seqs=max_seqs, max_len=max_len, threads=threads)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str], *, max_seqs: int, max_len: int,
+                  threads: int, kv_f32: bool = False) -> LlamaCppGenerator:
+        """A generator over an existing GGUF file (kept: :meth:`close` does not remove it);
+        ``kv_f32`` keeps llama.cpp's KV cache in float32 (its default is float16)."""
+        self = cls.__new__(cls)
+        self._dir = None
+        self.weight_bytes = os.path.getsize(path)
+        self._open(os.fspath(path), max_seqs=max_seqs, max_len=max_len, threads=threads,
+                   kv_f32=kv_f32)
+        return self
+
+    def _open(self, path: str, *, max_seqs: int, max_len: int, threads: int,
+              kv_f32: bool = False) -> None:
+        import llama_cpp as lc
+
+        self._lc = lc
         lc.llama_log_set(_quiet, ctypes.c_void_p())
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         mparams.use_mmap = False  # resident like forwardkit's weights, no page faults mid-run
         self._model = lc.llama_model_load_from_file(path.encode(), mparams)
         if not self._model:
-            raise RuntimeError(f"llama.cpp could not load the GGUF written at {path}")
+            raise RuntimeError(f"llama.cpp could not load the GGUF at {path}")
         self.vocab_size = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model)))
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = max_seqs * max_len
@@ -85,6 +103,8 @@ class LlamaCppGenerator:
         cparams.n_seq_max = max_seqs
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True
+        if kv_f32:
+            cparams.type_k = cparams.type_v = lc.GGML_TYPE_F32
         self._ctx = lc.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise RuntimeError("llama.cpp could not create a context "
@@ -95,6 +115,11 @@ class LlamaCppGenerator:
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
         """One llama_decode of (token, position, sequence, wants logits); returns the argmax
         token of every entry that wanted logits, in order."""
+        return [int(row.argmax()) for row in self.logits(entries)]
+
+    def logits(self, entries: list[tuple[int, int, int, bool]]) -> torch.Tensor:
+        """One llama_decode of (token, position, sequence, wants logits); returns the float32
+        logits of every entry that wanted them, one row each, in order."""
         lc, batch = self._lc, self._batch
         if len(entries) > self._capacity:
             raise ValueError(f"{len(entries)} tokens in one step; the context holds "
@@ -113,11 +138,10 @@ class LlamaCppGenerator:
         for i, (_, _, _, logits) in enumerate(entries):
             if logits:
                 row = lc.llama_get_logits_ith(self._ctx, i)
-                values = torch.frombuffer(
+                out.append(torch.frombuffer(
                     (ctypes.c_float * self.vocab_size).from_address(ctypes.addressof(row.contents)),
-                    dtype=torch.float32)
-                out.append(int(values.argmax()))
-        return out
+                    dtype=torch.float32).clone())
+        return torch.stack(out) if out else torch.empty(0, self.vocab_size)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         """Greedy ``new_tokens`` tokens after each prompt (a fresh KV cache per call)."""
@@ -152,4 +176,5 @@ class LlamaCppGenerator:
         if self._model:
             lc.llama_model_free(self._model)
             self._model = None
-        self._dir.cleanup()
+        if self._dir is not None:
+            self._dir.cleanup()
