@@ -8,13 +8,18 @@ the engine computes for them (``record_prompt_logprobs`` is wrapped to keep a co
 engine itself is asked for 0 extra logprobs, so nothing else changes). Prints per format the
 mean and max KL(bf16 || format) in nats, top-1 agreement with bf16, and the weight GB.
 
+With llama.cpp's Python binding installed, the same columns for llama.cpp on the same bits:
+each forwardkit model's weights (bf16, or the packed quantized blocks as they are) are written
+to a GGUF file (``forwardkit.bench.gguf_export``) and llama.cpp scores the sequence in one
+batch (its default float16 KV cache), against the same bf16 forwardkit reference.
+
 Random weights give flatter distributions than a trained model, so the absolute KL values are
 smaller than a trained checkpoint's; the ranking of the formats and their ratios are what this
-measures. (llama.cpp's figures on the same bits need its Python binding and a GGUF export of
-each format; they are not produced here.)
+measures.
 
 Usage: ``python benchmarks/quant_accuracy.py [--shape llama-3.2-1b] [--tokens 128]
-[--formats q8_0,q4_0,q4_1]`` (``--shape default`` is the small built-in model)
+[--formats q8_0,q4_0,q4_1] [--no-llamacpp]`` (the shape's projections must be whole 32-weight blocks:
+``default``'s 688-wide MLP is not)
 """
 
 from __future__ import annotations
@@ -50,12 +55,36 @@ def _distributions(llm: LLM, tokens: list[int]) -> torch.Tensor:
     return torch.stack([kept[p] for p in range(1, len(tokens))])
 
 
+def _llamacpp_distributions(llm: LLM, tokens: list[int], threads: int) -> torch.Tensor:
+    """llama.cpp's next-token log-probabilities over ``tokens`` on ``llm``'s very weights."""
+    from forwardkit.bench.generation import hf_quant_formats, hf_state_dict
+    from forwardkit.bench.llamacpp import LlamaCppGenerator
+
+    model = llm.runner.module
+    cpp = LlamaCppGenerator(llm.runner.model_config.hf_config, hf_state_dict(model),
+                            max_seqs=1, max_len=len(tokens) + 1, threads=threads,
+                            formats=hf_quant_formats(model))
+    try:
+        rows = cpp.logits([(tok, pos, 0, True) for pos, tok in enumerate(tokens)])
+    finally:
+        cpp.close()
+    return torch.log_softmax(rows.float(), dim=-1)[:-1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-3.2-1b")
     parser.add_argument("--tokens", type=int, default=128, help="length of the scored sequence")
     parser.add_argument("--formats", default="q8_0,q4_0,q4_1")
+    parser.add_argument("--no-llamacpp", action="store_true",
+                        help="leave llama.cpp out even where its binding is installed")
     args = parser.parse_args()
+    from forwardkit.bench.llamacpp import llamacpp_available, llamacpp_missing_note
+
+    with_cpp = not args.no_llamacpp and llamacpp_available()
+    if not args.no_llamacpp and not with_cpp:
+        print(llamacpp_missing_note())
+    threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(0)
     tokens = [int(t) for t in torch.randint(0, 1000, (args.tokens,), generator=gen)]
 
@@ -66,20 +95,24 @@ def main() -> None:
 
     reference = build(None)
     ref = _distributions(reference, tokens)
-    ref_gb = reference.weight_bytes_per_rank()[0] / 1e9
-    del reference
     p = ref.exp()
-    print(f"shape {args.shape}, "
-          f"{len(tokens) - 1} scored positions, seeded random weights; reference bf16")
-    print(f"{'format':8} {'weights GB':>10} {'mean KL':>10} {'max KL':>10} {'top-1 agree':>11}")
-    print(f"{'bf16':8} {ref_gb:10.3f} {0.0:10.2e} {0.0:10.2e} {1.0:11.3f}")
-    for fmt in args.formats.split(","):
-        llm = build(fmt)
-        got = _distributions(llm, tokens)
+
+    def scores(got: torch.Tensor) -> str:
         kl = (p * (ref - got)).sum(-1)
         agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-        print(f"{fmt:8} {llm.weight_bytes_per_rank()[0] / 1e9:10.3f} {kl.mean().item():10.2e} "
-              f"{kl.max().item():10.2e} {agree:11.3f}")
+        return f"{kl.mean().item():10.2e} {kl.max().item():10.2e} {agree:11.3f}"
+
+    print(f"shape {args.shape}, "
+          f"{len(tokens) - 1} scored positions, seeded random weights; reference: forwardkit bf16")
+    head = f"{'mean KL':>10} {'max KL':>10} {'top-1 agree':>11}"
+    print(f"{'format':8} {'weights GB':>10} {head}" + (f"  llama.cpp: {head}" if with_cpp else ""))
+    for fmt in ["bf16", *args.formats.split(",")]:
+        llm = reference if fmt == "bf16" else build(fmt)
+        line = f"{fmt:8} {llm.weight_bytes_per_rank()[0] / 1e9:10.3f} "
+        line += scores(ref if fmt == "bf16" else _distributions(llm, tokens))
+        if with_cpp:
+            line += "             " + scores(_llamacpp_distributions(llm, tokens, threads))
+        print(line, flush=True)
         del llm
 
 

@@ -293,3 +293,23 @@ def test_llamacpp_generates_forwardkits_tokens_on_the_same_quantized_bits(quant_
         assert cpp.generate(prompts, 6) == want
     finally:
         cpp.close()
+
+
+def test_bandwidth_use_counts_the_packed_bytes_a_step_reads(quant_llm):
+    """The bench's bytes per decode step for a quantized model are its packed projections'
+    block bytes plus the LM head, not the shape's dtype bytes."""
+    from forwardkit.bench.generation_cli import _packed_step_bytes
+    from forwardkit.config.model_shapes import weight_bytes_per_token
+    from forwardkit.quantization.formats import get_format
+
+    hf = quant_llm.runner.model_config.hf_config
+    fmt = get_format(quant_llm.runner.model_config.quantization)
+    hidden, inter, layers = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
+    heads, kv, d = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
+    weights = layers * (hidden * (heads + 2 * kv) * d + heads * d * hidden + 3 * hidden * inter)
+    head = hf["vocab_size"] * hidden * 4  # float32; the untied embedding table is not read
+    norms = (2 * layers + 1) * hidden * 4
+    assert not hf["tie_word_embeddings"]
+    want = weights // 32 * fmt.block_bytes + head + norms
+    assert _packed_step_bytes({"forwardkit": quant_llm}, hf) == want
+    assert want < weight_bytes_per_token(hf, 4)

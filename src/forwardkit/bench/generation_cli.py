@@ -341,6 +341,9 @@ def run_generation(args: argparse.Namespace) -> int:
     del roof_fn  # the per-run probe's 3 GiB go before the report
     hf, itemsize, model_name = runner_cfg
     bytes_per_step = {b: weight_bytes_per_token(hf, itemsize, b) for b in s["batch_sizes"]}
+    packed = _packed_step_bytes(keep, hf)
+    if packed is not None:  # quantized projections: what the model holds, not the shape's dtype
+        bytes_per_step = dict.fromkeys(s["batch_sizes"], packed)
     for r in results.values():
         for b in s["batch_sizes"]:
             decode_s = statistics.median(r.samples[f"decode_{b}"])
@@ -475,6 +478,26 @@ def _fk_model_info(keep: dict[str, Contender]) -> tuple[dict[str, Any], int, str
             name = mc.model or "random weights"
             return mc.hf_config, runner.dtype.itemsize, name
     raise ValueError("the generation benchmark needs at least one forwardkit LLM contender")
+
+
+def _packed_step_bytes(keep: dict[str, Contender], hf: dict[str, Any]) -> int | None:
+    """Weight bytes a decode step of a dense model with quantized (packed) projections reads:
+    every parameter it holds (packed projections, the LM head) less an untied embedding table,
+    whose rows alone are read. None when nothing is packed, or for a mixture of experts
+    (the shape's formula counts the experts a step touches)."""
+    from forwardkit.bench.generation import hf_quant_formats
+
+    llm = next((m for m in map(_llm_of, keep.values()) if m is not None), None)
+    if llm is None or hf.get("num_local_experts"):
+        return None
+    module = llm.runner.module
+    if not hf_quant_formats(module):
+        return None
+    total = sum(p.numel() * p.element_size() for p in module.parameters())
+    if not hf.get("tie_word_embeddings", False):
+        total -= sum(p.numel() * p.element_size() for n, p in module.named_parameters()
+                     if "embed_tokens" in n)
+    return total
 
 
 def _spec_figures(keep: dict[str, Contender]) -> dict[str, Any] | None:
