@@ -29,6 +29,16 @@ block pads the step's tokens to a multiple of TP and hands each TP rank its cont
 them, reduce-scatter-v of the partial sums back to their owners (``naive``: an all-reduce into
 one buffer at the offsets ``cu_tokens_across_sp``, then this rank's rows). The block gathers
 the slices over TP afterwards. gloo has no uneven all-gather; it is built from a padded one.
+
+Quantized experts (``model_config.quantization`` ``q8_0`` / ``q4_0`` / ``q4_1``): each expert's
+gate/up and down weights are packed in the block format (``uint8`` ``[E_local, rows, k / 32 *
+block_bytes]``, the bytes of :mod:`forwardkit.quantization.formats`) and every expert product
+runs ``forwardkit::quant_linear`` (the native quantized kernels on the CPU). A checkpoint's
+experts are loaded at full precision one layer at a time and packed as soon as the layer's
+last expert tensor arrived (its float copy freed), so the model is never held at full
+precision; seeded random weights are packed after the fill (:meth:`FusedMoE.quantize_weights`).
+The hidden size and each rank's intermediate slice must be whole 32-weight blocks (refused by
+name otherwise). Packed experts cannot be written in place (``update_weights`` refuses them).
 """
 
 from __future__ import annotations
@@ -47,6 +57,8 @@ from forwardkit.layers.kernels import silu_and_mul_native
 from forwardkit.layers.linear import copy_weight
 from forwardkit.layers.parallel import ShardSpec, divide, narrow, set_shard_spec, tp_rank_and_size
 from forwardkit.microbatching.overlap import dbo_enabled, dbo_register_recv_hook, dbo_yield
+from forwardkit.quantization.formats import BLOCK, get_format, quantize
+from forwardkit.quantization.linear_method import QuantizedWeightReloadError
 
 __all__ = ["FusedMoE", "expert_slice", "moe_forward", "route_topk"]
 
@@ -77,7 +89,8 @@ class FusedMoE(nn.Module):
     """The experts of one MoE block (the router lives in the caller).
 
     Parameters: ``w13_weight`` [E_local, 2*I, H] (gate rows then up rows) and ``w2_weight``
-    [E_local, H, I]. ``forward(hidden[T, H], router_logits[T, E]) -> [T, H]``.
+    [E_local, H, I]; packed ``uint8`` blocks along the last dim once quantized (module doc).
+    ``forward(hidden[T, H], router_logits[T, E]) -> [T, H]``.
     """
 
     def __init__(
@@ -136,6 +149,19 @@ class FusedMoE(nn.Module):
             set_shard_spec(self.w2_weight, ShardSpec(2, inter, ((start, 0, local_inter),)))
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        mc = config.model_config
+        self.quant_format: str | None = None if mc is None else mc.quantization
+        if self.quant_format is not None:
+            get_format(self.quant_format)
+            for what, k in (("hidden_size", hidden_size), ("per-rank intermediate size", local_inter)):
+                if k % BLOCK:
+                    raise ValueError(
+                        f"cannot quantize the experts of {prefix} to {self.quant_format}: their "
+                        f"{what} {k} is not a multiple of the {BLOCK}-weight block; run this "
+                        "model without quantization")
+        # expert tensors loaded so far (3 per local expert: w1, w3, w2); at the count the
+        # layer's experts are packed and their float copies freed
+        self._parts_loaded = 0
         context = config.compilation_config.compile_state.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -150,7 +176,39 @@ class FusedMoE(nn.Module):
         """Load expert weights. ``shard_id``: ``(expert_id, "w1"|"w3"|"w2")`` for one expert's
         HF tensor, or ``"w13"``/``"w2"`` for a stacked ``[E, ...]`` tensor of all experts.
         Experts of other EP ranks are skipped (not read), and under TP without EP only this
-        rank's intermediate slice is read."""
+        rank's intermediate slice is read. With quantized experts the layer is packed once its
+        last expert tensor is loaded."""
+        if param.dtype == torch.uint8:
+            raise QuantizedWeightReloadError(
+                f"the experts of {self.layer_name} are quantized (packed shape "
+                f"{tuple(param.shape)}); they cannot be written in place: load the model again")
+        self._load_part(param, loaded, shard_id)
+        if self.quant_format is None:
+            return
+        if shard_id in ("w13", "w2"):
+            self._parts_loaded += self.num_local_experts * (2 if shard_id == "w13" else 1)
+        elif self.is_local_expert(shard_id[0]):
+            self._parts_loaded += 1
+        if self._parts_loaded >= 3 * self.num_local_experts:
+            self.quantize_weights()
+
+    def quantize_weights(self) -> None:
+        """Pack the experts' float weights in ``quant_format`` and free the float copies (a
+        no-op when unquantized or packed already)."""
+        fmt = self.quant_format
+        if fmt is None or self.w13_weight.dtype == torch.uint8:
+            return
+        for name in ("w13_weight", "w2_weight"):
+            weight = getattr(self, name).data
+            experts, rows, k = weight.shape
+            packed = quantize(weight.reshape(experts * rows, k), fmt,
+                              f"{self.layer_name}.{name}").reshape(experts, rows, -1)
+            param = nn.Parameter(packed, requires_grad=False)
+            param.quant_format = fmt  # type: ignore[attr-defined]
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            setattr(self, name, param)
+
+    def _load_part(self, param: torch.Tensor, loaded: Any, shard_id: Any) -> None:
         start, local_inter, inter = self.inter_start, self.local_intermediate, self.intermediate_size
         if shard_id in ("w13", "w2"):
             if loaded.shape[0] != self.num_experts:
@@ -202,6 +260,10 @@ class FusedMoE(nn.Module):
         weights, ids = route_topk(router_logits, self.top_k, self.renormalize)
         if dense is None:
             dense = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+        fmt = self.quant_format if self.w13_weight.dtype == torch.uint8 else None
+        if dense and fmt is not None:
+            raise RuntimeError(f"the quantized experts of {self.layer_name} have no fixed-shape "
+                               "(CUDA-graph) form; run with cudagraph_mode NONE or PIECEWISE")
         if dense:
             return self._compute_dense(hidden_states, weights, ids)
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
@@ -211,8 +273,12 @@ class FusedMoE(nn.Module):
             if token_idx.numel() == 0:
                 continue
             x = hidden_states[token_idx]
-            h = silu_and_mul_native(F.linear(x, self.w13_weight[e]))
-            y = F.linear(h, self.w2_weight[e])
+            if fmt is None:
+                h = silu_and_mul_native(F.linear(x, self.w13_weight[e]))
+                y = F.linear(h, self.w2_weight[e])
+            else:
+                h = silu_and_mul_native(torch.ops.forwardkit.quant_linear(x, self.w13_weight[e], None, fmt))
+                y = torch.ops.forwardkit.quant_linear(h, self.w2_weight[e], None, fmt)
             out.index_add_(0, token_idx, y.float() * weights[token_idx, k_pos, None])
         return out
 

@@ -14,7 +14,7 @@ Then, tensor by tensor:
   (``quantization.linear_method.install_packed_weight``); the parts of a merged projection
   (q/k/v, gate/up) in different formats run as one op call per part;
 * everything else (F32 / F16 / BF16 tensors, the token embedding's lookup table, norms, biases,
-  the MoE router and the MoE experts, which have no quantized path yet) is dequantized to float32 values (ggml's,
+  the MoE router and the MoE experts, which are not kept packed from a file yet) is dequantized to float32 values (ggml's,
   bit for bit) and copied in the model's dtype through the models' own ``load_weights``;
 * Q and K rows (and their biases) of a ``llama`` file go back from llama.cpp's interleaved rotary
   order to the half-split order of the Hugging Face checkpoint its converter read (a ``qwen2``

@@ -35,6 +35,7 @@ from safetensors import safe_open
 
 from forwardkit.config.gguf import is_gguf_path
 from forwardkit.kernels.cpu.router import CpuLinearRouter, attach_router
+from forwardkit.layers.fused_moe import FusedMoE
 from forwardkit.layers.linear import Linear, linear_op_weights, quantized_linears
 from forwardkit.logger import init_logger
 from forwardkit.models import get_model_class
@@ -170,6 +171,18 @@ def _finish_quantization(fmt: str | None, quantized: list[tuple[str, Linear]], d
                 str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
 
 
+def _finish_expert_quantization(model: nn.Module) -> None:
+    """Pack the quantized MoE layers' experts still at full precision (a checkpoint's were
+    packed as each layer's last expert tensor arrived; seeded random ones are packed here)."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.quant_format is not None]
+    for layer in layers:
+        layer.quantize_weights()
+    if layers:
+        packed = sum(p.numel() for m in layers for p in (m.w13_weight, m.w2_weight))
+        logger.info("MoE experts of %d layers packed in %s: %.1f MB", len(layers),
+                    layers[0].quant_format, packed / 1e6)
+
+
 def load_model(engine_config: EngineConfig) -> nn.Module:
     """Build, load and return the model of ``engine_config`` in eval mode on the platform device.
 
@@ -218,6 +231,7 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
         logger.info("Loaded %s from %s (%d files)", model_cls.__name__, model_dir, len(files))
     if quantized:
         _finish_quantization(model_config.quantization, quantized, model_config.dtype)
+    _finish_expert_quantization(model)
     routed = linear_op_weights(model)
     if routed and device.type == "cpu":
         router = CpuLinearRouter()
