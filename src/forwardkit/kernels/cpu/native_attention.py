@@ -19,8 +19,9 @@ name hashes the source and the header it includes, a ``.so`` is ``dlopen``-ed on
 matches its SHA-256 manifest entry (under the manifest's ``fcntl`` lock), and a verified build
 loads without a compiler. Anything that fails (no compiler and no verified build, an unsafe
 directory, a wrong self-check) switches the kernel off with one log line, and the PyTorch path
-serves every call. ``FORWARDKIT_CPU_NATIVE_ATTENTION=0`` disables it; which layers use it at all
-is the ``cpu_attention`` custom op (``layers/attention.py``).
+serves every call. The kernel reads no switch: which layers use it is the ``cpu_attention``
+custom op (``"-cpu_attention"`` turns it off; ``layers/attention.py``), decided when the layer is
+built.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from typing import NamedTuple
 
 import torch
 
-from forwardkit import envs
 from forwardkit.kernels.cpu import native_build, native_linear
 from forwardkit.logger import init_logger
 
@@ -104,8 +104,8 @@ def _load(directory: Path, isa: str) -> ctypes.CDLL:
 
 @functools.cache
 def _library(isa: str) -> ctypes.CDLL | None:
-    """Build ``isa`` loaded, or None (switched off, instructions missing, build error)."""
-    if not envs.FORWARDKIT_CPU_NATIVE_ATTENTION or not isa_supported(isa):
+    """Build ``isa`` loaded, or None (instructions missing, build error)."""
+    if not isa_supported(isa):
         return None
     directory = _build_dir()
     if directory is None:
@@ -226,7 +226,8 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def cache_clear() -> None:
-    """Forget the loaded kernels (the next call re-reads the environment and rebuilds)."""
+    """Forget the loaded kernels (the next call loads or rebuilds them: tests that change
+    ``FORWARDKIT_CACHE_ROOT`` or ``CC``)."""
     _selected.cache_clear()
     _function.cache_clear()
     _library.cache_clear()

@@ -50,18 +50,21 @@ class KernelCalls:
 
     ``attention``: one per :func:`~forwardkit.kernels.cpu.native_attention.paged_decode` call the
     kernel served (one per layer and decode step); ``linear``: one per
-    :func:`~forwardkit.kernels.cpu.native_linear.linear_rows` product it computed.
+    :func:`~forwardkit.kernels.cpu.native_linear.linear_rows` (or ``linear_bf16_rows``) product
+    it computed; ``quant``: one per
+    :func:`~forwardkit.kernels.cpu.native_quant.quant_linear_rows` product it computed.
     """
 
-    __slots__ = ("attention", "linear")
+    __slots__ = ("attention", "linear", "quant")
 
     def __init__(self) -> None:
         self.attention = 0
         self.linear = 0
+        self.quant = 0
 
     def snapshot(self) -> dict[str, int]:
         """The counts now, by kernel."""
-        return {"attention": self.attention, "linear": self.linear}
+        return {"attention": self.attention, "linear": self.linear, "quant": self.quant}
 
     def since(self, snapshot: dict[str, int]) -> dict[str, int]:
         """Calls served since ``snapshot`` was taken, by kernel."""

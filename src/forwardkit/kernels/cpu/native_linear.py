@@ -47,7 +47,9 @@ attention (:mod:`forwardkit.kernels.cpu.native_attention`).
 
 Anything that fails (no compiler and no verified build, missing instructions, a wrong result)
 disables that build with one log line (the next one down is tried); ``F.linear``/oneDNN then
-serve every call. ``FORWARDKIT_CPU_NATIVE_LINEAR=0`` disables it.
+serve every call. The kernel reads no switch: whether a layer's products reach it is the
+``cpu_linear`` custom op (``compilation_config.custom_ops``; ``"-cpu_linear"`` gives plain
+``F.linear``), decided when the layer is built (``config/custom_ops.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +63,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from forwardkit import envs
 from forwardkit.kernels.cpu import native_build
 from forwardkit.logger import init_logger
 from forwardkit.platforms import cpu_capabilities
@@ -183,9 +184,7 @@ def _self_check(fn: Callable[..., int], dtype: torch.dtype, max_rows: int = MAX_
 
 @functools.cache
 def _library(isa: str) -> ctypes.CDLL | None:
-    """Build ``isa`` loaded, or None (switched off, no instructions for any dtype, build error)."""
-    if not envs.FORWARDKIT_CPU_NATIVE_LINEAR:
-        return None
+    """Build ``isa`` loaded, or None (no instructions for any dtype, build error)."""
     if not any(isa_supported(isa, dtype) for dtype in _DTYPES):
         return None
     directory = _build_dir()
@@ -244,7 +243,7 @@ def _selected(dtype: torch.dtype) -> tuple[str, Callable[..., int], int] | None:
         fn = _function(isa, dtype)
         if fn is not None:
             return isa, fn, _row_limit(isa, dtype)
-    if (dtype in _DTYPES and envs.FORWARDKIT_CPU_NATIVE_LINEAR
+    if (dtype in _DTYPES
             and not any(isa_supported(i, dtype) for i in _ISAS)):
         logger.info_once("Native %s linear off: the CPU has neither AVX-512 nor AVX2+FMA", dtype)
     return None
@@ -262,7 +261,8 @@ def kernel_isa(dtype: torch.dtype = torch.bfloat16) -> str | None:
 
 
 def cache_clear() -> None:
-    """Forget the loaded kernels (the next call re-reads the environment and rebuilds)."""
+    """Forget the loaded kernels (the next call loads or rebuilds them: tests that change
+    ``FORWARDKIT_CACHE_ROOT`` or ``CC``)."""
     _bf16_rows.cache_clear()
     _selected.cache_clear()
     _function.cache_clear()

@@ -40,8 +40,11 @@ the cache root). Each build is self-checked at first load against dequantize-the
 in float64 for every format, every few-row count, both strategies and tiled row counts (and
 its dequantization, :func:`dequantize_rows`, against the torch one bit for bit); the first
 build this CPU runs that passes serves, and when none does the op's reference path serves
-every call. ``FORWARDKIT_CPU_NATIVE_LINEAR=0`` turns it off with the other native linear
-kernels.
+every call. The kernel reads no switch: a quantized projection reaches it through the
+``forwardkit::quant_linear`` op when its layer was built with the ``cpu_linear`` custom op on
+(the switch of every native linear kernel); with ``"-cpu_linear"`` the layer computes
+dequantize-then-``F.linear`` in plain torch (``config/custom_ops.py``). :data:`kernel_calls`'s
+``quant`` counts the products it served.
 """
 
 from __future__ import annotations
@@ -55,7 +58,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from forwardkit import envs
 from forwardkit.kernels.cpu import native_build, native_linear
 from forwardkit.logger import init_logger
 
@@ -196,7 +198,7 @@ def _self_check_dequantize(deq: Callable[..., int]) -> None:
 @functools.cache
 def _function(isa: str) -> _Build | None:
     """Build ``isa`` loaded and self-checked; None when off, unsupported or failing."""
-    if not envs.FORWARDKIT_CPU_NATIVE_LINEAR or not isa_supported(isa):
+    if not isa_supported(isa):
         return None
     directory = _build_dir()
     if directory is None:
@@ -278,7 +280,8 @@ def max_rows() -> int:
 
 
 def cache_clear() -> None:
-    """Forget the loaded kernels (the next call re-reads the environment and rebuilds)."""
+    """Forget the loaded kernels (the next call loads or rebuilds them: tests that change
+    ``FORWARDKIT_CACHE_ROOT`` or ``CC``)."""
     _selected.cache_clear()
     _function.cache_clear()
     _build_dir.cache_clear()
@@ -328,4 +331,5 @@ def quant_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"path must be 'few', 'tiles' or None, got {path!r}")
     if rc != 0:
         return None
+    native_build.kernel_calls.quant += 1  # the kernel, not the reference path, served it
     return out.reshape(*x.shape[:-1], n).to(x.dtype)
