@@ -299,7 +299,7 @@ def test_build_is_verified_and_a_tampered_one_rebuilt(fresh_kernel, tmp_path):
     (so,) = native.glob("decode_attention-*.so")
     manifest = json.loads((native / kernel_cache.MANIFEST).read_text())
     assert manifest[so.name] == _entry(so.read_bytes())
-    assert so.name == native_attention._library_name(isa)
+    assert so.name == native_attention.KERNEL.library_name(isa)
     good = so.read_bytes()
     tmp = so.with_name(".test-" + so.name)  # a new file: this process has the old one mapped
     tmp.write_bytes(good[: len(good) // 2])
@@ -314,8 +314,8 @@ def test_build_is_verified_and_a_tampered_one_rebuilt(fresh_kernel, tmp_path):
 def test_library_name_covers_the_included_header(tmp_path):
     """decode_attention.c includes fk_bf16.h: the build's name hashes both files."""
     src = tmp_path / "csrc"
-    shutil.copytree(native_attention._SOURCE.parent, src)
-    source = src / native_attention._SOURCE.name
+    shutil.copytree(native_attention.KERNEL.source.parent, src)
+    source = src / native_attention.KERNEL.source.name
     assert [p.name for p in native_build.build_inputs(source)] == ["decode_attention.c",
                                                                     "fk_bf16.h"]
     before = native_build.library_name(source, ["-O3"])
