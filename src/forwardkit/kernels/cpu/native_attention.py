@@ -73,7 +73,7 @@ def candidate_builds() -> list[str]:
 
 
 @KERNEL.cached
-def _library(isa: str) -> ctypes.CDLL | None:
+def _checked_library(isa: str) -> ctypes.CDLL | None:
     """Build ``isa`` loaded with its argument layout checked, or None (instructions missing,
     build error, another layout)."""
     lib = KERNEL.library(isa)
@@ -153,7 +153,7 @@ def _function(isa: str, dtype: torch.dtype) -> Callable[..., int] | None:
     """Build ``isa``'s kernel for ``dtype``, self-checked; None when it is unavailable."""
     if dtype not in _DTYPES:
         return None
-    lib = _library(isa)
+    lib = _checked_library(isa)
     if lib is None:
         return None
     fn: Callable[..., int] = (lib.fk_decode_attention_bf16 if dtype == torch.bfloat16

@@ -140,18 +140,13 @@ def _self_check(fn: Callable[..., int], dtype: torch.dtype, max_rows: int = MAX_
             raise RuntimeError(f"{dtype} self-check failed for {rows} rows (rc={rc})")
 
 
-def _library(isa: str) -> ctypes.CDLL | None:
-    """Build ``isa`` loaded, or None (no instructions, build error)."""
-    return KERNEL.library(isa)
-
-
 @KERNEL.cached
 def _function(isa: str, dtype: torch.dtype) -> Callable[..., int] | None:
     """Build ``isa``'s kernel for ``dtype``, self-checked; None when this CPU lacks its
     instructions or it does not build, load or pass the check."""
     if dtype not in _DTYPES or not isa_supported(isa, dtype):
         return None
-    lib = _library(isa)
+    lib = KERNEL.library(isa)
     if lib is None:
         return None
     fn = lib.fk_linear_bf16 if dtype == torch.bfloat16 else lib.fk_linear_f32
@@ -171,7 +166,7 @@ def _row_limit(isa: str, dtype: torch.dtype) -> int:
     AVX2 build in bf16, which reports its own limit (``fk_max_rows_bf16``): without native bf16
     arithmetic oneDNN widens the whole weight on every call, so streaming it wins for batched
     decode too."""
-    lib = _library(isa)
+    lib = KERNEL.library(isa)
     if dtype != torch.bfloat16 or lib is None or not hasattr(lib, "fk_max_rows_bf16"):
         return MAX_ROWS
     lib.fk_max_rows_bf16.restype = ctypes.c_int
@@ -283,7 +278,7 @@ def _bf16_rows() -> Callable[..., int] | None:
     """The AVX2 build's any-rows bf16 kernel, self-checked; None where it does not serve."""
     if _function(_BF16_ROWS_ISA, torch.bfloat16) is None:
         return None
-    lib = _library(_BF16_ROWS_ISA)
+    lib = KERNEL.library(_BF16_ROWS_ISA)
     if lib is None:
         return None
     fn = lib.fk_linear_bf16_rows
