@@ -94,11 +94,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FORWARDKIT_DEBUG_DUMP_PATH": _str("FORWARDKIT_DEBUG_DUMP_PATH", None),
     # save/load Dynamo's result (mode 3, Inductor, cache on) so a warm start skips the trace
     "FORWARDKIT_USE_AOT_COMPILE": _bool("FORWARDKIT_USE_AOT_COMPILE", True),
-    # CPU: the native few-row linear for the products of routed layers (kernels/cpu); which
-    # layers are routed is the "cpu_linear" custom op (compilation_config.custom_ops)
+    # deprecated: read once per engine config into compilation_config.custom_ops ("=0" is
+    # "-cpu_linear", the one switch of the native linear kernels; config/custom_ops.py)
     "FORWARDKIT_CPU_NATIVE_LINEAR": _bool("FORWARDKIT_CPU_NATIVE_LINEAR", True),
-    # CPU: the native paged decode attention (kernels/cpu/native_attention.py); which layers
-    # may use it is the "cpu_attention" custom op (compilation_config.custom_ops)
+    # deprecated: "=0" is read as "-cpu_attention" (the native decode attention's one switch)
     "FORWARDKIT_CPU_NATIVE_ATTENTION": _bool("FORWARDKIT_CPU_NATIVE_ATTENTION", True),
     # with AOT compile on: a missing or unusable saved entry is a FileNotFoundError instead of
     # a trace (vLLM: VLLM_FORCE_AOT_LOAD), for deployments that must never compile

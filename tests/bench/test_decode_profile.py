@@ -44,7 +44,7 @@ def test_rows_cover_every_part_of_a_decode_step(llm, batch):
 
     if native_attention.available():
         assert profile.kernel_calls["attention"] == layers
-    assert set(profile.kernel_calls) == {"attention", "linear"}
+    assert set(profile.kernel_calls) == {"attention", "linear", "quant"}
     parts = sum(r.ms for r in profile.rows if not r.kind.startswith("step"))
     (step,) = profile.by_kind("step_profiled")
     assert all(r.ms >= 0 for r in profile.rows if r.kind != "elementwise")

@@ -371,13 +371,15 @@ def _graphs_rank_main(rank: int, nprocs: int, port: int, path: str) -> dict:
         out["starts"] = starts
 
         calls: list = []
-        real_run = model_runner.run_ubatches
+        from forwardkit.runner import microbatched  # the runner's micro-batched forward
+
+        real_run = microbatched.run_ubatches
 
         def counting_run(fns, contexts):
             calls.append(len(fns))
             return real_run(fns, contexts)
 
-        model_runner.run_ubatches = counting_run  # type: ignore[assignment]
+        microbatched.run_ubatches = counting_run  # type: ignore[assignment]
         ub_graphs = {n: graphs._entries[n].graph for n in graphs.sizes()}
         full = dbo.model.concrete_cudagraph_entries
         reqs_plain, reqs_dbo = _Requests(rank), _Requests(rank)

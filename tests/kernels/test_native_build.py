@@ -197,13 +197,13 @@ def test_concurrent_builders_compile_once(root, loads, monkeypatch):
     isa = next(i for i in ("avx512", "avx2") if native_linear.isa_supported(i, BF16))
     directory = Path(native_kernel_dir())
     compiles = []
-    real = native_linear._compile
+    real = native_linear.KERNEL.compile
 
     def counting(*args):
         compiles.append(args)
         real(*args)
 
-    monkeypatch.setattr(native_linear, "_compile", counting)
+    monkeypatch.setattr(native_linear.KERNEL, "compile", counting)
     loaded_before = len(loads)
     start = threading.Barrier(2)
     errors: list[BaseException] = []
@@ -211,7 +211,7 @@ def test_concurrent_builders_compile_once(root, loads, monkeypatch):
     def build() -> None:
         try:
             start.wait()
-            native_linear._load(directory, isa)
+            native_linear.KERNEL.load(directory, isa)
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
@@ -221,6 +221,6 @@ def test_concurrent_builders_compile_once(root, loads, monkeypatch):
     for t in threads:
         t.join(timeout=300)
     assert errors == [] and len(compiles) == 1
-    so = next(directory.glob(f"{native_linear._ISAS[isa].source.stem}-*.so"))
+    so = next(directory.glob(f"{native_linear.KERNEL.source_of(isa).stem}-*.so"))
     assert _manifest(directory) == {so.name: _entry(so.read_bytes())}
     assert len(loads) == loaded_before + 2

@@ -192,7 +192,7 @@ def test_routed_bf16_layers_without_onednn_bf16_use_it_and_never_pack(monkeypatc
     assert calls[:2] == [True, True] and calls[3] is False
     assert routes.packed_count() == 0
     # every product served natively once: the few-row kernel or the blocked one
-    assert native_build.kernel_calls.since(before) == {"attention": 0, "linear": 4}
+    assert native_build.kernel_calls.since(before) == {"attention": 0, "linear": 4, "quant": 0}
 
 
 @needs_kernel
@@ -207,16 +207,7 @@ def test_served_products_are_counted_declined_ones_not():
     too_many = native_linear.max_rows(dtype) + 1
     assert native_linear.linear_rows(torch.randn(too_many, 32).to(dtype), w, None) is None
     assert native_linear.linear_rows(torch.randn(1, 32).half(), w.half(), None) is None
-    assert native_build.kernel_calls.since(before) == {"attention": 0, "linear": 2}
-
-
-def test_switched_off_by_environment(fresh_kernel):
-    fresh_kernel.setenv("FORWARDKIT_CPU_NATIVE_LINEAR", "0")
-    assert not native_linear.available()
-    x, w = torch.randn(1, 32).to(BF16), torch.randn(8, 32).to(BF16)
-    before = native_build.kernel_calls.snapshot()
-    assert native_linear.linear_rows(x, w, None) is None
-    assert native_build.kernel_calls.since(before)["linear"] == 0
+    assert native_build.kernel_calls.since(before) == {"attention": 0, "linear": 2, "quant": 0}
 
 
 @needs_kernel

@@ -268,28 +268,6 @@ def test_engine_decodes_the_same_tokens_through_it(monkeypatch):
     assert tokens[False] == tokens[True]
 
 
-def test_switched_off_by_environment(fresh_kernel):
-    """``FORWARDKIT_CPU_NATIVE_ATTENTION=0``: the layer asks for the kernel, the kernel does not
-    serve (counted), and the step is the torch path's, bit for bit."""
-    fresh_kernel.setenv("FORWARDKIT_CPU_NATIVE_ATTENTION", "0")
-    assert not native_attention.available(torch.float32) and not native_attention.available(BF16)
-    gen = torch.Generator().manual_seed(4)
-    md, kv_cache, q, k, v = _mixed_metadata(gen, 4, 2, 32, torch.float32)
-    cache_off, cache_torch = kv_cache.clone(), kv_cache.clone()
-    out_off, out_torch = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
-    before = native_build.kernel_calls.snapshot()
-    paged_attention(q, k, v, cache_off, md, 0.2, out_off, native_decode=True)
-    assert native_build.kernel_calls.since(before)["attention"] == 0
-    assert md.native_decode_index  # the indices fit; the kernel was not there to take them
-    paged_attention(q, k, v, cache_torch, md, 0.2, out_torch)
-    assert torch.equal(out_off, out_torch) and torch.equal(cache_off, cache_torch)
-    # and the torch path really attended the decode rows (against the float64 reference)
-    rows = md.decode_token_idx
-    ref = native_attention.reference_decode(q, cache_off[0], cache_off[1], rows,
-                                            md.decode_block_table, md.decode_seq_lens, 0.2)
-    torch.testing.assert_close(out_off[rows].double(), ref, rtol=1e-5, atol=1e-5)
-
-
 def test_missing_compiler_serves_the_torch_path(fresh_kernel, tmp_path, fk_log_records):
     """Without a compiler (and no verified build cached) the kernel is off with one log line
     and the step gives the torch path's result."""
@@ -321,7 +299,7 @@ def test_build_is_verified_and_a_tampered_one_rebuilt(fresh_kernel, tmp_path):
     (so,) = native.glob("decode_attention-*.so")
     manifest = json.loads((native / kernel_cache.MANIFEST).read_text())
     assert manifest[so.name] == _entry(so.read_bytes())
-    assert so.name == native_attention._library_name(isa)
+    assert so.name == native_attention.KERNEL.library_name(isa)
     good = so.read_bytes()
     tmp = so.with_name(".test-" + so.name)  # a new file: this process has the old one mapped
     tmp.write_bytes(good[: len(good) // 2])
@@ -336,8 +314,8 @@ def test_build_is_verified_and_a_tampered_one_rebuilt(fresh_kernel, tmp_path):
 def test_library_name_covers_the_included_header(tmp_path):
     """decode_attention.c includes fk_bf16.h: the build's name hashes both files."""
     src = tmp_path / "csrc"
-    shutil.copytree(native_attention._SOURCE.parent, src)
-    source = src / native_attention._SOURCE.name
+    shutil.copytree(native_attention.KERNEL.source.parent, src)
+    source = src / native_attention.KERNEL.source.name
     assert [p.name for p in native_build.build_inputs(source)] == ["decode_attention.c",
                                                                     "fk_bf16.h"]
     before = native_build.library_name(source, ["-O3"])

@@ -60,16 +60,11 @@ def _hf_model(kind: str, **overrides):
 
 
 @pytest.fixture
-def reference_path(monkeypatch):
-    """Quantized projections by dequantize-then-matmul (the native kernel off): a packed model
-    then computes what a dense model holding the dequantized values computes."""
-    from forwardkit.kernels.cpu import native_quant
-
-    native_quant.cache_clear()
-    monkeypatch.setenv("FORWARDKIT_CPU_NATIVE_LINEAR", "0")
-    yield
-    monkeypatch.undo()
-    native_quant.cache_clear()
+def reference_path():
+    """``LLM`` arguments for quantized projections by dequantize-then-matmul (the native
+    kernels' one switch, the ``cpu_linear`` custom op, off): a packed model then computes what a
+    dense model holding the dequantized values computes."""
+    return {"compilation_config": {"custom_ops": ["-cpu_linear"]}}
 
 
 # ---------------------------------------------------------------- tensor types
@@ -261,7 +256,7 @@ def test_k_quant_file_repacks_and_generates_its_values_tokens(tmp_path, referenc
     monkeypatch.setattr(gguf_loader, "_CHUNK_WEIGHTS", 1000)  # 3 embedding rows per chunk
     tensors = _k_quant_tensors()
     path = write_gguf(str(tmp_path / "k.gguf"), "llama", K_CFG, tensors, type_of=_k_type)
-    llm = LLM(model=path, dtype="float32", enforce_eager=True)
+    llm = LLM(model=path, dtype="float32", enforce_eager=True, **reference_path)
     module = llm.runner.module
     formats = {name: m.quant_method.format.name for name, m in module.named_modules()
                if isinstance(m, (Linear, LMHead)) and m.quant_method is not None}
@@ -272,7 +267,8 @@ def test_k_quant_file_repacks_and_generates_its_values_tokens(tmp_path, referenc
     assert isinstance(qkv.quant_method, SplitQuantizedLinearMethod)
     assert [(rows, f.name) for rows, f in qkv.quant_method.parts] == [(256, "q4_1"), (128, "q4_1"),
                                                                       (128, "q8_0")]
-    reference = LLM(model=_dense_twin(tensors, tmp_path / "twin"), enforce_eager=True)
+    reference = LLM(model=_dense_twin(tensors, tmp_path / "twin"), enforce_eager=True,
+                    **reference_path)
     assert _greedy(llm) == _greedy(reference)
 
 
@@ -285,7 +281,7 @@ def test_mixtral_q8_0_file_with_quantized_experts_generates(tmp_path, reference_
                       gguf_tensors(model.state_dict(), cfg, "llama"),
                       type_of=lambda name, a: T.Q8_0 if a.ndim >= 2 and "token_embd" not in name
                       and name != "output.weight" and "gate_inp" not in name else T.F32)
-    llm = LLM(model=path, dtype="float32", enforce_eager=True)
+    llm = LLM(model=path, dtype="float32", enforce_eager=True, **reference_path)
     assert len(quantized_linears(llm.runner.module)) == 2 * 2  # qkv and o per layer
     # the reference: every Q8_0 tensor replaced by its dequantized values
     with torch.no_grad():
@@ -411,7 +407,7 @@ def test_tied_quantized_embedding_gives_a_packed_head(tmp_path, reference_path):
     tensors = gguf_tensors(model.state_dict(), cfg, "llama")
     path = write_gguf(str(tmp_path / "tied.gguf"), "llama", cfg, tensors,
                       type_of=lambda name, a: T.Q8_0 if name == "token_embd.weight" else T.F32)
-    llm = LLM(model=path, dtype="float32", enforce_eager=True)
+    llm = LLM(model=path, dtype="float32", enforce_eager=True, **reference_path)
     module = llm.runner.module
     head = module.lm_head
     assert head.quant_method is not None and head.quant_method.format.name == "q8_0"

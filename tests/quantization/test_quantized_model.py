@@ -29,16 +29,17 @@ def _tokens(outputs) -> list[list[int]]:
 
 @pytest.fixture
 def exact_path(request, monkeypatch):
-    """The quantized paths whose products are dequantize-then-matmul's: the op's reference path
-    (the native kernel off) and the native kernel's float strategy (summed in another order)."""
+    """``LLM`` arguments for the quantized paths whose products are dequantize-then-matmul's:
+    the reference path (the ``cpu_linear`` custom op off, the native kernels' one switch) and
+    the native kernel's float strategy (summed in another order)."""
     from forwardkit.kernels.cpu import native_quant
 
-    native_quant.cache_clear()
     if request.param == "reference":
-        monkeypatch.setenv("FORWARDKIT_CPU_NATIVE_LINEAR", "0")
+        llm_args = {"compilation_config": {"custom_ops": ["-cpu_linear"]}}
     else:
         assert native_quant.available()  # the generic build runs on every CPU
         monkeypatch.setattr(native_quant, "DEFAULT_STRATEGY", "float")
+        llm_args = {}
     served = []
     real = native_quant.quant_linear_rows
 
@@ -48,11 +49,10 @@ def exact_path(request, monkeypatch):
         return out
 
     monkeypatch.setattr(native_quant, "quant_linear_rows", counting)
-    yield
+    yield llm_args
     monkeypatch.undo()
     # the decode steps went to the kernel exactly when it was on
     assert any(served) == (request.param == "native-float"), served
-    native_quant.cache_clear()
 
 
 @pytest.mark.parametrize("fmt, exact_path", [
@@ -60,7 +60,7 @@ def exact_path(request, monkeypatch):
     ("q8_0", "native-float"), ("q4_0", "native-float"),  # q4_1 has no native kernel
 ], indirect=["exact_path"])
 def test_quantized_tokens_equal_dequantized_checkpoint(llama_dir, dequantized_dir, fmt, exact_path):
-    quant = LLM(model=llama_dir, quantization=fmt, enforce_eager=True)
+    quant = LLM(model=llama_dir, quantization=fmt, enforce_eager=True, **exact_path)
     module = quant.runner.module
     layers = quantized_linears(module)
     assert len(layers) == 2 * 4  # qkv, o, gate_up, down in each of the 2 layers
@@ -68,7 +68,7 @@ def test_quantized_tokens_equal_dequantized_checkpoint(llama_dir, dequantized_di
     # the LM head and the embedding stay in the model's dtype
     assert all(m.weight.dtype == torch.float32 for m in module.modules()
                if isinstance(m, (LMHead, VocabEmbedding)))
-    reference = LLM(model=dequantized_dir(fmt), enforce_eager=True)
+    reference = LLM(model=dequantized_dir(fmt), enforce_eager=True, **exact_path)
     assert _tokens(_greedy(quant)) == _tokens(_greedy(reference))
 
 

@@ -161,7 +161,8 @@ def native_kernel_dir() -> str:
     root, source = compile_cache_root(None)
     leaf = os.path.join(root, "native")
     _make_private_dirs(root, leaf, source, remedy="point FORWARDKIT_CACHE_ROOT at a private "
-                       "directory, or set FORWARDKIT_CPU_NATIVE_LINEAR=0")
+                       "directory, or turn the native kernels' custom ops off "
+                       "(compilation_config.custom_ops '-cpu_linear', '-cpu_attention')")
     return leaf
 
 

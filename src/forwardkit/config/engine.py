@@ -52,7 +52,7 @@ from forwardkit import envs
 from forwardkit.config.attention import selected_attention_backend
 from forwardkit.config.cache import CacheConfig
 from forwardkit.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
-from forwardkit.config.custom_ops import custom_ops_default
+from forwardkit.config.custom_ops import apply_kernel_switch_env, custom_ops_default
 from forwardkit.config.engine_graphs import (
     resolve_static_graphs,
     sequence_parallel_multiple,
@@ -224,6 +224,7 @@ class EngineConfig(FreezableConfig):
             cc.mode = mode
         if "all" not in cc.custom_ops and "none" not in cc.custom_ops:  # step 11
             cc.custom_ops.append(custom_ops_default(cc.mode, cc.backend))
+        apply_kernel_switch_env(cc.custom_ops)  # the deprecated kernel variables, into the list
         apply_level_defaults(cc, self.optimization_level)  # step 12
         if (cc.resolved_cudagraph_mode().requires_piecewise_compilation()
                 and cc.mode != CompilationMode.VLLM_COMPILE):

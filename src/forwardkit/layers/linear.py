@@ -13,8 +13,10 @@ Each parameter carries a ``weight_loader(param, tensor, shard_id=None)`` so mode
 
 A :class:`Linear` built with a ``quant_method``
 (:class:`~forwardkit.quantization.linear_method.QuantizedLinearMethod`) lets the method create
-its weight (a staging weight, quantized by the loader once loaded) and apply it (the
-``forwardkit::quant_linear`` op, on every path); it never calls ``forwardkit::linear``.
+its weight (a staging weight, quantized by the loader once loaded) and apply it (with the
+``cpu_linear`` op on, the ``forwardkit::quant_linear`` op and its native kernels; with
+``"-cpu_linear"``, dequantize-then-``F.linear`` in plain torch); it never calls
+``forwardkit::linear``.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class Linear(CpuLinearLayer):
         """``x @ W.T + bias``: by the quant method when there is one, else by the
         ``forwardkit::linear`` op (``op``) or ``F.linear``."""
         if self.quant_method is not None:
-            out = self.quant_method.apply(self, x, bias)
+            out = self.quant_method.apply(self, x, bias, kernel=op)
         elif op:
             out = torch.ops.forwardkit.linear(x, self.weight, bias)
         else:
@@ -191,9 +193,10 @@ class LMHead(CpuLinearLayer):
             self.weight.weight_loader = _default_loader  # type: ignore[attr-defined]
 
     def forward_native(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits in float32, by ``F.linear`` (or the quant method of a packed head)."""
+        """Logits in float32, by ``F.linear`` (or the quant method of a packed head, in plain
+        torch)."""
         if self.quant_method is not None:
-            return self.quant_method.apply(self, hidden_states, None).float()
+            return self.quant_method.apply(self, hidden_states, None, kernel=False).float()
         return F.linear(hidden_states, self.weight).float()
 
     def forward_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,10 @@ Life of a quantized layer's weight:
    (:func:`~forwardkit.quantization.formats.quantize`) and replaces it with the packed
    ``uint8`` weight; the staging tensor is freed, so a checkpoint loads one projection at a time
    at full precision;
-3. :meth:`~QuantizedLinearMethod.apply` calls the ``forwardkit::quant_linear`` op.
+3. :meth:`~QuantizedLinearMethod.apply` calls the ``forwardkit::quant_linear`` op (the native
+   kernels) when the layer runs its CPU form (the ``cpu_linear`` custom op on, the default), else
+   computes dequantize-then-``F.linear`` in plain torch (``"-cpu_linear"``: the layer's native
+   form; the one switch of the native linear kernels, ``config/custom_ops.py``).
 """
 
 from __future__ import annotations
@@ -23,11 +26,19 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
-from forwardkit.quantization import ops as _ops  # noqa: F401  (registers forwardkit::quant_linear)
+from forwardkit.quantization import ops as _ops  # registers forwardkit::quant_linear
 from forwardkit.quantization.formats import BLOCK, QuantFormat, get_format, quantize
 
 __all__ = ["PackedWeightLayer", "QuantizedLayer", "QuantizedLinearMethod", "QuantizedWeightReloadError",
            "SplitQuantizedLinearMethod", "install_packed_weight"]
+
+
+def _project(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+             kernel: bool) -> torch.Tensor:
+    """The op (``kernel``) or its plain-torch reference (:func:`ops.reference_linear`)."""
+    if kernel:
+        return torch.ops.forwardkit.quant_linear(x, packed, bias, fmt)
+    return _ops.reference_linear(x, packed, bias, fmt)
 
 
 class QuantizedWeightReloadError(ValueError):
@@ -90,12 +101,15 @@ class QuantizedLinearMethod:
         layer.weight = packed
         return packed
 
-    def apply(self, layer: PackedWeightLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ W.T + bias`` through the ``forwardkit::quant_linear`` op."""
+    def apply(self, layer: PackedWeightLayer, x: torch.Tensor, bias: torch.Tensor | None,
+              kernel: bool = True) -> torch.Tensor:
+        """``x @ W.T + bias``: through the ``forwardkit::quant_linear`` op (native kernels where
+        they apply) with ``kernel``, else dequantize-then-``F.linear`` in plain torch (the
+        layer's native form, ``"-cpu_linear"``)."""
         if not self.is_quantized(layer):
             raise RuntimeError(f"a {self.format.name} layer ran before its weight was quantized "
                                "(the model loader quantizes each weight once it is loaded)")
-        return torch.ops.forwardkit.quant_linear(x, layer.weight, bias, self.format.name)
+        return _project(x, layer.weight, bias, self.format.name, kernel)
 
 
 class SplitQuantizedLinearMethod(QuantizedLinearMethod):
@@ -123,13 +137,15 @@ class SplitQuantizedLinearMethod(QuantizedLinearMethod):
             offset += rows * row_bytes
         return views
 
-    def apply(self, layer: PackedWeightLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ W.T + bias``, one ``forwardkit::quant_linear`` per part."""
+    def apply(self, layer: PackedWeightLayer, x: torch.Tensor, bias: torch.Tensor | None,
+              kernel: bool = True) -> torch.Tensor:
+        """``x @ W.T + bias``, one ``forwardkit::quant_linear`` per part (or its plain-torch
+        reference without ``kernel``)."""
         outs = []
         first = 0
         for (rows, fmt), packed in zip(self.parts, self.packed_parts(layer.weight, x.shape[-1])):
             part_bias = None if bias is None else bias.narrow(0, first, rows)
-            outs.append(torch.ops.forwardkit.quant_linear(x, packed, part_bias, fmt.name))
+            outs.append(_project(x, packed, part_bias, fmt.name, kernel))
             first += rows
         return torch.cat(outs, dim=-1)
 

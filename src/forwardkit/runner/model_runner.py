@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol, TypeVar, cast
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -31,12 +30,10 @@ from forwardkit.cudagraph import monitor
 from forwardkit.cudagraph.dispatcher import CudagraphDispatcher
 from forwardkit.cudagraph.ubatch_graphs import MICROBATCHED_FULL, UBatchGraphs
 from forwardkit.cudagraph.wrapper import CUDAGraphWrapper, GraphBackend, piecewise_cudagraph_options
-from forwardkit.distributed.dp_utils import DPMetadata
 from forwardkit.forward_context import (
     AttnMetadataDict,
     BatchDescriptor,
     StepAttentionMetadata,
-    create_forward_context,
     set_forward_context,
 )
 from forwardkit.kernels.cpu.router import CpuLinearRouter, attached_router, bind
@@ -49,14 +46,10 @@ from forwardkit.layers.kv_cache import (
 )
 from forwardkit.layers.lora import LoRASlots, LoRAStepPlan, attach_lora_slots, bind_plan
 from forwardkit.logger import init_logger
-from forwardkit.microbatching.overlap import run_ubatches
-from forwardkit.microbatching.slices import (
-    UBatchSlice,
-    UBatchSlices,
-    maybe_create_ubatch_slices,
-)
+from forwardkit.microbatching.slices import UBatchSlices
 from forwardkit.runner.batch import StepBatch
 from forwardkit.runner.input_buffers import InputBuffers, int64_tensor
+from forwardkit.runner.microbatched import MicrobatchedForward
 from forwardkit.runner.planner import StepPlan, StepPlanner
 from forwardkit.runner.setup import num_kv_blocks
 from forwardkit.runner.static_metadata import StaticMetadataPool
@@ -69,23 +62,6 @@ logger = init_logger(__name__)
 
 # Tokens of a CPU start-up dummy step per compile range (see ``warm_up_compile_ranges``).
 _CPU_WARMUP_TOKENS = 2
-
-
-def _ubatch_requests(cu: np.ndarray, seq_lens: list[int], block_tables: list[list[int]],
-                     sl: UBatchSlice) -> tuple[list[int], list[int], list[list[int]]]:
-    """Query lengths, sequence lengths and block tables of the requests in micro-batch ``sl``
-    (real tokens only). A request cut by a boundary keeps only its tokens inside the slice:
-    before the cut its sequence ends where the slice ends."""
-    q, s, b = [], [], []
-    stop = min(sl.request_slice.stop, len(seq_lens))
-    for r in range(sl.request_slice.start, stop):
-        first, end = max(int(cu[r]), sl.token_slice.start), min(int(cu[r + 1]), sl.token_slice.stop)
-        if end <= first:
-            continue
-        q.append(end - first)
-        s.append(seq_lens[r] - (int(cu[r + 1]) - end))
-        b.append(block_tables[r])
-    return q, s, b
 
 
 class StepModel(Protocol):
@@ -353,6 +329,11 @@ class ModelRunner:
         self.ubatch_graphs: UBatchGraphs | None = None
         if mode.has_full_cudagraphs() and self.parallel_config.use_ubatching:
             self.ubatch_graphs = UBatchGraphs(self.graph_backend)
+        # the forward of steps the planner micro-batches (runner/microbatched.py)
+        self.microbatched = MicrobatchedForward(
+            self.engine_config, self.attn_backend, self.attn_layer_names, self.block_size,
+            self.device, self.dp_size, self.ubatch_graphs, self._full_metadata,
+            lambda q, s, b: unfold_decodes(q, s, b, self.unfold_query_len))
 
     def _wrap_piece(self, piece: Callable[..., Any], index: int, num_pieces: int) -> CUDAGraphWrapper:
         """The piece-wrapper factory handed to the compilation backend (one wrapper per piece)."""
@@ -415,9 +396,9 @@ class ModelRunner:
         n = batch.num_tokens
         slices = None
         if plan.should_ubatch:  # every DP rank agreed: dual-batch overlap
-            hidden, slices = self._forward_ubatched(batch.query_lens, batch.seq_lens,
-                                                    batch.block_tables, input_ids, positions,
-                                                    mode, desc, across_dp)
+            hidden, slices = self.microbatched.run(self.model, batch.query_lens, batch.seq_lens,
+                                                   batch.block_tables, input_ids, positions,
+                                                   mode, desc, across_dp)
         else:
             attn_md = self._metadata(batch.query_lens, batch.seq_lens, batch.block_tables,
                                      padded, mode)
@@ -438,66 +419,6 @@ class ModelRunner:
         else:
             selected = hidden.index_select(0, int64_tensor(rows).to(hidden.device))
         return self.model.compute_logits(selected).float()
-
-    def _forward_ubatched(self, query_lens: list[int], seq_lens: list[int],
-                          block_tables: list[list[int]], input_ids: torch.Tensor,
-                          positions: torch.Tensor, mode: CUDAGraphMode, desc: BatchDescriptor,
-                          across_dp: torch.Tensor | None) -> tuple[torch.Tensor, UBatchSlices]:
-        """Run the step as ``num_ubatches`` micro-batches that take turns (dual-batch overlap).
-
-        Each micro-batch gets its own forward context: attention metadata of its requests
-        (a request split by a boundary is trimmed to its tokens on each side), ``DPMetadata``
-        of its token count on every rank (all ranks split the same padded total), runtime
-        mode NONE. The outer context carries the padded ``ubatch_slices`` and the list of
-        per-micro-batch metadata, as in vLLM. Returns the concatenated hidden states and the
-        padded slices.
-
-        With ``mode`` FULL (the planner gives it only for sizes with a micro-batched graph,
-        ``StepPlanner.microbatched_capture_descs``) the step is one
-        micro-batched graph (:class:`~forwardkit.cudagraph.ubatch_graphs.UBatchGraphs`):
-        each micro-batch's metadata covers its padded slice (padding rows as dummy requests
-        on the scratch block) in persistent tensors, and after the capture a step replays
-        the graph without threads.
-        """
-        cfg, pc = self.engine_config, self.parallel_config
-        padded = desc.num_tokens
-        graphs = self.ubatch_graphs if mode == CUDAGraphMode.FULL else None
-        assert mode != CUDAGraphMode.FULL or graphs is not None, (
-            "a FULL micro-batched step needs the runner's micro-batched graphs "
-            "(micro-batching configured and a mode with FULL graphs)"
-        )
-        unpadded_slices, slices = maybe_create_ubatch_slices(
-            True, np.asarray(query_lens), padded, len(query_lens), pc.num_ubatches)
-        assert unpadded_slices is not None and slices is not None
-        cu = np.concatenate([[0], np.cumsum(query_lens)])
-        metadata, contexts, fns = [], [], []
-        for i, (real, sl) in enumerate(zip(unpadded_slices, slices)):
-            q, s, b = unfold_decodes(*_ubatch_requests(cu, seq_lens, block_tables, real),
-                                     self.unfold_query_len)
-            if graphs is not None:
-                md = self._full_metadata(q, s, b, sl.num_tokens, key=(padded, i))
-            else:
-                md = self.attn_backend.build_metadata(q, s, b, sl.num_tokens, self.block_size,
-                                                      self.device)
-            attn = dict.fromkeys(self.attn_layer_names, md)
-            metadata.append(attn)
-            dp_md = None
-            if self.dp_size > 1:
-                dp_md = DPMetadata.make(pc, sl.num_tokens,
-                                        torch.full((self.dp_size,), sl.num_tokens, dtype=torch.int32))
-            contexts.append(create_forward_context(attn, cfg, dp_metadata=dp_md,
-                                                   cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                                   batch_descriptor=desc))
-            tok = sl.token_slice
-            fns.append(functools.partial(self.model, input_ids[tok], positions[tok]))
-        with set_forward_context(metadata, cfg, num_tokens=padded, num_tokens_across_dp=across_dp,
-                                 cudagraph_runtime_mode=mode, batch_descriptor=desc,
-                                 ubatch_slices=slices):
-            if graphs is not None:
-                hidden = graphs.run(padded, lambda: torch.cat(run_ubatches(fns, contexts)))
-            else:
-                hidden = torch.cat(run_ubatches(fns, contexts))
-        return hidden, slices
 
     def _metadata(self, query_lens: list[int], seq_lens: list[int],
                   block_tables: list[list[int]], padded: int, mode: CUDAGraphMode) -> AttnMetadataDict:
@@ -572,8 +493,8 @@ class ModelRunner:
         input_ids, positions = self.buffers.dummy(padded)
         slices = None
         if plan.should_ubatch:
-            _, slices = self._forward_ubatched(lens, lens, self._scratch_tables(lens), input_ids,
-                                               positions, mode, desc, across_dp)
+            _, slices = self.microbatched.run(self.model, lens, lens, self._scratch_tables(lens),
+                                              input_ids, positions, mode, desc, across_dp)
         else:
             attn_md = None
             if force_attention or mode == CUDAGraphMode.FULL:

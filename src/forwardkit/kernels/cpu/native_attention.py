@@ -9,7 +9,7 @@ own blocks with a streaming (online) softmax, the query heads that share a KV he
 K/V row once, and writes each request's output row. Prompts (multi-token requests) stay with
 PyTorch's SDPA.
 
-One portable C source, compiled per ISA with the flags of :data:`_ISAS` (AVX-512, AVX2 + FMA,
+One portable C source, compiled per ISA with the flags of :data:`KERNEL`'s builds (AVX-512, AVX2 + FMA,
 or the compiler's baseline): the first whose CPU flags are present and that builds, loads and
 passes its self-check serves both dtypes (bf16 and float32; query, cache and output of one
 dtype, float32 arithmetic, bf16 outputs rounded to nearest even). Building, naming, the
@@ -19,23 +19,22 @@ name hashes the source and the header it includes, a ``.so`` is ``dlopen``-ed on
 matches its SHA-256 manifest entry (under the manifest's ``fcntl`` lock), and a verified build
 loads without a compiler. Anything that fails (no compiler and no verified build, an unsafe
 directory, a wrong self-check) switches the kernel off with one log line, and the PyTorch path
-serves every call. ``FORWARDKIT_CPU_NATIVE_ATTENTION=0`` disables it; which layers use it at all
-is the ``cpu_attention`` custom op (``layers/attention.py``).
+serves every call. The kernel reads no switch: which layers use it is the ``cpu_attention``
+custom op (``"-cpu_attention"`` turns it off; ``layers/attention.py``), decided when the layer is
+built.
 """
 
 from __future__ import annotations
 
 import array
 import ctypes
-import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from forwardkit import envs
-from forwardkit.kernels.cpu import native_build, native_linear
+from forwardkit.kernels.cpu import native_build
 from forwardkit.logger import init_logger
 
 __all__ = ["DecodeIndex", "available", "cache_clear", "candidate_builds", "decode_index",
@@ -43,7 +42,6 @@ __all__ = ["DecodeIndex", "available", "cache_clear", "candidate_builds", "decod
 
 logger = init_logger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 _ABI_VERSION = 2
 # int64 arguments per call (the layer's tensors) and per step (the decode requests' indices):
 # the FK_L_* / FK_S_* layouts of decode_attention.c, in this order
@@ -52,67 +50,33 @@ _STEP_ARGS = 7
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
-class _Isa(NamedTuple):
-    """One build: its compiler flags and the CPU flags it needs."""
-
-    flags: tuple[str, ...]
-    needs: frozenset[str]
-
-
 # Tried in this order; the first this CPU can run that builds and passes its self-check serves.
-_ISAS: dict[str, _Isa] = {
-    "avx512": _Isa(("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mprefer-vector-width=512"),
-                   frozenset({"avx512f", "avx512bw", "avx512vl", "fma"})),
-    "avx2": _Isa(("-mavx2", "-mfma"), frozenset({"avx2", "fma"})),
-    "generic": _Isa((), frozenset()),
-}
+KERNEL = native_build.NativeKernel(
+    name="decode attention", source=Path(__file__).with_name("csrc") / "decode_attention.c",
+    isas={"avx512": native_build.Isa(("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma",
+                                      "-mprefer-vector-width=512"),
+                                     frozenset({"avx512f", "avx512bw", "avx512vl", "fma"})),
+          "avx2": native_build.Isa(("-mavx2", "-mfma"), frozenset({"avx2", "fma"})),
+          "generic": native_build.Isa((), frozenset())},
+    abi_symbol="fk_attention_abi_version", abi_version=_ABI_VERSION, logger=logger,
+    fallback="PyTorch attention serves decode steps")
 
 
 def isa_supported(isa: str) -> bool:
     """Whether this CPU has the instructions build ``isa`` ("avx512", "avx2", "generic") uses."""
-    return _ISAS[isa].needs <= native_linear.cpu_flags()
+    return KERNEL.isa_supported(isa)
 
 
 def candidate_builds() -> list[str]:
     """The builds this CPU could run, best first (cheap: no compiling)."""
-    return [isa for isa in _ISAS if isa_supported(isa)]
+    return KERNEL.candidate_builds()
 
 
-def _flags(isa: str) -> list[str]:
-    return [*native_build.COMMON_FLAGS, *_ISAS[isa].flags]
-
-
-def _library_name(isa: str) -> str:
-    return native_build.library_name(_SOURCE, _flags(isa))
-
-
-def _compile(directory: Path, isa: str, name: str) -> None:
-    native_build.compile_library(directory, _SOURCE, _flags(isa), name)
-
-
-@functools.cache
-def _build_dir() -> Path | None:
-    return native_build.build_dir(logger, "Native decode attention off for this process "
-                                          "(PyTorch attention serves every call)")
-
-
-def _load(directory: Path, isa: str) -> ctypes.CDLL:
-    name = _library_name(isa)
-    return native_build.load_library(directory, name, "native attention build",
-                                     lambda: _compile(directory, isa, name))
-
-
-@functools.cache
-def _library(isa: str) -> ctypes.CDLL | None:
-    """Build ``isa`` loaded, or None (switched off, instructions missing, build error)."""
-    if not envs.FORWARDKIT_CPU_NATIVE_ATTENTION or not isa_supported(isa):
-        return None
-    directory = _build_dir()
-    if directory is None:
-        return None
-    lib = native_build.open_checked(lambda: _load(directory, isa), "fk_attention_abi_version",
-                                    _ABI_VERSION, logger=logger, kernel="decode attention",
-                                    isa=isa, fallback="PyTorch attention serves decode steps")
+@KERNEL.cached
+def _checked_library(isa: str) -> ctypes.CDLL | None:
+    """Build ``isa`` loaded with its argument layout checked, or None (instructions missing,
+    build error, another layout)."""
+    lib = KERNEL.library(isa)
     if lib is None:
         return None
     for fn in (lib.fk_attention_layer_args, lib.fk_attention_step_args):
@@ -184,12 +148,12 @@ def _self_check(fn: Callable[..., int], dtype: torch.dtype) -> None:
                                f"{(out[rows].double() - ref).abs().max().item():.3g})")
 
 
-@functools.cache
+@KERNEL.cached
 def _function(isa: str, dtype: torch.dtype) -> Callable[..., int] | None:
     """Build ``isa``'s kernel for ``dtype``, self-checked; None when it is unavailable."""
     if dtype not in _DTYPES:
         return None
-    lib = _library(isa)
+    lib = _checked_library(isa)
     if lib is None:
         return None
     fn: Callable[..., int] = (lib.fk_decode_attention_bf16 if dtype == torch.bfloat16
@@ -202,16 +166,11 @@ def _function(isa: str, dtype: torch.dtype) -> Callable[..., int] | None:
     return fn
 
 
-@functools.cache
+@KERNEL.cached
 def _selected(dtype: torch.dtype) -> tuple[str, Callable[..., int]] | None:
-    """(build, function) serving ``dtype``: the first build in :data:`_ISAS` that this CPU runs
-    and that passes its self-check; None when none does."""
-    for isa in _ISAS:
-        if isa_supported(isa):
-            fn = _function(isa, dtype)
-            if fn is not None:
-                return isa, fn
-    return None
+    """(build, function) serving ``dtype``: the first build in ``KERNEL.isas`` that this CPU
+    runs and that passes its self-check; None when none does."""
+    return KERNEL.first(lambda isa: _function(isa, dtype))
 
 
 def kernel_isa(dtype: torch.dtype = torch.float32) -> str | None:
@@ -226,11 +185,9 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def cache_clear() -> None:
-    """Forget the loaded kernels (the next call re-reads the environment and rebuilds)."""
-    _selected.cache_clear()
-    _function.cache_clear()
-    _library.cache_clear()
-    _build_dir.cache_clear()
+    """Forget the loaded kernels (the next call loads or rebuilds them: tests that change
+    ``FORWARDKIT_CACHE_ROOT`` or ``CC``)."""
+    KERNEL.cache_clear()
 
 
 class DecodeIndex(NamedTuple):

@@ -1,8 +1,11 @@
 """Building, verifying and loading forwardkit's native CPU kernels (``csrc/*.c``).
 
-Shared by :mod:`~forwardkit.kernels.cpu.native_linear` and
-:mod:`~forwardkit.kernels.cpu.native_attention`; the rules are the ones native_linear's module
-doc describes:
+:class:`NativeKernel` is one kernel: its C source, its ISA builds (:class:`Isa`: compiler
+flags and the CPU flags each needs, tried best first), its ABI check, and the process-wide
+caches of its build directory, loaded libraries and the kernel's own per-build entry points.
+:mod:`~forwardkit.kernels.cpu.native_linear`, :mod:`~forwardkit.kernels.cpu.native_attention`
+and :mod:`~forwardkit.kernels.cpu.native_quant` each instantiate one and keep only what is
+theirs (entry points, self-checks, the call). The rules:
 
 * a build is compiled with the system C compiler (``$CC``, else ``cc``) into the checked,
   owner-only ``<cache root>/native/`` (:func:`build_dir`), whole or not at all (a temporary
@@ -23,6 +26,7 @@ return), the production evidence that a kernel, not its PyTorch fallback, ran.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -31,14 +35,20 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple, ParamSpec, TypeVar
 
 from forwardkit.compilation import kernel_cache
 from forwardkit.compilation.cache import CacheDirError, native_kernel_dir
 from forwardkit.logger import ForwardkitLogger
+from forwardkit.platforms import cpu_capabilities
 
-__all__ = ["COMMON_FLAGS", "KernelCalls", "NoCompiler", "build_dir", "build_inputs",
-           "compile_library", "compiler", "kernel_calls", "library_name", "load_library",
-           "open_checked"]
+__all__ = ["COMMON_FLAGS", "Isa", "KernelCalls", "NativeKernel", "NoCompiler", "build_dir",
+           "build_inputs", "compile_library", "compiler", "kernel_calls", "library_name",
+           "load_library", "open_checked"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_T = TypeVar("_T")
 
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 _LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
@@ -50,18 +60,21 @@ class KernelCalls:
 
     ``attention``: one per :func:`~forwardkit.kernels.cpu.native_attention.paged_decode` call the
     kernel served (one per layer and decode step); ``linear``: one per
-    :func:`~forwardkit.kernels.cpu.native_linear.linear_rows` product it computed.
+    :func:`~forwardkit.kernels.cpu.native_linear.linear_rows` (or ``linear_bf16_rows``) product
+    it computed; ``quant``: one per
+    :func:`~forwardkit.kernels.cpu.native_quant.quant_linear_rows` product it computed.
     """
 
-    __slots__ = ("attention", "linear")
+    __slots__ = ("attention", "linear", "quant")
 
     def __init__(self) -> None:
         self.attention = 0
         self.linear = 0
+        self.quant = 0
 
     def snapshot(self) -> dict[str, int]:
         """The counts now, by kernel."""
-        return {"attention": self.attention, "linear": self.linear}
+        return {"attention": self.attention, "linear": self.linear, "quant": self.quant}
 
     def since(self, snapshot: dict[str, int]) -> dict[str, int]:
         """Calls served since ``snapshot`` was taken, by kernel."""
@@ -170,3 +183,120 @@ def open_checked(load: Callable[[], ctypes.CDLL], abi_symbol: str, abi_version: 
         logger.warning_once("Native %s %s off (%s); %s", isa, kernel, exc, fallback)
         return None
     return lib
+
+
+class Isa(NamedTuple):
+    """One build of a native kernel: its compiler flags, the CPU flags it needs to run, and its
+    own source where the builds of a kernel differ in source (None: the kernel's)."""
+
+    flags: tuple[str, ...]
+    needs: frozenset[str]
+    source: Path | None = None
+
+
+class NativeKernel:
+    """One native CPU kernel: built per ISA with the system compiler into the checked
+    ``native/`` directory, loaded only after its manifest entry matches, ABI-checked, and the
+    first build (in :attr:`isas` order) that this CPU runs and the kernel's own entry-point
+    loader accepts serves (:meth:`first`). Every cache (build directory, loaded libraries, and
+    the functions the kernel module wraps with :meth:`cached`) is dropped by
+    :meth:`cache_clear`. The kernel reads no switch: whether it is used is the custom op of the
+    layers that call it (``config/custom_ops.py``).
+
+    ``name`` names it in log lines ("linear", "decode attention", ...); ``fallback`` says what
+    serves when it is off; ``flags`` are added to every build's (after :data:`COMMON_FLAGS`);
+    ``cpu_flags`` gives the CPU's feature flags (default ``platforms.cpu_capabilities().flags``;
+    a kernel module passes its own seam so tests can emulate another CPU).
+    """
+
+    def __init__(self, *, name: str, source: Path, isas: dict[str, Isa], abi_symbol: str,
+                 abi_version: int, logger: ForwardkitLogger, fallback: str,
+                 flags: Sequence[str] = (),
+                 cpu_flags: Callable[[], frozenset[str]] | None = None) -> None:
+        self.name, self.source, self.isas = name, source, isas
+        self.abi_symbol, self.abi_version = abi_symbol, abi_version
+        self.logger, self.fallback, self.extra_flags = logger, fallback, tuple(flags)
+        self.cpu_flags = cpu_flags or (lambda: cpu_capabilities().flags)
+        self._clears: list[Callable[[], None]] = []
+        self.library = self.cached(self._open)
+        self.build_dir = self.cached(self._build_dir)
+
+    # -- builds ------------------------------------------------------------------------------
+    def isa_supported(self, isa: str) -> bool:
+        """Whether this CPU has the instructions build ``isa`` uses (KeyError: no such build)."""
+        return self.isas[isa].needs <= self.cpu_flags()
+
+    def candidate_builds(self) -> list[str]:
+        """The builds this CPU could run, best first (cheap: no compiling)."""
+        return [isa for isa in self.isas if self.isa_supported(isa)]
+
+    def source_of(self, isa: str) -> Path:
+        """The C source build ``isa`` compiles."""
+        return self.isas[isa].source or self.source
+
+    def flags(self, isa: str) -> list[str]:
+        """The compiler flags of build ``isa``."""
+        return [*COMMON_FLAGS, *self.extra_flags, *self.isas[isa].flags]
+
+    def library_name(self, isa: str) -> str:
+        """The file name of build ``isa`` (:func:`library_name`: a change to the source, what it
+        includes, the compiler or the flags is another file)."""
+        return library_name(self.source_of(isa), self.flags(isa))
+
+    def compile(self, directory: Path, isa: str, name: str) -> None:
+        """Compile build ``isa`` into ``directory/name`` (whole or not at all)."""
+        compile_library(directory, self.source_of(isa), self.flags(isa), name)
+
+    def compile_only(self, directory: Path, isa: str) -> Path:
+        """Compile build ``isa`` into ``directory`` without loading it (a CPU without the ISA
+        can still check that it compiles: CI does, for every build); returns the file."""
+        name = self.library_name(isa)
+        self.compile(directory, isa, name)
+        return directory / name
+
+    def load(self, directory: Path, isa: str) -> ctypes.CDLL:
+        """Build ``isa`` from ``directory`` loaded (:func:`load_library`: the existing file if
+        it matches the manifest, else compiled and recorded first, under the manifest's lock)."""
+        name = self.library_name(isa)
+        return load_library(directory, name, f"native {self.name} build",
+                            lambda: self.compile(directory, isa, name))
+
+    def _build_dir(self) -> Path | None:
+        return build_dir(self.logger, f"Native {self.name} off for this process ({self.fallback})")
+
+    def _open(self, isa: str) -> ctypes.CDLL | None:
+        """Build ``isa`` loaded and ABI-checked, or None (instructions missing, no usable build
+        directory, build or ABI error: one warning)."""
+        if not self.isa_supported(isa):
+            return None
+        directory = self.build_dir()
+        if directory is None:
+            return None
+        return open_checked(lambda: self.load(directory, isa), self.abi_symbol, self.abi_version,
+                            logger=self.logger, kernel=self.name, isa=isa, fallback=self.fallback)
+
+    # -- which build serves ------------------------------------------------------------------
+    def first(self, entry: Callable[[str], _T | None]) -> tuple[str, _T] | None:
+        """``(isa, entry(isa))`` for the first build in :attr:`isas` order that this CPU runs
+        and for which ``entry`` (the kernel's loader and self-check of one build) gives
+        something; None when none does. Callers cache the answer (:meth:`cached`)."""
+        for isa in self.isas:
+            if self.isa_supported(isa):
+                found = entry(isa)
+                if found is not None:
+                    return isa, found
+        return None
+
+    # -- caches ------------------------------------------------------------------------------
+    def cached(self, fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        """``fn`` memoised for the process (:func:`functools.cache`), its cache dropped by
+        :meth:`cache_clear`."""
+        memo = functools.cache(fn)
+        self._clears.append(memo.cache_clear)
+        return memo  # type: ignore[return-value]  # functools.cache keeps the signature
+
+    def cache_clear(self) -> None:
+        """Forget every loaded build and cached lookup of this kernel (the next call loads or
+        rebuilds: tests that change ``FORWARDKIT_CACHE_ROOT`` or ``CC``)."""
+        for clear in self._clears:
+            clear()

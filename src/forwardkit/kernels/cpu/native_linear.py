@@ -47,21 +47,20 @@ attention (:mod:`forwardkit.kernels.cpu.native_attention`).
 
 Anything that fails (no compiler and no verified build, missing instructions, a wrong result)
 disables that build with one log line (the next one down is tried); ``F.linear``/oneDNN then
-serve every call. ``FORWARDKIT_CPU_NATIVE_LINEAR=0`` disables it.
+serve every call. The kernel reads no switch: whether a layer's products reach it is the
+``cpu_linear`` custom op (``compilation_config.custom_ops``; ``"-cpu_linear"`` gives plain
+``F.linear``), decided when the layer is built (``config/custom_ops.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from forwardkit import envs
 from forwardkit.kernels.cpu import native_build
 from forwardkit.logger import init_logger
 from forwardkit.platforms import cpu_capabilities
@@ -73,30 +72,24 @@ __all__ = ["MAX_ROWS", "available", "max_rows", "cpu_flags", "cpu_has_avx512_bf1
 logger = init_logger(__name__)
 
 MAX_ROWS = 2  # rows up to which the kernel beats oneDNN's packed matmul (measured, 2-core EPYC)
-_CSRC = Path(__file__).with_name("csrc")
-_COMMON_FLAGS = list(native_build.COMMON_FLAGS)
 _ABI_VERSION = 2
 
-
-class _Isa(NamedTuple):
-    """One build of the kernel: its source, compiler flags and the CPU flags each dtype needs."""
-
-    source: Path
-    flags: tuple[str, ...]
-    needs: dict[torch.dtype, frozenset[str]]
-
-
+_CSRC = Path(__file__).with_name("csrc")
 _AVX2_NEEDS = frozenset({"avx2", "fma"})
 # Tried in this order for each dtype; the first whose CPU flags are present and that builds,
-# loads and passes its self-check serves that dtype.
-_ISAS: dict[str, _Isa] = {
-    "avx512": _Isa(_CSRC / "linear_few_rows.c",
-                   ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
-                   {torch.bfloat16: frozenset({"avx512_bf16"}),
-                    torch.float32: frozenset({"avx512f", "avx512bw", "avx512vl"})}),
-    "avx2": _Isa(_CSRC / "linear_few_rows_avx2.c", ("-mavx2", "-mfma"),
-                 {torch.bfloat16: _AVX2_NEEDS, torch.float32: _AVX2_NEEDS}),
-}
+# loads and passes its self-check serves that dtype. A build loads where its float32 kernel
+# runs; its bf16 kernel may need more (``_BF16_NEEDS``).
+KERNEL = native_build.NativeKernel(
+    name="linear", source=_CSRC / "linear_few_rows.c",
+    isas={"avx512": native_build.Isa(("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+                                     frozenset({"avx512f", "avx512bw", "avx512vl"}),
+                                     _CSRC / "linear_few_rows.c"),
+          "avx2": native_build.Isa(("-mavx2", "-mfma"), _AVX2_NEEDS,
+                                   _CSRC / "linear_few_rows_avx2.c")},
+    abi_symbol="fk_abi_version", abi_version=_ABI_VERSION, logger=logger,
+    fallback="oneDNN/MKL serve small products",
+    cpu_flags=lambda: cpu_flags())  # late-bound: tests replace this module's cpu_flags
+_BF16_NEEDS: dict[str, frozenset[str]] = {"avx512": frozenset({"avx512_bf16"})}
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -118,52 +111,18 @@ def cpu_has_avx512_bf16() -> bool:
 
 def isa_supported(isa: str, dtype: torch.dtype) -> bool:
     """Whether this CPU has the instructions build ``isa`` ("avx512", "avx2") uses for ``dtype``."""
-    return _ISAS[isa].needs[dtype] <= cpu_flags()
+    if not KERNEL.isa_supported(isa):
+        return False
+    return dtype != torch.bfloat16 or _BF16_NEEDS.get(isa, frozenset()) <= cpu_flags()
 
 
 def candidate_builds() -> list[str]:
     """``"isa:dtype"`` for every build this CPU could run (cheap: no compiling); part of the
     machine key under which timed linear-path choices are saved."""
-    return [f"{isa}:{str(dtype).removeprefix('torch.')}" for isa in _ISAS for dtype in _DTYPES
-            if isa_supported(isa, dtype)]
+    return [f"{isa}:{str(dtype).removeprefix('torch.')}" for isa in KERNEL.isas
+            for dtype in _DTYPES if isa_supported(isa, dtype)]
 
 
-
-
-def _compiler() -> str:
-    return native_build.compiler()
-
-
-def _flags(isa: str) -> list[str]:
-    return [*_COMMON_FLAGS, *_ISAS[isa].flags]
-
-
-def _library_name(isa: str) -> str:
-    """The file name of build ``isa``: the source's stem and a hash of the source (and what it
-    includes), compiler and flags (a change to any of them is another file)."""
-    return native_build.library_name(_ISAS[isa].source, _flags(isa))
-
-
-def _compile(directory: Path, isa: str, name: str) -> None:
-    """Compile build ``isa`` into ``directory/name`` (whole or not at all: renamed into place)."""
-    native_build.compile_library(directory, _ISAS[isa].source, _flags(isa), name)
-
-
-@functools.cache
-def _build_dir() -> Path | None:
-    """The checked build directory (:func:`native_kernel_dir`), or None with one warning when
-    another user could write to it or it cannot be made: the kernel is then off for the process."""
-    return native_build.build_dir(logger, "Native linear kernel off for this process "
-                                          "(F.linear/oneDNN serve every call)")
-
-
-def _load(directory: Path, isa: str) -> ctypes.CDLL:
-    """Build ``isa`` from ``directory`` loaded: the existing file if it matches the manifest, else
-    compiled and recorded first. All under the manifest's lock, so no other process swaps or
-    half-writes the file between its check and ``dlopen``."""
-    name = _library_name(isa)
-    return native_build.load_library(directory, name, "native linear build",
-                                     lambda: _compile(directory, isa, name))
 
 
 def _self_check(fn: Callable[..., int], dtype: torch.dtype, max_rows: int = MAX_ROWS) -> None:
@@ -181,28 +140,13 @@ def _self_check(fn: Callable[..., int], dtype: torch.dtype, max_rows: int = MAX_
             raise RuntimeError(f"{dtype} self-check failed for {rows} rows (rc={rc})")
 
 
-@functools.cache
-def _library(isa: str) -> ctypes.CDLL | None:
-    """Build ``isa`` loaded, or None (switched off, no instructions for any dtype, build error)."""
-    if not envs.FORWARDKIT_CPU_NATIVE_LINEAR:
-        return None
-    if not any(isa_supported(isa, dtype) for dtype in _DTYPES):
-        return None
-    directory = _build_dir()
-    if directory is None:
-        return None
-    return native_build.open_checked(lambda: _load(directory, isa), "fk_abi_version", _ABI_VERSION,
-                                     logger=logger, kernel="linear", isa=isa,
-                                     fallback="oneDNN/MKL serve small products")
-
-
-@functools.cache
+@KERNEL.cached
 def _function(isa: str, dtype: torch.dtype) -> Callable[..., int] | None:
     """Build ``isa``'s kernel for ``dtype``, self-checked; None when this CPU lacks its
     instructions or it does not build, load or pass the check."""
     if dtype not in _DTYPES or not isa_supported(isa, dtype):
         return None
-    lib = _library(isa)
+    lib = KERNEL.library(isa)
     if lib is None:
         return None
     fn = lib.fk_linear_bf16 if dtype == torch.bfloat16 else lib.fk_linear_f32
@@ -216,13 +160,13 @@ def _function(isa: str, dtype: torch.dtype) -> Callable[..., int] | None:
     return fn
 
 
-@functools.cache
+@KERNEL.cached
 def _row_limit(isa: str, dtype: torch.dtype) -> int:
     """Most activation rows build ``isa`` serves for ``dtype``: :data:`MAX_ROWS`, except the
     AVX2 build in bf16, which reports its own limit (``fk_max_rows_bf16``): without native bf16
     arithmetic oneDNN widens the whole weight on every call, so streaming it wins for batched
     decode too."""
-    lib = _library(isa)
+    lib = KERNEL.library(isa)
     if dtype != torch.bfloat16 or lib is None or not hasattr(lib, "fk_max_rows_bf16"):
         return MAX_ROWS
     lib.fk_max_rows_bf16.restype = ctypes.c_int
@@ -235,17 +179,17 @@ def max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
     return 0 if found is None else found[2]
 
 
-@functools.cache
+@KERNEL.cached
 def _selected(dtype: torch.dtype) -> tuple[str, Callable[..., int], int] | None:
-    """(build, function, most rows it serves) for ``dtype``: the first build in ``_ISAS`` that
-    this CPU can run and that passes its self-check; None when none does. One cached lookup
-    gives :func:`linear_rows` all three (it runs once per projection per step)."""
-    for isa in _ISAS:
-        fn = _function(isa, dtype)
-        if fn is not None:
-            return isa, fn, _row_limit(isa, dtype)
-    if (dtype in _DTYPES and envs.FORWARDKIT_CPU_NATIVE_LINEAR
-            and not any(isa_supported(i, dtype) for i in _ISAS)):
+    """(build, function, most rows it serves) for ``dtype``: the first build in
+    ``KERNEL.isas`` that this CPU can run and that passes its self-check; None when none does.
+    One cached lookup gives :func:`linear_rows` all three (it runs once per projection per
+    step)."""
+    found = KERNEL.first(lambda isa: _function(isa, dtype))
+    if found is not None:
+        return found[0], found[1], _row_limit(found[0], dtype)
+    if (dtype in _DTYPES
+            and not any(isa_supported(i, dtype) for i in KERNEL.isas)):
         logger.info_once("Native %s linear off: the CPU has neither AVX-512 nor AVX2+FMA", dtype)
     return None
 
@@ -262,13 +206,9 @@ def kernel_isa(dtype: torch.dtype = torch.bfloat16) -> str | None:
 
 
 def cache_clear() -> None:
-    """Forget the loaded kernels (the next call re-reads the environment and rebuilds)."""
-    _bf16_rows.cache_clear()
-    _selected.cache_clear()
-    _function.cache_clear()
-    _row_limit.cache_clear()
-    _library.cache_clear()
-    _build_dir.cache_clear()
+    """Forget the loaded kernels (the next call loads or rebuilds them: tests that change
+    ``FORWARDKIT_CACHE_ROOT`` or ``CC``)."""
+    KERNEL.cache_clear()
 
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -333,12 +273,12 @@ def _self_check_bf16_rows(fn: Callable[..., int]) -> None:
             raise RuntimeError(f"bf16 rows self-check failed for {rows} rows (rc={rc})")
 
 
-@functools.cache
+@KERNEL.cached
 def _bf16_rows() -> Callable[..., int] | None:
     """The AVX2 build's any-rows bf16 kernel, self-checked; None where it does not serve."""
     if _function(_BF16_ROWS_ISA, torch.bfloat16) is None:
         return None
-    lib = _library(_BF16_ROWS_ISA)
+    lib = KERNEL.library(_BF16_ROWS_ISA)
     if lib is None:
         return None
     fn = lib.fk_linear_bf16_rows

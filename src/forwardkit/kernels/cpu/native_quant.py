@@ -40,14 +40,16 @@ the cache root). Each build is self-checked at first load against dequantize-the
 in float64 for every format, every few-row count, both strategies and tiled row counts (and
 its dequantization, :func:`dequantize_rows`, against the torch one bit for bit); the first
 build this CPU runs that passes serves, and when none does the op's reference path serves
-every call. ``FORWARDKIT_CPU_NATIVE_LINEAR=0`` turns it off with the other native linear
-kernels.
+every call. The kernel reads no switch: a quantized projection reaches it through the
+``forwardkit::quant_linear`` op when its layer was built with the ``cpu_linear`` custom op on
+(the switch of every native linear kernel); with ``"-cpu_linear"`` the layer computes
+dequantize-then-``F.linear`` in plain torch (``config/custom_ops.py``). :data:`kernel_calls`'s
+``quant`` counts the products it served.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -55,8 +57,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from forwardkit import envs
-from forwardkit.kernels.cpu import native_build, native_linear
+from forwardkit.kernels.cpu import native_build
 from forwardkit.logger import init_logger
 
 __all__ = ["FORMATS", "MAX_ROWS", "STRATEGIES", "TILES_MIN_ROWS", "available", "candidate_builds", "dequantize_rows",
@@ -64,7 +65,6 @@ __all__ = ["FORMATS", "MAX_ROWS", "STRATEGIES", "TILES_MIN_ROWS", "available", "
 
 logger = init_logger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "quant_linear.c"
 _ABI_VERSION = 2
 MAX_ROWS = 16
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the kernel's format ids
@@ -78,63 +78,36 @@ TILES_MIN_ROWS = 4
 _BLOCK = 32
 
 
-class _Isa(NamedTuple):
-    """One build: its compiler flags and the CPU flags it needs."""
-
-    flags: tuple[str, ...]
-    needs: frozenset[str]
-
-
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c", "-mprefer-vector-width=512")
 _AVX512_NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "fma", "f16c"})
 # Tried in this order; the first this CPU runs that builds and passes its self-check serves.
-_ISAS: dict[str, _Isa] = {
-    "avx512_vnni": _Isa((*_AVX512, "-mavx512vnni"), _AVX512_NEEDS | {"avx512_vnni"}),
-    "avx512": _Isa(_AVX512, _AVX512_NEEDS),
-    "avx2": _Isa(("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})),
-    "generic": _Isa((), frozenset()),
-}
+KERNEL = native_build.NativeKernel(
+    name="quantized linear", source=Path(__file__).with_name("csrc") / "quant_linear.c",
+    isas={"avx512_vnni": native_build.Isa((*_AVX512, "-mavx512vnni"), _AVX512_NEEDS | {"avx512_vnni"}),
+          "avx512": native_build.Isa(_AVX512, _AVX512_NEEDS),
+          "avx2": native_build.Isa(("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})),
+          "generic": native_build.Isa((), frozenset())},
+    abi_symbol="fk_quant_abi_version", abi_version=_ABI_VERSION, logger=logger,
+    fallback="dequantize + F.linear serve every call",
+    # no contracted a * b + c: q4_1's d * q + m rounds twice, as ggml's dequantization does
+    flags=("-ffp-contract=off",))
 
 
 def isa_supported(isa: str) -> bool:
-    """Whether this CPU has the instructions build ``isa`` (a key of ``_ISAS``: "avx512_vnni",
-    "avx512", "avx2", "generic") uses."""
-    return _ISAS[isa].needs <= native_linear.cpu_flags()
+    """Whether this CPU has the instructions build ``isa`` (a key of ``KERNEL.isas``:
+    "avx512_vnni", "avx512", "avx2", "generic") uses."""
+    return KERNEL.isa_supported(isa)
 
 
 def candidate_builds() -> list[str]:
     """The builds this CPU could run, best first (cheap: no compiling)."""
-    return [isa for isa in _ISAS if isa_supported(isa)]
-
-
-def _flags(isa: str) -> list[str]:
-    # no contracted a * b + c: q4_1's d * q + m rounds twice, as ggml's dequantization does
-    return [*native_build.COMMON_FLAGS, "-ffp-contract=off", *_ISAS[isa].flags]
-
-
-def _library_name(isa: str) -> str:
-    return native_build.library_name(_SOURCE, _flags(isa))
+    return KERNEL.candidate_builds()
 
 
 def compile_only(directory: Path, isa: str) -> Path:
     """Compile build ``isa`` into ``directory`` without loading it (a CPU without the ISA can
     still check that it compiles); returns the file."""
-    name = _library_name(isa)
-    native_build.compile_library(directory, _SOURCE, _flags(isa), name)
-    return directory / name
-
-
-@functools.cache
-def _build_dir() -> Path | None:
-    return native_build.build_dir(logger, "Native quantized linear off for this process "
-                                          "(dequantize + F.linear serve every call)")
-
-
-def _load(directory: Path, isa: str) -> ctypes.CDLL:
-    name = _library_name(isa)
-    return native_build.load_library(
-        directory, name, "native quantized linear build",
-        lambda: native_build.compile_library(directory, _SOURCE, _flags(isa), name))
+    return KERNEL.compile_only(directory, isa)
 
 
 def _reference(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -193,17 +166,10 @@ def _self_check_dequantize(deq: Callable[..., int]) -> None:
             raise RuntimeError(f"{fmt} dequantize self-check failed")
 
 
-@functools.cache
+@KERNEL.cached
 def _function(isa: str) -> _Build | None:
-    """Build ``isa`` loaded and self-checked; None when off, unsupported or failing."""
-    if not envs.FORWARDKIT_CPU_NATIVE_LINEAR or not isa_supported(isa):
-        return None
-    directory = _build_dir()
-    if directory is None:
-        return None
-    lib = native_build.open_checked(lambda: _load(directory, isa), "fk_quant_abi_version",
-                                    _ABI_VERSION, logger=logger, kernel="quantized linear",
-                                    isa=isa, fallback="dequantize + F.linear serve every call")
+    """Build ``isa`` loaded and self-checked; None when unsupported or failing."""
+    lib = KERNEL.library(isa)
     if lib is None:
         return None
     lib.fk_quant_max_rows.restype = ctypes.c_int
@@ -251,17 +217,15 @@ def dequantize_rows(packed: torch.Tensor, fmt: str) -> torch.Tensor | None:
     return out
 
 
-@functools.cache
+@KERNEL.cached
 def _selected() -> _Build | None:
-    for isa in _ISAS:
-        build = _function(isa)
-        if build is not None:
-            return build
-    return None
+    """The first build in ``KERNEL.isas`` that this CPU runs and that passes its self-check."""
+    found = KERNEL.first(_function)
+    return None if found is None else found[1]
 
 
 def kernel_isa() -> str | None:
-    """Which build serves here (a key of ``_ISAS``), or None."""
+    """Which build serves here (a key of ``KERNEL.isas``), or None."""
     found = _selected()
     return None if found is None else found.isa
 
@@ -278,10 +242,9 @@ def max_rows() -> int:
 
 
 def cache_clear() -> None:
-    """Forget the loaded kernels (the next call re-reads the environment and rebuilds)."""
-    _selected.cache_clear()
-    _function.cache_clear()
-    _build_dir.cache_clear()
+    """Forget the loaded kernels (the next call loads or rebuilds them: tests that change
+    ``FORWARDKIT_CACHE_ROOT`` or ``CC``)."""
+    KERNEL.cache_clear()
 
 
 def quant_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, fmt: str,
@@ -328,4 +291,5 @@ def quant_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"path must be 'few', 'tiles' or None, got {path!r}")
     if rc != 0:
         return None
+    native_build.kernel_calls.quant += 1  # the kernel, not the reference path, served it
     return out.reshape(*x.shape[:-1], n).to(x.dtype)
