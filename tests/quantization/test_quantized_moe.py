@@ -66,25 +66,22 @@ def _experts(llm: LLM) -> list[FusedMoE]:
     return [m for m in llm.runner.module.modules() if isinstance(m, FusedMoE)]
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
-def test_packed_experts_give_the_dequantized_models_tokens(mixtral_dir, tmp_path, monkeypatch, fmt):
-    from forwardkit.kernels.cpu import native_quant
+# dequantize-then-matmul (the cpu_linear op off: the native kernels' one switch): exact
+PLAIN = {"compilation_config": {"custom_ops": ["-cpu_linear"]}}
 
-    native_quant.cache_clear()
-    monkeypatch.setenv("FORWARDKIT_CPU_NATIVE_LINEAR", "0")  # dequantize-then-matmul: exact
-    try:
-        quant = LLM(model=mixtral_dir, quantization=fmt, enforce_eager=True)
-        layers = _experts(quant)
-        assert len(layers) == 2
-        for layer in layers:
-            for param, (rows, k) in ((layer.w13_weight, (128, 64)), (layer.w2_weight, (64, 64))):
-                assert param.dtype == torch.uint8 and param.quant_format == fmt
-                assert tuple(param.shape) == (4, rows, quantize(torch.zeros(1, k), fmt).shape[1])
-        reference = LLM(model=_dequantized_dir(tmp_path, fmt), enforce_eager=True)
-        assert _greedy(quant) == _greedy(reference)
-    finally:
-        monkeypatch.undo()
-        native_quant.cache_clear()
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_packed_experts_give_the_dequantized_models_tokens(mixtral_dir, tmp_path, fmt):
+    quant = LLM(model=mixtral_dir, quantization=fmt, enforce_eager=True, **PLAIN)
+    layers = _experts(quant)
+    assert len(layers) == 2
+    for layer in layers:
+        assert not layer.quant_kernel
+        for param, (rows, k) in ((layer.w13_weight, (128, 64)), (layer.w2_weight, (64, 64))):
+            assert param.dtype == torch.uint8 and param.quant_format == fmt
+            assert tuple(param.shape) == (4, rows, quantize(torch.zeros(1, k), fmt).shape[1])
+    reference = LLM(model=_dequantized_dir(tmp_path, fmt), enforce_eager=True, **PLAIN)
+    assert _greedy(quant) == _greedy(reference)
 
 
 def test_the_native_kernel_serves_the_experts_close_to_the_reference(mixtral_dir, monkeypatch):
@@ -108,20 +105,12 @@ def test_the_native_kernel_serves_the_experts_close_to_the_reference(mixtral_dir
         return torch.tensor([d[t].logprob for t, d in zip(PROMPTS[0] * 3, out.prompt_logprobs)
                              if d is not None])
 
-    native_quant.cache_clear()
     monkeypatch.setattr(native_quant, "quant_linear_rows", counting)
-    native = logprobs(LLM(model=mixtral_dir, quantization="q8_0", enforce_eager=True))
+    llm = LLM(model=mixtral_dir, quantization="q8_0", enforce_eager=True)
+    native = logprobs(llm)
     monkeypatch.undo()
-    w13_shape = tuple(_experts(LLM(model=mixtral_dir, quantization="q8_0",
-                                   enforce_eager=True))[0].w13_weight.shape[1:])
-    assert w13_shape in shapes  # an expert's gate/up went to the native kernel
-    native_quant.cache_clear()
-    monkeypatch.setenv("FORWARDKIT_CPU_NATIVE_LINEAR", "0")
-    try:
-        exact = logprobs(LLM(model=mixtral_dir, quantization="q8_0", enforce_eager=True))
-    finally:
-        monkeypatch.undo()
-        native_quant.cache_clear()
+    assert tuple(_experts(llm)[0].w13_weight.shape[1:]) in shapes  # an expert's gate/up ran natively
+    exact = logprobs(LLM(model=mixtral_dir, quantization="q8_0", enforce_eager=True, **PLAIN))
     assert (native - exact).abs().max().item() < 0.2
 
 

@@ -33,7 +33,9 @@ the slices over TP afterwards. gloo has no uneven all-gather; it is built from a
 Quantized experts (``model_config.quantization`` ``q8_0`` / ``q4_0`` / ``q4_1``): each expert's
 gate/up and down weights are packed in the block format (``uint8`` ``[E_local, rows, k / 32 *
 block_bytes]``, the bytes of :mod:`forwardkit.quantization.formats`) and every expert product
-runs ``forwardkit::quant_linear`` (the native quantized kernels on the CPU). A checkpoint's
+runs ``forwardkit::quant_linear`` (the native quantized kernels on the CPU) while the
+``cpu_linear`` custom op is on (the native linear kernels' one switch), else
+dequantize-then-``F.linear`` in plain torch. A checkpoint's
 experts are loaded at full precision one layer at a time and packed as soon as the layer's
 last expert tensor arrived (its float copy freed), so the model is never held at full
 precision; seeded random weights are packed after the fill (:meth:`FusedMoE.quantize_weights`).
@@ -54,11 +56,12 @@ from forwardkit.config.engine import get_current_engine_config
 from forwardkit.distributed import get_dp_group, get_ep_group
 from forwardkit.forward_context import get_forward_context
 from forwardkit.layers.kernels import silu_and_mul_native
-from forwardkit.layers.linear import copy_weight
+from forwardkit.layers.linear import CpuLinearLayer, copy_weight
 from forwardkit.layers.parallel import ShardSpec, divide, narrow, set_shard_spec, tp_rank_and_size
 from forwardkit.microbatching.overlap import dbo_enabled, dbo_register_recv_hook, dbo_yield
 from forwardkit.quantization.formats import BLOCK, get_format, quantize
 from forwardkit.quantization.linear_method import QuantizedWeightReloadError
+from forwardkit.quantization.ops import reference_linear
 
 __all__ = ["FusedMoE", "expert_slice", "moe_forward", "route_topk"]
 
@@ -159,6 +162,8 @@ class FusedMoE(nn.Module):
                         f"cannot quantize the experts of {prefix} to {self.quant_format}: their "
                         f"{what} {k} is not a multiple of the {BLOCK}-weight block; run this "
                         "model without quantization")
+        # packed experts run the quantized kernels exactly when the cpu_linear op is on
+        self.quant_kernel = CpuLinearLayer.enabled()
         # expert tensors loaded so far (3 per local expert: w1, w3, w2); at the count the
         # layer's experts are packed and their float copies freed
         self._parts_loaded = 0
@@ -277,10 +282,16 @@ class FusedMoE(nn.Module):
                 h = silu_and_mul_native(F.linear(x, self.w13_weight[e]))
                 y = F.linear(h, self.w2_weight[e])
             else:
-                h = silu_and_mul_native(torch.ops.forwardkit.quant_linear(x, self.w13_weight[e], None, fmt))
-                y = torch.ops.forwardkit.quant_linear(h, self.w2_weight[e], None, fmt)
+                h = silu_and_mul_native(self._quant_product(x, self.w13_weight[e], fmt))
+                y = self._quant_product(h, self.w2_weight[e], fmt)
             out.index_add_(0, token_idx, y.float() * weights[token_idx, k_pos, None])
         return out
+
+    def _quant_product(self, x: torch.Tensor, packed: torch.Tensor, fmt: str) -> torch.Tensor:
+        """``x @ W.T`` for one packed expert weight: the op (native kernels) or plain torch."""
+        if self.quant_kernel:
+            return torch.ops.forwardkit.quant_linear(x, packed, None, fmt)
+        return reference_linear(x, packed, None, fmt)
 
     def _compute_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         combine = torch.zeros((x.shape[0], self.num_experts), dtype=torch.float32, device=x.device)
