@@ -272,26 +272,79 @@ def test_k_quant_file_repacks_and_generates_its_values_tokens(tmp_path, referenc
     assert _greedy(llm) == _greedy(reference)
 
 
-def test_mixtral_q8_0_file_with_quantized_experts_generates(tmp_path, reference_path):
-    """Experts in Q8_0 are dequantized (exactly) to the model dtype; projections stay packed."""
+@pytest.mark.parametrize("up_type", ["Q8_0", "Q4_0"])
+def test_mixtral_file_keeps_its_quantized_experts_packed(tmp_path, reference_path, up_type):
+    """Stacked expert tensors in a native type stay packed (each layer's ``w13`` when gate and
+    up share a format, else dequantized exactly; ``w2`` on its own), the projections too, and
+    the model generates the tokens of the same model holding the dequantized values."""
+    from forwardkit.layers.fused_moe import FusedMoE
+
     overrides = {"num_local_experts": 4, "num_experts_per_tok": 2}
+    model = _hf_model("mixtral", **overrides)
+    cfg = {**TINY, **overrides}
+
+    def type_of(name, a):
+        if a.ndim < 2 or "token_embd" in name or name == "output.weight" or "gate_inp" in name:
+            return T.F32
+        return T[up_type] if "ffn_up_exps" in name else T.Q8_0
+
+    path = write_gguf(str(tmp_path / "moe.gguf"), "llama", cfg,
+                      gguf_tensors(model.state_dict(), cfg, "llama"), type_of=type_of)
+    llm = LLM(model=path, dtype="float32", enforce_eager=True, **reference_path)
+    assert len(quantized_linears(llm.runner.module)) == 2 * 2  # qkv and o per layer
+    layers = [m for m in llm.runner.module.modules() if isinstance(m, FusedMoE)]
+    assert len(layers) == 2
+    for layer in layers:
+        assert layer.w2_weight.dtype == torch.uint8 and layer.w2_weight.quant_format == "q8_0"
+        packed_w13 = up_type == "Q8_0"  # gate Q8_0 and up Q4_0 cannot share one packed w13
+        assert (layer.w13_weight.dtype == torch.uint8) == packed_w13
+    # the reference: every quantized tensor replaced by its dequantized values
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                for expert in p:  # gate_up [E, 2I, H]: gate rows, then up rows
+                    if "gate_up" in name:
+                        inter = expert.shape[0] // 2
+                        for part, fmt in ((expert[:inter], "q8_0"), (expert[inter:], up_type.lower())):
+                            part.copy_(dequantize(quantize(part, fmt), fmt))
+                    else:
+                        expert.copy_(dequantize(quantize(expert, "q8_0"), "q8_0"))
+            elif p.dim() == 2 and "self_attn" in name:
+                p.copy_(dequantize(quantize(p, "q8_0"), "q8_0"))
+    assert _greedy(llm) == _hf_greedy(model)
+
+
+def test_packed_experts_over_two_tp_ranks_give_the_one_rank_tokens(tmp_path):
+    """Under TP each rank keeps its gate/up rows and its whole blocks of the down columns."""
+    overrides = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 128}
     model = _hf_model("mixtral", **overrides)
     cfg = {**TINY, **overrides}
     path = write_gguf(str(tmp_path / "moe.gguf"), "llama", cfg,
                       gguf_tensors(model.state_dict(), cfg, "llama"),
-                      type_of=lambda name, a: T.Q8_0 if a.ndim >= 2 and "token_embd" not in name
-                      and name != "output.weight" and "gate_inp" not in name else T.F32)
-    llm = LLM(model=path, dtype="float32", enforce_eager=True, **reference_path)
-    assert len(quantized_linears(llm.runner.module)) == 2 * 2  # qkv and o per layer
-    # the reference: every Q8_0 tensor replaced by its dequantized values
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "experts" in name:
-                flat = p.reshape(-1, p.shape[-1])
-                p.copy_(dequantize(quantize(flat, "q8_0"), "q8_0").reshape(p.shape))
-            elif p.dim() == 2 and "self_attn" in name:
-                p.copy_(dequantize(quantize(p, "q8_0"), "q8_0"))
-    assert _greedy(llm) == _hf_greedy(model)
+                      type_of=lambda name, a: T.Q8_0 if "_exps" in name else T.F32)
+    one = LLM(model=path, dtype="float32", enforce_eager=True)
+    want = _greedy(one)
+    two = LLM(model=path, dtype="float32", enforce_eager=True, tensor_parallel_size=2)
+    try:
+        assert _greedy(two) == want
+    finally:
+        two.shutdown()
+
+
+def test_a_tp_split_of_packed_experts_that_cuts_a_block_is_named():
+    from forwardkit.config.builder import build_engine_config
+    from forwardkit.config.engine import set_current_engine_config
+    from forwardkit.layers.fused_moe import FusedMoE
+
+    cfg = build_engine_config(None, model_shape="default-moe", enforce_eager=True)
+    with set_current_engine_config(cfg):
+        layer = FusedMoE(4, 2, 64, 96, prefix="cut.experts")
+    layer.inter_tp, layer.inter_start, layer.local_intermediate = 2, 48, 48  # rank 1 of 2
+    packed = quantize(torch.randn(4 * 64, 96), "q8_0").reshape(4, 64, -1)
+    with pytest.raises(ValueError, match=r"intermediate columns \[48, 96\) cut a 32-weight block"):
+        layer.local_packed(packed, "w2", "q8_0")
+    gate = quantize(torch.randn(4 * 96, 64), "q8_0").reshape(4, 96, -1)
+    assert torch.equal(layer.local_packed(gate, "w1", "q8_0"), gate[:, 48:])  # rows: any split
 
 
 # ---------------------------------------------------------------- the CLI

@@ -213,6 +213,38 @@ class FusedMoE(nn.Module):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
             setattr(self, name, param)
 
+    def local_packed(self, packed: torch.Tensor, kind: str, fmt: str) -> torch.Tensor:
+        """This rank's part of a stacked packed expert tensor ``[E, rows, k / 32 * block
+        bytes]`` of kind ``w1`` / ``w3`` (rows: the intermediate dim) or ``w2`` (blocks along
+        the intermediate dim): its experts, and under TP without EP its intermediate slice
+        (ValueError when that slice cuts a block)."""
+        block_bytes = get_format(fmt).block_bytes
+        mine = packed.narrow(0, self.expert_start, self.num_local_experts)
+        if self.inter_tp == 1:
+            return mine.contiguous()
+        start, length = self.inter_start, self.local_intermediate
+        if kind in ("w1", "w3"):
+            return mine.narrow(1, start, length).contiguous()
+        if start % BLOCK or length % BLOCK:
+            raise ValueError(f"this rank's intermediate columns [{start}, {start + length}) cut a "
+                             f"{BLOCK}-weight block; use a tensor_parallel_size that leaves a "
+                             f"multiple of {BLOCK} per rank")
+        return mine.narrow(2, start // BLOCK * block_bytes, length // BLOCK * block_bytes).contiguous()
+
+    def install_packed(self, name: str, packed: torch.Tensor, fmt: str) -> None:
+        """Set ``w13_weight`` / ``w2_weight`` to already packed blocks (a GGUF file's) of
+        ``fmt``, shape ``[E_local, rows, k / 32 * block bytes]`` checked against the layer."""
+        current = getattr(self, name)
+        experts, rows, k = current.shape
+        want = (experts, rows, k // BLOCK * get_format(fmt).block_bytes)
+        if current.dtype == torch.uint8 or tuple(packed.shape) != want:
+            raise ValueError(f"{self.layer_name}.{name}: packed {fmt} shape {tuple(packed.shape)}, "
+                             f"expected {want} (from the float shape {(experts, rows, k)})")
+        param = nn.Parameter(packed, requires_grad=False)
+        param.quant_format = fmt  # type: ignore[attr-defined]
+        param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        setattr(self, name, param)
+
     def _load_part(self, param: torch.Tensor, loaded: Any, shard_id: Any) -> None:
         start, local_inter, inter = self.inter_start, self.local_intermediate, self.intermediate_size
         if shard_id in ("w13", "w2"):
@@ -265,8 +297,8 @@ class FusedMoE(nn.Module):
         weights, ids = route_topk(router_logits, self.top_k, self.renormalize)
         if dense is None:
             dense = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
-        fmt = self.quant_format if self.w13_weight.dtype == torch.uint8 else None
-        if dense and fmt is not None:
+        f13, f2 = _packed_format(self.w13_weight), _packed_format(self.w2_weight)
+        if dense and (f13 is not None or f2 is not None):
             raise RuntimeError(f"the quantized experts of {self.layer_name} have no fixed-shape "
                                "(CUDA-graph) form; run with cudagraph_mode NONE or PIECEWISE")
         if dense:
@@ -278,20 +310,19 @@ class FusedMoE(nn.Module):
             if token_idx.numel() == 0:
                 continue
             x = hidden_states[token_idx]
-            if fmt is None:
-                h = silu_and_mul_native(F.linear(x, self.w13_weight[e]))
-                y = F.linear(h, self.w2_weight[e])
-            else:
-                h = silu_and_mul_native(self._quant_product(x, self.w13_weight[e], fmt))
-                y = self._quant_product(h, self.w2_weight[e], fmt)
+            h = silu_and_mul_native(self._product(x, self.w13_weight[e], f13))
+            y = self._product(h, self.w2_weight[e], f2)
             out.index_add_(0, token_idx, y.float() * weights[token_idx, k_pos, None])
         return out
 
-    def _quant_product(self, x: torch.Tensor, packed: torch.Tensor, fmt: str) -> torch.Tensor:
-        """``x @ W.T`` for one packed expert weight: the op (native kernels) or plain torch."""
+    def _product(self, x: torch.Tensor, weight: torch.Tensor, fmt: str | None) -> torch.Tensor:
+        """``x @ W.T`` for one expert weight: ``F.linear``, or for packed blocks of ``fmt`` the
+        op (native kernels) or its plain-torch reference."""
+        if fmt is None:
+            return F.linear(x, weight)
         if self.quant_kernel:
-            return torch.ops.forwardkit.quant_linear(x, packed, None, fmt)
-        return reference_linear(x, packed, None, fmt)
+            return torch.ops.forwardkit.quant_linear(x, weight, None, fmt)
+        return reference_linear(x, weight, None, fmt)
 
     def _compute_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         combine = torch.zeros((x.shape[0], self.num_experts), dtype=torch.float32, device=x.device)
@@ -316,6 +347,14 @@ class FusedMoE(nn.Module):
         if self.is_sequence_parallel:
             return _sp_exchange(self, hidden_states, router_logits, dp_metadata)
         return _dp_exchange(self, hidden_states, router_logits, dp_metadata)
+
+
+def _packed_format(param: torch.Tensor) -> str | None:
+    """The block format of a packed expert weight; None for a float one."""
+    if param.dtype != torch.uint8:
+        return None
+    fmt: str = param.quant_format  # type: ignore[attr-defined]
+    return fmt
 
 
 def _dp_exchange(

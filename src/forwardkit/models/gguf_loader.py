@@ -13,8 +13,11 @@ Then, tensor by tensor:
   method that applies it through ``forwardkit::quant_linear``
   (``quantization.linear_method.install_packed_weight``); the parts of a merged projection
   (q/k/v, gate/up) in different formats run as one op call per part;
+* stacked MoE expert tensors in such a type stay packed in their layer
+  (``FusedMoE.install_packed``): gate and up as one ``w13`` when both map to the same format
+  (else both are dequantized), down on its own, this rank's experts and intermediate slice;
 * everything else (F32 / F16 / BF16 tensors, the token embedding's lookup table, norms, biases,
-  the MoE router and the MoE experts, which are not kept packed from a file yet) is dequantized to float32 values (ggml's,
+  the MoE router) is dequantized to float32 values (ggml's,
   bit for bit) and copied in the model's dtype through the models' own ``load_weights``;
 * Q and K rows (and their biases) of a ``llama`` file go back from llama.cpp's interleaved rotary
   order to the half-split order of the Hugging Face checkpoint its converter read (a ``qwen2``
@@ -34,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from forwardkit.config.gguf import GGUFFile, GGUFTensor, open_gguf
+from forwardkit.layers.fused_moe import FusedMoE
 from forwardkit.layers.linear import Linear, LMHead, MergedLinear
 from forwardkit.layers.parallel import shard_spec_of
 from forwardkit.logger import init_logger
@@ -147,8 +151,9 @@ def gguf_tensor_plan(info: GGUFFile, cfg: dict[str, object]) -> list[TensorPlan]
     assert isinstance(heads, int) and isinstance(kv, int)
     problems: list[str] = []
     plans: list[TensorPlan] = []
+    types = {t.name: gguf_types.describe_type(t.type_id) for t in info.tensors}
     for tensor in info.tensors:
-        type_name = gguf_types.describe_type(tensor.type_id)
+        type_name = types[tensor.name]
         want = shapes.get(tensor.name)
         mapped = _hf_name(tensor.name) if tensor.name != "rope_freqs.weight" else None
         if want is None or (mapped is None and tensor.name != "rope_freqs.weight"):
@@ -176,6 +181,8 @@ def gguf_tensor_plan(info: GGUFFile, cfg: dict[str, object]) -> list[TensorPlan]
         if gguf_types.native_format(type_name) is not None and (
                 suffix in _PROJECTIONS or (tensor.name == "output.weight")):
             packed = gguf_types.native_format(type_name)
+        elif expert is not None:
+            packed = _expert_format(tensor.name, types, int(cfg["hidden_size"]))  # type: ignore[call-overload]
         rotary = 0
         if arch == "llama" and suffix in ("attn_q.weight", "attn_q.bias"):
             rotary = heads
@@ -191,6 +198,20 @@ def gguf_tensor_plan(info: GGUFFile, cfg: dict[str, object]) -> list[TensorPlan]
         raise GGUFLoadError(f"GGUF file {info.path} does not fit the model it describes:\n  "
                             + "\n  ".join(problems))
     return plans
+
+
+def _expert_format(name: str, types: dict[str, str], hidden: int) -> str | None:
+    """The packed format a stacked expert tensor keeps (None: dequantized): its type's native
+    format, for gate and up only when both map to the same one (they share one packed
+    ``w13``), and only with whole blocks along the hidden size."""
+    fmt = gguf_types.native_format(types[name])
+    if fmt is None or hidden % BLOCK:
+        return None
+    head, _, leaf = name.rpartition(".ffn_")
+    sibling = {"gate_exps.weight": "up_exps.weight", "up_exps.weight": "gate_exps.weight"}.get(leaf)
+    if sibling is not None and gguf_types.native_format(types.get(f"{head}.ffn_{sibling}", "")) != fmt:
+        return None
+    return fmt
 
 
 def _raw(tensor: GGUFTensor) -> torch.Tensor:
@@ -261,6 +282,12 @@ def _local_packed(param: torch.Tensor, packed: torch.Tensor, fmt: str, shard: Ha
     return torch.cat(parts, dim=1)
 
 
+def _stacked_shape(tensor: GGUFTensor) -> tuple[int, int]:
+    """``(experts, rows per expert)`` of a stacked expert tensor (torch order ``[E, rows, k]``)."""
+    experts, rows, _ = tensor.shape
+    return experts, rows
+
+
 def _stream(plans: list[TensorPlan], path: str) -> Iterator[TensorPlan]:
     """``plans`` in order, logging progress every 10 % of the bytes of a large file."""
     total = sum(p.tensor.nbytes for p in plans)
@@ -283,9 +310,13 @@ def load_gguf_weights(model: LlamaForCausalLM, path: str, dtype: torch.dtype) ->
     params = dict(model.named_parameters(remove_duplicate=False))
     pending: dict[str, dict[Hashable | None, tuple[str, torch.Tensor]]] = {}
     loaded: set[str] = set()
+    module_names = {id(m): n for n, m in model.named_modules()}
 
     def dense_weights() -> Iterator[tuple[str, torch.Tensor]]:
         for plan in _stream(plans, path):
+            if plan.packed_format is not None and plan.expert_kind is not None:
+                _take_packed_experts(plan)
+                continue
             if plan.packed_format is not None:
                 _take_packed(plan)
                 continue
@@ -311,6 +342,33 @@ def load_gguf_weights(model: LlamaForCausalLM, path: str, dtype: torch.dtype) ->
         local = _local_packed(params["lm_head.weight"], packed, fmt, None, plan.tensor.name)
         install_packed_weight(model.lm_head, [(fmt, local)])
         loaded.add("lm_head.weight")
+
+    def _take_packed_experts(plan: TensorPlan) -> None:
+        """A stacked expert tensor kept packed: this rank's experts (and intermediate slice)
+        installed into the MoE layer; gate and up wait for each other (one ``w13``)."""
+        assert plan.packed_format is not None and plan.expert_kind is not None
+        layer = model.get_submodule(plan.hf_name)
+        assert isinstance(layer, FusedMoE)
+        experts, rows = _stacked_shape(plan.tensor)
+        raw = _raw(plan.tensor)
+        packed = gguf_types.packed_values(raw, plan.type_name, raw.shape[0], plan.tensor.name)
+        packed = packed.reshape(experts, rows, -1)
+        try:
+            local = layer.local_packed(packed, plan.expert_kind, plan.packed_format)
+        except ValueError as exc:
+            raise GGUFLoadError(f"{plan.tensor.name}: {exc}") from None
+        prefix = module_names[id(layer)]  # the name its parameters are listed under
+        if plan.expert_kind == "w2":
+            layer.install_packed("w2_weight", local, plan.packed_format)
+            loaded.add(f"{prefix}.w2_weight")
+            return
+        parts = pending.setdefault(f"{plan.hf_name}.w13_weight", {})
+        parts[plan.expert_kind] = (plan.packed_format, local)
+        if "w1" in parts and "w3" in parts:
+            layer.install_packed("w13_weight", torch.cat([parts["w1"][1], parts["w3"][1]], dim=1),
+                                 plan.packed_format)
+            del pending[f"{plan.hf_name}.w13_weight"]
+            loaded.add(f"{prefix}.w13_weight")
 
     def _take_packed(plan: TensorPlan) -> None:
         assert plan.packed_format is not None
@@ -339,8 +397,11 @@ def load_gguf_weights(model: LlamaForCausalLM, path: str, dtype: torch.dtype) ->
         raise GGUFLoadError(f"GGUF file {path}: incomplete packed projections {sorted(pending)}")
     packed_count = sum(1 for m in model.modules()
                        if isinstance(m, (Linear, LMHead)) and m.quant_method is not None)
-    logger.info("Loaded %s from GGUF file %s: %d tensors, %d projections kept packed",
-                type(model).__name__, path, len(plans), packed_count)
+    packed_experts = sum(1 for m in model.modules() if isinstance(m, FusedMoE)
+                         for p in (m.w13_weight, m.w2_weight) if p.dtype == torch.uint8)
+    logger.info("Loaded %s from GGUF file %s: %d tensors, %d projections%s kept packed",
+                type(model).__name__, path, len(plans), packed_count,
+                f" and {packed_experts} stacked expert weights" if packed_experts else "")
     return loaded
 
 
