@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from forwardkit import envs
 from forwardkit.logger import init_logger
 
 __all__ = [
@@ -78,14 +79,36 @@ def _cpuinfo_fields() -> dict[str, str]:
     return out
 
 
+# flags a CPU capped at AVX2 does not report (FORWARDKIT_CPU_MAX_ISA=avx2), and the vector
+# extensions "generic" drops on top of them
+_ABOVE_AVX2 = ("avx512", "amx_", "avx10")
+_VECTOR = ("avx", "fma", "f16c", "sse4", "ssse3")
+
+
+def cap_capabilities(caps: CpuCapabilities, max_isa: str) -> CpuCapabilities:
+    """``caps`` as a CPU capped at ``max_isa`` reports them: ``"native"`` unchanged; ``"avx2"``
+    without AVX-512 / AMX flags and without native bf16 matmuls; ``"generic"`` without any
+    vector extension either."""
+    if max_isa == "native":
+        return caps
+    if max_isa not in ("avx2", "generic"):
+        raise ValueError(f"FORWARDKIT_CPU_MAX_ISA={max_isa!r}; accepted: native, avx2, generic")
+    dropped = _ABOVE_AVX2 + (_VECTOR if max_isa == "generic" else ())
+    flags = frozenset(f for f in caps.flags if not f.startswith(dropped))
+    return CpuCapabilities(flags, caps.model_name, False)
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_capabilities() -> CpuCapabilities:
-    """This machine's :class:`CpuCapabilities` (probed on the first call, then cached)."""
+    """This machine's :class:`CpuCapabilities` (probed on the first call, then cached), capped
+    at ``FORWARDKIT_CPU_MAX_ISA`` (:func:`cap_capabilities`; a stand-in for a smaller CPU:
+    the dtype choice, the router and every native kernel's build choice then see it)."""
     info = _cpuinfo_fields()
     native_bf16 = bool(torch.backends.mkldnn.is_available()
                        and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return CpuCapabilities(frozenset(info.get("flags", "").split()), info.get("model name", ""),
-                           native_bf16)
+    probed = CpuCapabilities(frozenset(info.get("flags", "").split()), info.get("model name", ""),
+                             native_bf16)
+    return cap_capabilities(probed, envs.FORWARDKIT_CPU_MAX_ISA)
 
 
 class Platform:
