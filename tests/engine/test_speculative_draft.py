@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from forwardkit.engine import LLM, SamplingParams
+from forwardkit.engine.draft_model import DraftModelProposer
 from forwardkit.engine.request import Request
 from forwardkit.engine.sampler import Sampler
 from forwardkit.engine.speculative import verify
@@ -292,6 +293,49 @@ def test_tp2_target_with_a_one_rank_draft(target, draft):
         assert _metric(tp2, "vllm:spec_decode_num_accepted_tokens") > 0
     finally:
         tp2.shutdown()
-    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 is not supported"):
-        LLM(target, **ENGINE, tensor_parallel_size=2,
-            speculative_config=_spec(draft, draft_tensor_parallel_size=2))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_tp2_draft_split_over_the_target_ranks(target, draft):
+    """``draft_tensor_parallel_size`` equal to the target's: the draft is sharded over the
+    LLM's own TP workers and runs its steps there; greedy tokens as without speculation and
+    as with a one-rank draft; draft = target accepts every draft."""
+    from forwardkit.engine.tp import weight_bytes
+
+    want = _tokens(_engine(target, None), GREEDY)
+    results = {}
+    for dtp in (1, 2):
+        llm = LLM(target, **ENGINE, tensor_parallel_size=2,
+                  speculative_config=_spec(draft, draft_tensor_parallel_size=dtp))
+        try:
+            proposer = llm._proposer
+            assert isinstance(proposer, DraftModelProposer)
+            assert proposer.config.parallel_config.tensor_parallel_size == dtp
+            results[dtp] = (_tokens(llm, GREEDY), weight_bytes(proposer.runner.module),
+                            _metric(llm, "vllm:spec_decode_num_accepted_tokens"))
+        finally:
+            llm.shutdown()
+    assert results[2][0] == want == results[1][0]
+    assert results[2][2] > 0
+    assert results[2][1] < 0.75 * results[1][1]  # the driver holds only its shard of the draft
+    same = LLM(target, **ENGINE, tensor_parallel_size=2,
+               speculative_config=_spec(target, draft_tensor_parallel_size=2))
+    try:
+        assert _tokens(same, GREEDY) == want
+        drafted = _metric(same, "vllm:spec_decode_num_draft_tokens")
+        assert drafted > 0 and _metric(same, "vllm:spec_decode_num_accepted_tokens") == drafted
+    finally:
+        same.shutdown()
+
+
+def test_split_draft_needs_the_llm_own_tp_workers(target, draft):
+    """Under torchrun (no worker pool) a draft over the TP ranks is refused by name."""
+    from forwardkit.config.builder import build_engine_config
+
+    cfg = build_engine_config(target, **ENGINE, tensor_parallel_size=2,
+                              speculative_config=_spec(draft, draft_tensor_parallel_size=2))
+    assert cfg.speculative_config is not None
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size=2 needs the TP worker "
+                                         r".*under torchrun the accepted value is 1"):
+        DraftModelProposer(cfg.speculative_config, cfg, 16, 96, None)

@@ -257,8 +257,12 @@ class LLM:
         check_runnable(spec, cfg.parallel_config.tensor_parallel_size)
         self._proposer: NgramProposer | DraftModelProposer | None = None
         if spec is not None and spec.method == "draft_model":
-            self._proposer = DraftModelProposer(spec, cfg, self.runner.num_blocks,
-                                                self.runner.max_model_len)
+            try:  # draft_tensor_parallel_size > 1: sharded over this LLM's TP workers
+                self._proposer = DraftModelProposer(spec, cfg, self.runner.num_blocks,
+                                                    self.runner.max_model_len, self._tp_pool)
+            except BaseException:
+                self.shutdown()
+                raise
         elif spec is not None:
             self._proposer = NgramProposer(spec, self.runner.max_model_len)
         self.spec_stats = SpecDecodeStats()
