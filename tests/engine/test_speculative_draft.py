@@ -126,6 +126,61 @@ def test_limits_stops_and_n(target, draft):
         _engine(target, None, **short), GREEDY)
 
 
+# ---------------------------------------------------------------------------- sleep, update_weights
+def _kv_bytes(runner) -> int:
+    return sum(t.untyped_storage().nbytes() for t in runner.kv_caches.values())
+
+
+def test_sleep_and_wake_up_release_and_restore_the_draft_cache(target, draft):
+    llm = _engine(target, draft)
+    proposer = llm._proposer
+    assert isinstance(proposer, DraftModelProposer)
+    want = _tokens(llm, GREEDY)
+    accepted = _metric(llm, "vllm:spec_decode_num_accepted_tokens")
+    held, draft_held = _kv_bytes(llm.runner), _kv_bytes(proposer.runner)
+    assert accepted > 0 and draft_held > 0
+    assert llm.sleep() == held + draft_held
+    assert _kv_bytes(proposer.runner) == 0 and not proposer._states
+    assert llm.sleep() == 0  # already asleep, the draft too
+    assert llm.wake_up(tags=["weights"]) == 0 and _kv_bytes(proposer.runner) == 0
+    assert llm.wake_up() == held + draft_held
+    assert _kv_bytes(proposer.runner) == draft_held
+    assert not any(t.any() for t in proposer.runner.kv_caches.values())  # back zeroed
+    assert _tokens(llm, GREEDY) == want
+    assert _metric(llm, "vllm:spec_decode_num_accepted_tokens") == 2 * accepted
+    with pytest.raises(ValueError, match=r"sleep\(level=2\) is not supported"):
+        llm.sleep(level=2)
+    assert _kv_bytes(proposer.runner) == draft_held  # a refused level changes nothing
+
+
+def test_update_weights_acts_on_the_target_and_the_draft_keeps_its_own(target, draft):
+    """``update_weights`` names the target's weights (vLLM's RL weight sync): the draft keeps
+    its own weights, and its KV (a function of its weights and the tokens only) stays valid.
+    Here the draft is the old target: after the update the tokens are those of a plain engine
+    given the same update, and drafts are no longer all accepted (the draft kept its weights)."""
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(3)
+    new = {}
+    for name in os.listdir(target):
+        if name.endswith(".safetensors"):
+            for k, v in load_file(os.path.join(target, name)).items():
+                new[k] = v + 0.25 * v.std() * torch.randn(v.shape, generator=gen)
+    plain = _engine(target, None)
+    plain.update_weights(new)
+    want = _tokens(plain, GREEDY)
+    assert want != _tokens(_engine(target, None), GREEDY)  # the update changes the tokens
+    llm = _engine(target, target)
+    _tokens(llm, GREEDY)  # the draft holds KV from the old target's run
+    drafted = _metric(llm, "vllm:spec_decode_num_draft_tokens")
+    assert _metric(llm, "vllm:spec_decode_num_accepted_tokens") == drafted > 0
+    llm.update_weights(new)
+    assert _tokens(llm, GREEDY) == want
+    more = _metric(llm, "vllm:spec_decode_num_draft_tokens") - drafted
+    accepted = _metric(llm, "vllm:spec_decode_num_accepted_tokens") - drafted
+    assert 0 < accepted < more
+
+
 def _char_checkpoint(path: str) -> str:
     """A tiny random Llama whose tokenizer has one token per character."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -314,6 +369,10 @@ def test_tp2_draft_split_over_the_target_ranks(target, draft):
             assert proposer.config.parallel_config.tensor_parallel_size == dtp
             results[dtp] = (_tokens(llm, GREEDY), weight_bytes(proposer.runner.module),
                             _metric(llm, "vllm:spec_decode_num_accepted_tokens"))
+            if dtp == 2:  # the workers' draft shards sleep and wake with the target's
+                held = 2 * (_kv_bytes(llm.runner) + _kv_bytes(proposer.runner))
+                assert llm.sleep() == held and llm.wake_up() == held
+                assert _tokens(llm, GREEDY) == results[2][0]
         finally:
             llm.shutdown()
     assert results[2][0] == want == results[1][0]

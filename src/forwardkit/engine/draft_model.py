@@ -36,6 +36,7 @@ from forwardkit.config.builder import build_engine_config
 from forwardkit.config.scheduler import SpeculativeConfig
 from forwardkit.engine.request import Request
 from forwardkit.engine.sampler import Sampler
+from forwardkit.engine.weight_update import KVCacheSleeper
 from forwardkit.runner.batch import StepBatch
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ class DraftModelProposer:
         self._free = list(range(self.runner.num_blocks - 1, -1, -1))
         self._states: dict[str, _DraftState] = {}
         self.sampler = Sampler()
+        self._sleeper: KVCacheSleeper | None = None  # made by the first sleep
         self.draft_seconds = 0.0  # wall time spent proposing (the profile's "draft" part)
         self.num_steps = 0  # draft forward steps run
 
@@ -256,6 +258,20 @@ class DraftModelProposer:
         if q is None:
             return best, None
         return self.sampler.draw(q, req), q
+
+    # ------------------------------------------------------------------ sleep / wake-up
+    def sleep(self, level: int = 1) -> int:
+        """Release the draft's KV cache storage with the target's (``LLM.sleep``); every
+        request's draft KV is forgotten (its content is gone). Returns the bytes freed."""
+        if self._sleeper is None:
+            self._sleeper = KVCacheSleeper(self.runner)
+        freed = self._sleeper.sleep(level)
+        self.shutdown()
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> int:
+        """Re-allocate the draft's KV cache, zeroed (``LLM.wake_up``); the bytes allocated."""
+        return 0 if self._sleeper is None else self._sleeper.wake_up(tags)
 
     def shutdown(self) -> None:
         """Drop every request's draft KV blocks."""
