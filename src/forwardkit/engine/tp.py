@@ -181,8 +181,8 @@ def _serve(runner: ModelRunner, engine_config: EngineConfig, conn: Connection, p
         except BaseException:
             with contextlib.suppress(OSError):
                 conn.send(("error", traceback.format_exc()))
-            if kind == "step":  # the ranks are out of step now: end, so the driver's
-                return          # collective fails at once instead of waiting for a timeout
+            if kind in ("step", "draft_step", "draft_runner"):  # the ranks are out of step:
+                return  # end, so the driver's collective fails now, not at a timeout
 
 
 def _recv(conn: Connection, parent_pid: int) -> Any:
