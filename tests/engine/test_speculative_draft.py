@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from forwardkit.engine import LLM, SamplingParams
+from forwardkit.engine.draft_model import DraftModelProposer
 from forwardkit.engine.request import Request
 from forwardkit.engine.sampler import Sampler
 from forwardkit.engine.speculative import verify
@@ -123,6 +124,61 @@ def test_limits_stops_and_n(target, draft):
     short = dict(max_model_len=24)  # drafts never run past max_model_len
     assert _tokens(_engine(target, draft, **short), GREEDY) == _tokens(
         _engine(target, None, **short), GREEDY)
+
+
+# ---------------------------------------------------------------------------- sleep, update_weights
+def _kv_bytes(runner) -> int:
+    return sum(t.untyped_storage().nbytes() for t in runner.kv_caches.values())
+
+
+def test_sleep_and_wake_up_release_and_restore_the_draft_cache(target, draft):
+    llm = _engine(target, draft)
+    proposer = llm._proposer
+    assert isinstance(proposer, DraftModelProposer)
+    want = _tokens(llm, GREEDY)
+    accepted = _metric(llm, "vllm:spec_decode_num_accepted_tokens")
+    held, draft_held = _kv_bytes(llm.runner), _kv_bytes(proposer.runner)
+    assert accepted > 0 and draft_held > 0
+    assert llm.sleep() == held + draft_held
+    assert _kv_bytes(proposer.runner) == 0 and not proposer._states
+    assert llm.sleep() == 0  # already asleep, the draft too
+    assert llm.wake_up(tags=["weights"]) == 0 and _kv_bytes(proposer.runner) == 0
+    assert llm.wake_up() == held + draft_held
+    assert _kv_bytes(proposer.runner) == draft_held
+    assert not any(t.any() for t in proposer.runner.kv_caches.values())  # back zeroed
+    assert _tokens(llm, GREEDY) == want
+    assert _metric(llm, "vllm:spec_decode_num_accepted_tokens") == 2 * accepted
+    with pytest.raises(ValueError, match=r"sleep\(level=2\) is not supported"):
+        llm.sleep(level=2)
+    assert _kv_bytes(proposer.runner) == draft_held  # a refused level changes nothing
+
+
+def test_update_weights_acts_on_the_target_and_the_draft_keeps_its_own(target, draft):
+    """``update_weights`` names the target's weights (vLLM's RL weight sync): the draft keeps
+    its own weights, and its KV (a function of its weights and the tokens only) stays valid.
+    Here the draft is the old target: after the update the tokens are those of a plain engine
+    given the same update, and drafts are no longer all accepted (the draft kept its weights)."""
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(3)
+    new = {}
+    for name in os.listdir(target):
+        if name.endswith(".safetensors"):
+            for k, v in load_file(os.path.join(target, name)).items():
+                new[k] = v + 0.25 * v.std() * torch.randn(v.shape, generator=gen)
+    plain = _engine(target, None)
+    plain.update_weights(new)
+    want = _tokens(plain, GREEDY)
+    assert want != _tokens(_engine(target, None), GREEDY)  # the update changes the tokens
+    llm = _engine(target, target)
+    _tokens(llm, GREEDY)  # the draft holds KV from the old target's run
+    drafted = _metric(llm, "vllm:spec_decode_num_draft_tokens")
+    assert _metric(llm, "vllm:spec_decode_num_accepted_tokens") == drafted > 0
+    llm.update_weights(new)
+    assert _tokens(llm, GREEDY) == want
+    more = _metric(llm, "vllm:spec_decode_num_draft_tokens") - drafted
+    accepted = _metric(llm, "vllm:spec_decode_num_accepted_tokens") - drafted
+    assert 0 < accepted < more
 
 
 def _char_checkpoint(path: str) -> str:
@@ -292,6 +348,53 @@ def test_tp2_target_with_a_one_rank_draft(target, draft):
         assert _metric(tp2, "vllm:spec_decode_num_accepted_tokens") > 0
     finally:
         tp2.shutdown()
-    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 is not supported"):
-        LLM(target, **ENGINE, tensor_parallel_size=2,
-            speculative_config=_spec(draft, draft_tensor_parallel_size=2))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_tp2_draft_split_over_the_target_ranks(target, draft):
+    """``draft_tensor_parallel_size`` equal to the target's: the draft is sharded over the
+    LLM's own TP workers and runs its steps there; greedy tokens as without speculation and
+    as with a one-rank draft; draft = target accepts every draft."""
+    from forwardkit.engine.tp import weight_bytes
+
+    want = _tokens(_engine(target, None), GREEDY)
+    results = {}
+    for dtp in (1, 2):
+        llm = LLM(target, **ENGINE, tensor_parallel_size=2,
+                  speculative_config=_spec(draft, draft_tensor_parallel_size=dtp))
+        try:
+            proposer = llm._proposer
+            assert isinstance(proposer, DraftModelProposer)
+            assert proposer.config.parallel_config.tensor_parallel_size == dtp
+            results[dtp] = (_tokens(llm, GREEDY), weight_bytes(proposer.runner.module),
+                            _metric(llm, "vllm:spec_decode_num_accepted_tokens"))
+            if dtp == 2:  # the workers' draft shards sleep and wake with the target's
+                held = 2 * (_kv_bytes(llm.runner) + _kv_bytes(proposer.runner))
+                assert llm.sleep() == held and llm.wake_up() == held
+                assert _tokens(llm, GREEDY) == results[2][0]
+        finally:
+            llm.shutdown()
+    assert results[2][0] == want == results[1][0]
+    assert results[2][2] > 0
+    assert results[2][1] < 0.75 * results[1][1]  # the driver holds only its shard of the draft
+    same = LLM(target, **ENGINE, tensor_parallel_size=2,
+               speculative_config=_spec(target, draft_tensor_parallel_size=2))
+    try:
+        assert _tokens(same, GREEDY) == want
+        drafted = _metric(same, "vllm:spec_decode_num_draft_tokens")
+        assert drafted > 0 and _metric(same, "vllm:spec_decode_num_accepted_tokens") == drafted
+    finally:
+        same.shutdown()
+
+
+def test_split_draft_needs_the_llm_own_tp_workers(target, draft):
+    """Under torchrun (no worker pool) a draft over the TP ranks is refused by name."""
+    from forwardkit.config.builder import build_engine_config
+
+    cfg = build_engine_config(target, **ENGINE, tensor_parallel_size=2,
+                              speculative_config=_spec(draft, draft_tensor_parallel_size=2))
+    assert cfg.speculative_config is not None
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size=2 needs the TP worker "
+                                         r".*under torchrun the accepted value is 1"):
+        DraftModelProposer(cfg.speculative_config, cfg, 16, 96, None)

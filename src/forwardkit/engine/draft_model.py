@@ -36,10 +36,12 @@ from forwardkit.config.builder import build_engine_config
 from forwardkit.config.scheduler import SpeculativeConfig
 from forwardkit.engine.request import Request
 from forwardkit.engine.sampler import Sampler
+from forwardkit.engine.weight_update import KVCacheSleeper
 from forwardkit.runner.batch import StepBatch
 
 if TYPE_CHECKING:
     from forwardkit.config.engine import EngineConfig
+    from forwardkit.engine.tp import TPWorkerPool
     from forwardkit.runner.model_runner import ModelRunner
 
 __all__ = ["DraftModelProposer", "build_draft_config"]
@@ -48,7 +50,8 @@ __all__ = ["DraftModelProposer", "build_draft_config"]
 def build_draft_config(target: EngineConfig, num_blocks: int) -> EngineConfig:
     """The draft model's engine config: ``speculative_config.model`` at the target's dtype,
     context length, batch limits, KV block size (``num_blocks`` blocks), platform, compilation
-    mode and optimisation level; one rank (no TP, no DP), no prefix caching, no speculation."""
+    mode and optimisation level; ``draft_tensor_parallel_size`` TP ranks (None: 1; else 1 or
+    the target's, checked with the config), no DP, no prefix caching, no speculation."""
     spec = target.speculative_config
     assert spec is not None and spec.model is not None
     model = target.model_config
@@ -62,6 +65,7 @@ def build_draft_config(target: EngineConfig, num_blocks: int) -> EngineConfig:
             enforce_eager=model.enforce_eager,
             compilation_config=None if mode is None else {"mode": int(mode)},
             optimization_level=int(target.optimization_level), data_parallel_size=1,
+            tensor_parallel_size=spec.draft_tensor_parallel_size or 1,
             block_size=target.cache_config.block_size, num_gpu_blocks=num_blocks,
             enable_prefix_caching=False, platform=target.platform,
         )
@@ -85,19 +89,32 @@ class DraftModelProposer:
     """Proposes drafts with a second model (see the module docstring)."""
 
     def __init__(self, spec: SpeculativeConfig, target: EngineConfig, num_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, tp_pool: TPWorkerPool | None = None) -> None:
         from forwardkit.engine.tp import build_runner
 
         self.k = spec.num_speculative_tokens
         self.max_model_len = max_model_len
         self.disable_by_batch_size = spec.disable_by_batch_size
+        tp = spec.draft_tensor_parallel_size or 1
+        if tp > 1 and tp_pool is None:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp} needs the TP "
+                             "worker processes LLM(tensor_parallel_size=...) starts itself; under "
+                             "torchrun the accepted value is 1 (the draft on the driver)")
         self.config = build_draft_config(target, num_blocks)
+        # a draft split over the TP ranks: every worker builds its shard beside the driver's
+        # (the warm-up steps' collectives line up), then runs each draft step with it
+        self._tp_pool = tp_pool if tp > 1 else None
+        if self._tp_pool is not None:
+            self._tp_pool.start("draft_runner", self.config)
         self.runner: ModelRunner = build_runner(self.config)
+        if self._tp_pool is not None:
+            self._tp_pool.finish("draft_runner")
         self.block_size = self.runner.block_size
         self.budget = self.config.scheduler_config.max_num_batched_tokens
         self._free = list(range(self.runner.num_blocks - 1, -1, -1))
         self._states: dict[str, _DraftState] = {}
         self.sampler = Sampler()
+        self._sleeper: KVCacheSleeper | None = None  # made by the first sleep
         self.draft_seconds = 0.0  # wall time spent proposing (the profile's "draft" part)
         self.num_steps = 0  # draft forward steps run
 
@@ -223,6 +240,8 @@ class DraftModelProposer:
 
     def _execute(self, batch: StepBatch) -> torch.Tensor:
         self.num_steps += 1
+        if self._tp_pool is not None:
+            self._tp_pool.send_step(batch, None, kind="draft_step")
         return self.runner.execute(batch)
 
     def _pick(self, row: torch.Tensor, req: Request, history: list[int]
@@ -239,6 +258,20 @@ class DraftModelProposer:
         if q is None:
             return best, None
         return self.sampler.draw(q, req), q
+
+    # ------------------------------------------------------------------ sleep / wake-up
+    def sleep(self, level: int = 1) -> int:
+        """Release the draft's KV cache storage with the target's (``LLM.sleep``); every
+        request's draft KV is forgotten (its content is gone). Returns the bytes freed."""
+        if self._sleeper is None:
+            self._sleeper = KVCacheSleeper(self.runner)
+        freed = self._sleeper.sleep(level)
+        self.shutdown()
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> int:
+        """Re-allocate the draft's KV cache, zeroed (``LLM.wake_up``); the bytes allocated."""
+        return 0 if self._sleeper is None else self._sleeper.wake_up(tags)
 
     def shutdown(self) -> None:
         """Drop every request's draft KV blocks."""

@@ -257,8 +257,12 @@ class LLM:
         check_runnable(spec, cfg.parallel_config.tensor_parallel_size)
         self._proposer: NgramProposer | DraftModelProposer | None = None
         if spec is not None and spec.method == "draft_model":
-            self._proposer = DraftModelProposer(spec, cfg, self.runner.num_blocks,
-                                                self.runner.max_model_len)
+            try:  # draft_tensor_parallel_size > 1: sharded over this LLM's TP workers
+                self._proposer = DraftModelProposer(spec, cfg, self.runner.num_blocks,
+                                                    self.runner.max_model_len, self._tp_pool)
+            except BaseException:
+                self.shutdown()
+                raise
         elif spec is not None:
             self._proposer = NgramProposer(spec, self.runner.max_model_len)
         self.spec_stats = SpecDecodeStats()
@@ -778,10 +782,14 @@ class LLM:
         """Release the KV cache's memory (level 1; the weights stay); returns the bytes freed.
 
         ``generate`` is refused until ``wake_up``. Level 2 (also discarding weights) is not
-        supported by the reference engine.
+        supported by the reference engine. A draft model's KV cache (``method="draft_model"``,
+        on every TP rank it is split over) is released with the target's and its requests'
+        draft KV forgotten; ``wake_up`` gives it back zeroed.
         """
         freed = self._kv_sleeper().sleep(level)
         self.block_manager.invalidate()  # the cache's content is gone
+        if isinstance(self._proposer, DraftModelProposer):  # the draft's KV cache too
+            freed += self._proposer.sleep(level)
         if self._tp_pool is not None:
             freed += sum(self._tp_pool.call("sleep", level))
         return freed
@@ -790,6 +798,8 @@ class LLM:
         """Re-allocate the KV cache released by ``sleep``; returns the bytes allocated."""
         allocated = self._kv_sleeper().wake_up(tags)
         self.block_manager.invalidate()  # the cache comes back zeroed
+        if isinstance(self._proposer, DraftModelProposer):
+            allocated += self._proposer.wake_up(tags)
         if self._tp_pool is not None:
             allocated += sum(self._tp_pool.call("wake_up", tags))
         return allocated

@@ -45,11 +45,10 @@ def check_runnable(spec: SpeculativeConfig | None, tensor_parallel_size: int = 1
         raise ValueError(f"speculative_config.method={spec.method!r} is not supported by the "
                          f"forwardkit engine; accepted: {', '.join(map(repr, SPEC_METHODS_RUN))}")
     dtp = spec.draft_tensor_parallel_size
-    if spec.method == "draft_model" and dtp is not None and dtp > 1:
-        raise ValueError(f"speculative_config.draft_tensor_parallel_size={dtp} is not supported "
-                         "by the forwardkit engine yet: the draft model runs on one rank "
-                         f"(draft_tensor_parallel_size=1) beside a target of any "
-                         f"tensor_parallel_size (here {tensor_parallel_size})")
+    if spec.method == "draft_model" and dtp is not None and dtp not in (1, tensor_parallel_size):
+        raise ValueError(f"speculative_config.draft_tensor_parallel_size={dtp} is not supported; "
+                         f"accepted: 1 or the target's tensor_parallel_size "
+                         f"({tensor_parallel_size})")
 
 
 class NgramProposer:

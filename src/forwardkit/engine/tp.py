@@ -10,7 +10,10 @@ line up. The logits are gathered on every rank; only the driver samples. Two way
   the driver and starts ``N - 1`` worker processes (:class:`TPWorkerPool`). The driver sends
   each step's batch over a socket to every worker; weight updates (the full tensors follow as
   broadcasts over the TP group), sleep and wake-up go the same way and are acknowledged. A
-  worker ends when the driver shuts it down or dies.
+  draft model split over the TP ranks (``draft_tensor_parallel_size`` equal to the target's)
+  is built on every worker beside the driver's shard (``"draft_runner"``), and each draft
+  step reaches the workers as the target's steps do (``"draft_step"``). A worker ends when
+  the driver shuts it down or dies.
 * under ``torchrun`` with ``data_parallel_size x tensor_parallel_size`` processes: every
   process builds its own ``LLM``; inside ``generate`` the TP followers receive the driver's
   steps over the TP group (:class:`TPFollowerLink`) and return the driver's outputs. Every TP
@@ -134,6 +137,8 @@ def _serve(runner: ModelRunner, engine_config: EngineConfig, conn: Connection, p
     from forwardkit.engine.weight_update import KVCacheSleeper, update_model_weights
 
     sleeper: KVCacheSleeper | None = None
+    draft: ModelRunner | None = None  # this rank's shard of a draft model split over the TP ranks
+    draft_sleeper: KVCacheSleeper | None = None
     while True:
         msg = _recv(conn, parent_pid)
         if msg is None:  # the driver is gone
@@ -142,6 +147,10 @@ def _serve(runner: ModelRunner, engine_config: EngineConfig, conn: Connection, p
         try:
             if kind == "step":
                 run_model_step(runner, msg[1], msg[2])
+                continue
+            if kind == "draft_step":
+                assert draft is not None, "draft_step before draft_runner"
+                run_model_step(draft, msg[1], None)
                 continue
             if kind == "shutdown":
                 conn.send(("ok", None))
@@ -156,17 +165,24 @@ def _serve(runner: ModelRunner, engine_config: EngineConfig, conn: Connection, p
                 result = None
             elif kind == "weight_bytes":
                 result = weight_bytes(runner.module)
+            elif kind == "draft_runner":  # the driver builds its shard at the same time
+                draft = build_runner(msg[1])
+                result = None
             elif kind in ("sleep", "wake_up"):
                 sleeper = sleeper or KVCacheSleeper(runner)
                 result = sleeper.sleep(msg[1]) if kind == "sleep" else sleeper.wake_up(msg[1])
+                if draft is not None:  # the draft's KV cache sleeps and wakes with the target's
+                    draft_sleeper = draft_sleeper or KVCacheSleeper(draft)
+                    result += (draft_sleeper.sleep(msg[1]) if kind == "sleep"
+                               else draft_sleeper.wake_up(msg[1]))
             else:
                 raise ValueError(f"unknown TP worker request {kind!r}")
             conn.send(("ok", result))
         except BaseException:
             with contextlib.suppress(OSError):
                 conn.send(("error", traceback.format_exc()))
-            if kind == "step":  # the ranks are out of step now: end, so the driver's
-                return          # collective fails at once instead of waiting for a timeout
+            if kind in ("step", "draft_step", "draft_runner"):  # the ranks are out of step:
+                return  # end, so the driver's collective fails now, not at a timeout
 
 
 def _recv(conn: Connection, parent_pid: int) -> Any:
@@ -260,19 +276,30 @@ class TPWorkerPool:
                                 f"{self.failure_note()}") from exc
         return reply
 
-    def send_step(self, batch: StepBatch, prompt_rows: list[int] | None) -> None:
-        """Hand every worker this step's batch (no reply: the model's collectives pace them)."""
+    def send_step(self, batch: StepBatch, prompt_rows: list[int] | None,
+                  kind: str = "step") -> None:
+        """Hand every worker this step's batch (no reply: the model's collectives pace them);
+        ``kind="draft_step"``: a step of the draft model split over the TP ranks."""
         for rank, conn in enumerate(self.conns, start=1):
             try:
-                conn.send(("step", batch, prompt_rows))
+                conn.send((kind, batch, prompt_rows))
             except OSError as exc:
                 raise TPWorkerError(f"TP worker rank {rank} is gone ({self.failure_note()}): "
                                     f"{exc}") from exc
 
     def call(self, kind: str, arg: Any, timeout_s: float = 3600.0) -> list[Any]:
         """Send a request to every worker and return their results in rank order."""
+        self.start(kind, arg)
+        return self._collect(kind, timeout_s)
+
+    def start(self, kind: str, arg: Any) -> None:
+        """Send a request to every worker without waiting: for work the driver joins in (its
+        collectives), e.g. ``"draft_runner"``; :meth:`finish` then collects the replies."""
         for conn in self.conns:
             conn.send((kind, arg))
+
+    def finish(self, kind: str, timeout_s: float = 3600.0) -> list[Any]:
+        """The workers' replies to the request :meth:`start` sent, in rank order."""
         return self._collect(kind, timeout_s)
 
     def _collect(self, kind: str, timeout_s: float) -> list[Any]:
