@@ -43,8 +43,20 @@ from forwardkit.forward_context import get_forward_context, is_forward_context_a
 from forwardkit.layers.linear import Linear, MergedLinear
 from forwardkit.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["LORA_PROJECTIONS", "LoRASlice", "LoRASlots", "LoRAStepPlan", "attach_lora_slots",
-           "bind_plan", "current_plan", "lora_add_"]
+__all__ = ["LORA_PROJECTIONS", "LoRAOpCounts", "LoRASlice", "LoRASlots", "LoRAStepPlan",
+           "attach_lora_slots", "bind_plan", "current_plan", "lora_add_", "lora_op_counts"]
+
+
+@dataclass
+class LoRAOpCounts:
+    """Process-wide counts of ``forwardkit::lora_add_``: ``calls`` (the op ran) and ``applied``
+    (it computed adapter products; the rest returned at once). Counted, never timed."""
+
+    calls: int = 0
+    applied: int = 0
+
+
+lora_op_counts = LoRAOpCounts()
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,7 @@ def _add_mixed(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
 def lora_add_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
               token_slots: torch.Tensor, num_slots: int) -> None:
     """``out[i] += (x[i] @ A_s.T) @ B_s.T`` for ``s = token_slots[i] >= 0`` (module docstring)."""
+    lora_op_counts.calls += 1
     n = x.shape[0]
     if n == 0:
         return
@@ -127,6 +140,7 @@ def lora_add_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     if plan is not None and plan.num_tokens == n:
         if not plan.active:
             return
+        lora_op_counts.applied += 1
         if plan.single is not None:
             width = a.shape[0] // num_slots
             lo = plan.single * width
@@ -138,6 +152,7 @@ def lora_add_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
         return
     if not _descriptor_has_lora():
         return
+    lora_op_counts.applied += 1
     slots = token_slots[:n]
     ids = torch.arange(num_slots, device=slots.device)
     mask = (slots.unsqueeze(1) == ids.unsqueeze(0)).to(x.dtype).unsqueeze(-1)
@@ -188,7 +203,13 @@ class LoRASlots(nn.Module):
         return len(self.slices) * self.max_rank
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        """Add every row's adapter product to ``out`` (the projection of ``x``), in place."""
+        """Add every row's adapter product to ``out`` (the projection of ``x``), in place. Run
+        eagerly in a step whose bound plan has no adapter, it returns without calling the op
+        (a compiled graph always holds the op: it returns at once there)."""
+        if not torch.compiler.is_compiling():
+            plan = _PLAN.get()
+            if plan is not None and not plan.active and plan.num_tokens == x.shape[0]:
+                return
         torch.ops.forwardkit.lora_add_(out, x, self.a, self.b, self.token_slots, self.max_loras)
 
     def slice_of(self, shard_id: Hashable | None) -> int:
