@@ -14,12 +14,13 @@ What is timed is the model step alone (``ModelRunner.execute``: the runner's per
 the forward and the logits), a decode step of ``--batch`` requests at a context of
 ``--context`` tokens. Each round times every setting once, the order rotating from round to
 round, so a background load weighs on all settings alike; the medians over ``--rounds`` rounds
-and the cost of each setting relative to ``off`` are printed, per execution mode
+(wall time, and the process's CPU time, which a loaded machine disturbs less at
+``--threads 1``) and the cost of each setting relative to ``off`` are printed, per execution mode
 (``--modes``: ``compiled``, the default optimisation level, and/or ``eager``). Then the median
 time of ``update_lora`` for one such adapter.
 
 Usage: ``python benchmarks/lora_decode.py [--shape llama-3.2-1b] [--modes compiled eager]
-[--batches 1 16] [--rounds 15] [--context 128] [--dtype bfloat16]``
+[--batches 1 16] [--rounds 15] [--context 128] [--dtype bfloat16] [--threads N]``
 """
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ def decode_batch(llm: LLM, batch: int, context: int, lora_slots: list[int] | Non
                      lora_slots=lora_slots)
 
 
-def time_steps(steps: dict[str, tuple[LLM, list[StepBatch]]], rounds: int) -> dict[str, list[float]]:
-    """Seconds of each setting's step per round, the settings in rotating order; a setting
-    with several batches (the adapters taking turns) runs the next one each round."""
+def time_steps(steps: dict[str, tuple[LLM, list[StepBatch]]],
+               rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall and process CPU seconds of each setting's step per round, the settings in rotating
+    order; a setting with several batches (the adapters taking turns) runs the next one each
+    round."""
     names = list(steps)
     for _ in range(3):  # first uses of a row count compile / pack weights: untimed
         for name in names:
@@ -92,16 +95,18 @@ def time_steps(steps: dict[str, tuple[LLM, list[StepBatch]]], rounds: int) -> di
     for thread in threading.enumerate():
         if thread.name == "forwardkit-hugepages":
             thread.join()
-    times: dict[str, list[float]] = {name: [] for name in names}
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
             llm, batches = steps[name]
             b = batches[r % len(batches)]
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             llm.runner.execute(b)
-            times[name].append(time.perf_counter() - start)
-    return times
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    return wall, cpu
 
 
 def run_mode(args: argparse.Namespace, cfg: dict, eager: bool) -> None:
@@ -126,11 +131,8 @@ def run_mode(args: argparse.Namespace, cfg: dict, eager: bool) -> None:
         update_s.append(time.perf_counter() - start)
     slots = on.lora.activate([a.lora_int_id for a in adapters])
     label = "eager" if eager else "compiled (default level)"
-    print(f"\n{label}: decode step at context {args.context}, median ms of {args.rounds} rounds "
-          "(x off: the step's cost relative to LoRA off)")
-    print(f"{'setting':14} " + " ".join(f"{'B=' + str(b) + ' ms':>10} {'x off':>6}"
-                                        for b in args.batches))
     medians: dict[tuple[str, int], float] = {}
+    cpu_medians: dict[tuple[str, int], float] = {}
     for batch in args.batches:
         mixed = [slots[i % NUM_ADAPTERS] for i in range(batch)]
         if batch == 1:  # one request holds one adapter: the four take turns over the rounds
@@ -140,11 +142,19 @@ def run_mode(args: argparse.Namespace, cfg: dict, eager: bool) -> None:
         steps = {"off": (off, [decode_batch(off, batch, args.context, None)]),
                  "on, none": (on, [decode_batch(on, batch, args.context, [-1] * batch)]),
                  "on, adapters": (on, with_adapters)}
-        for name, t in time_steps(steps, args.rounds).items():
-            medians[(name, batch)] = statistics.median(t) * 1e3
+        wall, cpu = time_steps(steps, args.rounds)
+        for name in wall:
+            medians[(name, batch)] = statistics.median(wall[name]) * 1e3
+            cpu_medians[(name, batch)] = statistics.median(cpu[name]) * 1e3
+    print(f"\n{label}, {torch.get_num_threads()} threads: decode step at context {args.context}, "
+          f"median ms of {args.rounds} rounds, wall and process CPU time (x off: the step's cost "
+          "relative to LoRA off)")
+    print(f"{'setting':14} " + " ".join(f"{'B=' + str(b) + ' ms':>10} {'x off':>6} {'cpu ms':>8} "
+                                        f"{'x off':>6}" for b in args.batches))
     for name in SETTINGS:
-        cells = [f"{medians[(name, b)]:10.2f} {medians[(name, b)] / medians[('off', b)]:6.2f}"
-                 for b in args.batches]
+        cells = [f"{medians[(name, b)]:10.2f} {medians[(name, b)] / medians[('off', b)]:6.2f} "
+                 f"{cpu_medians[(name, b)]:8.2f} "
+                 f"{cpu_medians[(name, b)] / cpu_medians[('off', b)]:6.2f}" for b in args.batches]
         print(f"{name:14} " + " ".join(cells))
     print(f"update_lora of one adapter from tensors: median {statistics.median(update_s) * 1e3:.1f} "
           f"ms (min {min(update_s) * 1e3:.1f}, max {max(update_s) * 1e3:.1f}; {len(update_s)} calls)"
@@ -164,6 +174,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: PyTorch's choice, the cores)")
     args = parser.parse_args()
     if min(args.batches) < 1 or args.rounds < 1 or args.context < 1:
         parser.error("--batches, --rounds and --context take positive integers")
@@ -171,8 +183,12 @@ def main() -> None:
         for mode in args.modes:
             subprocess.run([sys.executable, __file__, "--shape", args.shape, "--modes", mode,
                             "--batches", *map(str, args.batches), "--rounds", str(args.rounds),
-                            "--context", str(args.context), "--dtype", args.dtype], check=True)
+                            "--context", str(args.context), "--dtype", args.dtype,
+                            *(["--threads", str(args.threads)] if args.threads else [])],
+                           check=True)
         return
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = model_shape_config(args.shape)
     print(f"shape {args.shape}, {args.dtype}, {torch.get_num_threads()} threads; rank {RANK} on "
           f"all seven projections, {NUM_ADAPTERS} adapters; load at start {_load()}")
