@@ -26,6 +26,19 @@ the per-row slot mask, one matmul back). Without a bound plan (start-up dummy st
 captures) the op reads the forward context's ``batch_descriptor.has_lora``: False adds nothing
 (the graph of a step without adapters has no LoRA work), True takes the mixed path with the
 mask computed on the device from ``token_slots`` (no host read: capturable).
+
+A step without adapters does no LoRA work: eager, :meth:`LoRASlots.add_to` reads the bound plan
+and does not even call the op; in a compiled graph the op is a node and returns at once.
+:data:`lora_op_counts` counts the op's runs and which path served them (tests read it).
+
+On the CPU the products avoid plain bf16 matmuls, which reorder their weight on every call
+(that cost more than the products themselves): where oneDNN packs weights of the slots' dtype
+(``kernels/cpu/router.py``'s ``prepack_supported``) the mixed path multiplies by packed copies
+of ``a`` and of ``b`` transposed, as ``forwardkit::linear`` does for the base weights (1B shape,
+16 rows: 1.8 ms a layer plain, 1.0 ms packed); the one-adapter path of one or two rows runs the
+native few-row kernel on the slot's rows of ``a`` and of a per-slot transposed copy of ``b``.
+These copies are derived: a slot write drops them and the next call that needs one re-derives
+it (once per write, not per step).
 """
 
 from __future__ import annotations
@@ -34,17 +47,38 @@ from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from weakref import finalize, ref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from forwardkit.forward_context import get_forward_context, is_forward_context_available
+from forwardkit.kernels.cpu import native_linear
+from forwardkit.kernels.cpu.router import prepack_supported
 from forwardkit.layers.linear import Linear, MergedLinear
 from forwardkit.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["LORA_PROJECTIONS", "LoRASlice", "LoRASlots", "LoRAStepPlan", "attach_lora_slots",
-           "bind_plan", "current_plan", "lora_add_"]
+__all__ = ["LORA_PROJECTIONS", "LoRAOpCounts", "LoRASlice", "LoRASlots", "LoRAStepPlan",
+           "attach_lora_slots", "bind_plan", "current_plan", "lora_add_", "lora_op_counts"]
+
+
+@dataclass
+class LoRAOpCounts:
+    """Process-wide counts of ``forwardkit::lora_add_``: ``calls`` (the op ran), ``applied``
+    (it computed adapter products; the rest returned at once), ``packed`` (mixed products by
+    the packed copies), ``native`` (one-adapter products by the native kernel) and ``repacks``
+    (derived copies re-made after slot writes). Counted,
+    never timed."""
+
+    calls: int = 0
+    applied: int = 0
+    packed: int = 0
+    native: int = 0
+    repacks: int = 0
+
+
+lora_op_counts = LoRAOpCounts()
 
 
 @dataclass(frozen=True)
@@ -109,17 +143,100 @@ def _descriptor_has_lora() -> bool:
     return desc is None or bool(desc.has_lora)
 
 
+# The row count oneDNN picks the packed layout for (as the CPU linear router's packed copies).
+_PACK_ROWS_HINT = 64
+
+
+class _DerivedSlots:
+    """Copies derived from one :class:`LoRASlots`' buffers for the CPU paths, re-derived at
+    their first use after a slot write: oneDNN-packed ``a`` and ``b`` transposed (the mixed
+    path, where oneDNN packs the dtype) and ``b`` transposed per slot, ``[slots, out, width]``
+    (the native few-row kernel of the one-adapter path reads a slot's rows contiguously)."""
+
+    def __init__(self, slots: LoRASlots, packable: bool) -> None:
+        self.slots = ref(slots)
+        self.packable = packable
+        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.slot_bt: torch.Tensor | None = None
+
+    def written(self) -> None:
+        """A slot was written: every copy is stale."""
+        self.packed = self.slot_bt = None
+
+    def owns(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Whether ``a`` and ``b`` are still the buffers these copies derive from."""
+        slots = self.slots()
+        return (slots is not None and slots.a.data_ptr() == a.data_ptr()
+                and slots.b.data_ptr() == b.data_ptr() and slots.a.shape == a.shape
+                and slots.b.shape == b.shape)
+
+    def packed_copies(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed ``(a, b.T)``."""
+        if self.packed is None:
+            reorder = torch.ops.mkldnn._reorder_linear_weight
+            self.packed = (reorder(a.detach(), _PACK_ROWS_HINT),
+                           reorder(b.detach().t().contiguous(), _PACK_ROWS_HINT))
+            lora_op_counts.repacks += 1
+        return self.packed
+
+    def slot_b_t(self, b: torch.Tensor, num_slots: int, slot: int) -> torch.Tensor:
+        """Slot ``slot``'s rows of ``b``, transposed and contiguous: ``[out, width]``."""
+        if self.slot_bt is None:
+            self.slot_bt = b.detach().view(num_slots, -1, b.shape[1]).transpose(1, 2).contiguous()
+            lora_op_counts.repacks += 1
+        return self.slot_bt[slot]
+
+
+# ``a.data_ptr()`` -> derived copies of the CPU slots that own ``a`` (filled by LoRASlots,
+# emptied when they are freed)
+_PACKED: dict[int, _DerivedSlots] = {}
+
+
+def _forget_packed(ptr: int, entry: _DerivedSlots) -> None:
+    if _PACKED.get(ptr) is entry:
+        del _PACKED[ptr]
+
+
 def _add_mixed(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                mask: torch.Tensor, num_slots: int) -> None:
     n = x.shape[0]
+    entry = _PACKED.get(a.data_ptr())
+    if entry is not None and entry.packable and x.dtype == a.dtype and entry.owns(a, b):
+        packed = entry.packed_copies(a, b)
+        linear = torch.ops.mkldnn._linear_pointwise
+        shrunk = linear(x, packed[0], None, "none", [], "").view(n, num_slots, -1)
+        shrunk.mul_(mask)
+        out.add_(linear(shrunk.view(n, -1), packed[1], None, "none", [], ""))
+        lora_op_counts.packed += 1
+        return
     shrunk = F.linear(x, a).view(n, num_slots, -1)
     shrunk.mul_(mask)
     out.addmm_(shrunk.view(n, -1), b)
 
 
+def _add_single_native(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       num_slots: int, slot: int) -> bool:
+    """Slot ``slot``'s product for a few rows by the native kernel (a decode step of one or
+    two requests with one adapter): False when it does not serve them."""
+    entry = _PACKED.get(a.data_ptr())
+    if entry is None or not entry.owns(a, b) or not x.is_contiguous():
+        return False
+    width = a.shape[0] // num_slots
+    shrunk = native_linear.linear_rows(x, a[slot * width:(slot + 1) * width], None)
+    if shrunk is None:
+        return False
+    delta = native_linear.linear_rows(shrunk, entry.slot_b_t(b, num_slots, slot), None)
+    if delta is None:
+        return False
+    out.add_(delta)
+    lora_op_counts.native += 1
+    return True
+
+
 def lora_add_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
               token_slots: torch.Tensor, num_slots: int) -> None:
     """``out[i] += (x[i] @ A_s.T) @ B_s.T`` for ``s = token_slots[i] >= 0`` (module docstring)."""
+    lora_op_counts.calls += 1
     n = x.shape[0]
     if n == 0:
         return
@@ -127,9 +244,13 @@ def lora_add_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     if plan is not None and plan.num_tokens == n:
         if not plan.active:
             return
+        lora_op_counts.applied += 1
         if plan.single is not None:
             width = a.shape[0] // num_slots
             lo = plan.single * width
+            if n <= native_linear.MAX_ROWS and _add_single_native(out, x, a, b, num_slots,
+                                                                   plan.single):
+                return
             shrunk = F.linear(x, a[lo:lo + width])
             out.addmm_(shrunk, b[lo:lo + width])
             return
@@ -138,6 +259,7 @@ def lora_add_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
         return
     if not _descriptor_has_lora():
         return
+    lora_op_counts.applied += 1
     slots = token_slots[:n]
     ids = torch.arange(num_slots, device=slots.device)
     mask = (slots.unsqueeze(1) == ids.unsqueeze(0)).to(x.dtype).unsqueeze(-1)
@@ -181,6 +303,16 @@ class LoRASlots(nn.Module):
         self.register_buffer("b", torch.zeros(width, output_size, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("token_slots", token_slots, persistent=False)
+        self._packed: _DerivedSlots | None = None
+        if device.type == "cpu":
+            self._packed = _DerivedSlots(self, prepack_supported(dtype, device))
+            _PACKED[self.a.data_ptr()] = self._packed
+            finalize(self, _forget_packed, self.a.data_ptr(), self._packed)
+
+    def _written(self) -> None:
+        """After a slot write: the packed copies are re-derived at their next use."""
+        if self._packed is not None:
+            self._packed.written()
 
     @property
     def slot_width(self) -> int:
@@ -188,7 +320,13 @@ class LoRASlots(nn.Module):
         return len(self.slices) * self.max_rank
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        """Add every row's adapter product to ``out`` (the projection of ``x``), in place."""
+        """Add every row's adapter product to ``out`` (the projection of ``x``), in place. Run
+        eagerly in a step whose bound plan has no adapter, it returns without calling the op
+        (a compiled graph always holds the op: it returns at once there)."""
+        if not torch.compiler.is_compiling():
+            plan = _PLAN.get()
+            if plan is not None and not plan.active and plan.num_tokens == x.shape[0]:
+                return
         torch.ops.forwardkit.lora_add_(out, x, self.a, self.b, self.token_slots, self.max_loras)
 
     def slice_of(self, shard_id: Hashable | None) -> int:
@@ -204,6 +342,7 @@ class LoRASlots(nn.Module):
         with torch.no_grad():
             self.a[slot * w:(slot + 1) * w].zero_()
             self.b[slot * w:(slot + 1) * w].zero_()
+        self._written()
 
     def load(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write slot ``slot``: per slice index, the full ``(A [r, in], B [out, r] x scaling)``
@@ -226,6 +365,7 @@ class LoRASlots(nn.Module):
                 if rank < r_max:
                     self.a[col + rank:col + r_max].zero_()
                     self.b[col + rank:col + r_max, cols].zero_()
+        self._written()
 
     def extra_repr(self) -> str:
         ids = [s.shard_id for s in self.slices]
