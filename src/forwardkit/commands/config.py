@@ -41,6 +41,8 @@ def _format_runs(runs: list[tuple[int, int, int]]) -> str:
 
 def summarize(cfg: EngineConfig) -> dict[str, Any]:
     """The resolved facts ``forwardkit config`` shows, as JSON-able values."""
+    from forwardkit.config.model import embedding_quantization
+
     cc = cfg.compilation_config
     model = cfg.require_model_config()
     pc, sched = cfg.parallel_config, cfg.scheduler_config
@@ -59,7 +61,8 @@ def summarize(cfg: EngineConfig) -> dict[str, Any]:
         "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
         "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
         "prefix_caching_hash_algo": cfg.cache_config.prefix_caching_hash_algo,
-        "quantization": None if cfg.model_config is None else cfg.model_config.quantization,
+        "quantization": model.quantization,
+        "embedding_quantization": embedding_quantization(model.quantization),
         "speculative_config": (None if cfg.speculative_config is None else
                                {k: getattr(cfg.speculative_config, k) for k in (
                                    "method", "num_speculative_tokens", "prompt_lookup_min",
@@ -109,7 +112,9 @@ def _text(info: dict[str, Any], cfg: EngineConfig) -> str:
                      f"{info['num_gpu_blocks'] if info['num_gpu_blocks'] is not None else 'auto'}"),
         ("prefix caching", f"{'on' if info['enable_prefix_caching'] else 'off'} "
                            f"(hash {info['prefix_caching_hash_algo']})"),
-        ("quantization", info["quantization"] or "none (model dtype)"),
+        ("quantization", "none (model dtype)" if info["quantization"] is None else
+         f"{info['quantization']} projections, {info['embedding_quantization']} token embedding "
+         "and LM head"),
         ("speculative", "off" if info["speculative_config"] is None else
          " ".join(f"{k}={v}" for k, v in info["speculative_config"].items())),
         ("parallel", f"tp={info['tensor_parallel_size']} dp={info['data_parallel_size']} "

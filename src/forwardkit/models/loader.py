@@ -8,11 +8,13 @@ With ``model_config.model`` None (the built-in model or a named shape) the model
 random weights.
 
 With ``model_config.quantization`` set (``q8_0``, ``q4_0``, ``q4_1``) the attention and MLP
-projections hold a ``QuantizedLinearMethod``: each is loaded at full precision, quantized as
-soon as all of it is loaded and its full-precision copy freed (``models/weights.py``), so the
-model is never held at full precision; seeded random weights are quantized one projection at a
-time after the fill. Embeddings, the LM head and MoE router gates stay in the model's dtype. A
-projection whose input dim is not a multiple of 32 is refused (named) before anything is read.
+projections hold a ``QuantizedLinearMethod``, and the token embedding and the LM head hold
+methods in ``q8_0`` (``config.model.embedding_quantization``; a tied head shares the packed
+table): each weight is loaded at full precision, quantized as soon as all of it is loaded and
+its full-precision copy freed (``models/weights.py``), so the model is never held at full
+precision; seeded random weights are quantized one weight at a time after the fill. Norms, MoE
+experts and router gates stay in the model's dtype. A weight whose rows are not whole 32-weight
+blocks is refused (named) before anything is read.
 
 On the CPU the loader also makes the model's ``CpuLinearRouter`` (``kernels/cpu/router.py``)
 when any layer calls the ``forwardkit::linear`` op (the ``cpu_linear`` custom op, on unless
@@ -34,14 +36,20 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from forwardkit.config.gguf import is_gguf_path
+from forwardkit.config.model import embedding_quantization
 from forwardkit.kernels.cpu.router import CpuLinearRouter, attach_router
-from forwardkit.layers.linear import Linear, linear_op_weights, quantized_linears
+from forwardkit.layers.linear import (
+    Linear,
+    LMHead,
+    VocabEmbedding,
+    linear_op_weights,
+    quantized_layers,
+)
 from forwardkit.logger import init_logger
 from forwardkit.models import get_model_class
 from forwardkit.models.default import init_random_weights
 from forwardkit.models.gguf_loader import load_gguf_weights
-from forwardkit.models.weights import WeightLoadError, missing_parameters
-from forwardkit.quantization.linear_method import QuantizedLinearMethod
+from forwardkit.models.weights import WeightLoadError, missing_parameters, quantize_remaining
 
 if TYPE_CHECKING:
     from forwardkit.config.engine import EngineConfig
@@ -150,24 +158,28 @@ def _corrupt(path: str, exc: Exception, tensor: str | None = None) -> ValueError
                       "the file is truncated or corrupt: re-download or re-save the checkpoint")
 
 
-def _method(layer: Linear) -> QuantizedLinearMethod:
-    """The quant method of a layer :func:`quantized_linears` listed."""
-    assert layer.quant_method is not None
-    return layer.quant_method
+def _check_quantizable(layers: list[tuple[str, Linear | LMHead | VocabEmbedding]]) -> None:
+    """Refuse (named) a layer whose weight cannot be cut into blocks, before anything is read."""
+    for name, layer in layers:
+        if isinstance(layer, VocabEmbedding):
+            assert layer.quant_method is not None
+            layer.quant_method.check_shape(layer, f"{name}.weight")
+        else:
+            assert layer.quant_method is not None
+            layer.quant_method.check_shape(layer, f"{name}.weight")
 
 
-def _finish_quantization(fmt: str | None, quantized: list[tuple[str, Linear]], dtype: torch.dtype) -> None:
-    """Quantize the projections still at full precision (a checkpoint's were quantized as each
+def _finish_quantization(model: nn.Module, fmt: str | None, dtype: torch.dtype) -> None:
+    """Quantize the weights still at full precision (a checkpoint's were quantized as each
     was loaded; seeded random weights are quantized here, one at a time) and log the sizes."""
-    packed = 0
-    full = 0
-    for name, layer in quantized:
-        weight = _method(layer).process_weights_after_loading(layer, f"{name}.weight")
-        packed += weight.numel()
-        full += layer.input_size * layer.output_size * torch.empty((), dtype=dtype).element_size()
-    logger.info("Quantized %d projections to %s: %.1f MB (%.1f MB in %s); embeddings and the LM "
-                "head stay in %s", len(quantized), fmt, packed / 1e6, full / 1e6,
-                str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
+    packed_weights = quantize_remaining(model)
+    packed = sum(w.numel() for _, w in packed_weights)
+    embedding = sum(w.numel() for name, w in packed_weights
+                    if name.endswith(("embed_tokens.weight", "lm_head.weight")))
+    logger.info("Quantized %d weights: projections to %s (%.1f MB), the token embedding and LM "
+                "head to %s (%.1f MB); norms stay in %s", len(packed_weights), fmt,
+                (packed - embedding) / 1e6, embedding_quantization(fmt), embedding / 1e6,
+                str(dtype).removeprefix("torch."))
 
 
 def load_model(engine_config: EngineConfig) -> nn.Module:
@@ -189,9 +201,8 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
     files = safetensors_files(model_dir) if model_dir is not None and not gguf else []
     with set_current_engine_config(engine_config), torch.device(device):
         model = model_cls(engine_config)
-    quantized = quantized_linears(model)
-    for name, layer in quantized:  # refuse a shape that cannot be quantized before reading anything
-        _method(layer).check_shape(layer, f"{name}.weight")
+    quantized = quantized_layers(model)
+    _check_quantizable(quantized)
     if model_dir is None:
         init_random_weights(model)
         logger.info_once("Built %s with seeded random weights (no checkpoint)", model_cls.__name__)
@@ -217,7 +228,7 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
             raise WeightLoadError(missing=missing, source=f"checkpoint {model_dir}")
         logger.info("Loaded %s from %s (%d files)", model_cls.__name__, model_dir, len(files))
     if quantized:
-        _finish_quantization(model_config.quantization, quantized, model_config.dtype)
+        _finish_quantization(model, model_config.quantization, model_config.dtype)
     routed = linear_op_weights(model)
     if routed and device.type == "cpu":
         router = CpuLinearRouter()

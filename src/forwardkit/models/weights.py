@@ -9,11 +9,19 @@ import torch
 import torch.nn as nn
 
 from forwardkit.layers.fused_moe import FusedMoE
-from forwardkit.layers.linear import Linear, MergedLinear, WeightShapeError
+from forwardkit.layers.linear import (
+    Linear,
+    LMHead,
+    MergedLinear,
+    VocabEmbedding,
+    WeightShapeError,
+    quantized_layers,
+)
 from forwardkit.layers.parallel import TensorSource, materialize, set_shard_spec, shard_spec_of
 
 __all__ = [
     "WeightLoadError", "check_named_weights", "expected_shards", "load_named_weights", "missing_parameters",
+    "quantize_remaining",
 ]
 
 _LIST_LIMIT = 20
@@ -146,13 +154,16 @@ def load_named_weights(
             continue
         coverage.setdefault(name, set()).add(shard)
         owner = owners[name]
-        if (not dry_run and isinstance(owner, Linear) and owner.quant_method is not None
-                and name.rpartition(".")[2] == "weight" and _is_complete(owner, "weight", coverage[name])):
-            # quantize each projection as soon as it is whole, and drop this function's
-            # references to the full-precision staging weight so it is freed now
-            packed = owner.quant_method.process_weights_after_loading(owner, name)
+        if (not dry_run and isinstance(owner, (Linear, LMHead, VocabEmbedding))
+                and owner.quant_method is not None and name.rpartition(".")[2] == "weight"
+                and _is_complete(owner, "weight", coverage[name])):
+            # quantize each projection (and the embedding / head) as soon as it is whole, point
+            # every layer sharing the weight (a tied head) at the packed one, and drop this
+            # function's references to the full-precision staging weight so it is freed now
+            packed = _quantize(owner, name)
             for alias in [n for n, p in real.items() if p is param]:
                 real[alias] = params[alias] = packed
+                setattr(owners[alias], alias.rpartition(".")[2], packed)
     if unexpected or mismatched:
         raise WeightLoadError(unexpected=unexpected, mismatched=mismatched)
     return {
@@ -160,6 +171,35 @@ def load_named_weights(
         for name, got in coverage.items()
         if _is_complete(owners[name], name.rpartition(".")[2], got)
     }
+
+
+def _quantize(layer: Linear | LMHead | VocabEmbedding, name: str) -> nn.Parameter:
+    """Pack ``layer``'s loaded weight by its quant method; returns the packed parameter."""
+    if isinstance(layer, VocabEmbedding):
+        assert layer.quant_method is not None
+        return layer.quant_method.process_weights_after_loading(layer, name)
+    assert layer.quant_method is not None
+    return layer.quant_method.process_weights_after_loading(layer, name)
+
+
+def quantize_remaining(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Quantize every weight of ``model`` whose layer has a quant method and which is still at
+    full precision (seeded random weights; a checkpoint's were packed as they loaded), one at a
+    time; a weight shared by several layers (a tied head and its embedding) is packed once, by
+    its first layer's method, and every sharing layer points at it. Returns ``(name, packed
+    weight)`` of every distinct packed weight of the model's quantized layers."""
+    layers = quantized_layers(model)
+    done: dict[int, nn.Parameter] = {}
+    out: list[tuple[str, nn.Parameter]] = []
+    for name, layer in layers:
+        staging = layer.weight
+        if id(staging) in done:
+            layer.weight = done[id(staging)]
+            continue
+        packed = _quantize(layer, f"{name}.weight")
+        done[id(staging)] = done[id(packed)] = packed
+        out.append((f"{name}.weight", packed))
+    return out
 
 
 def missing_parameters(model: nn.Module, loaded: set[str]) -> list[str]:
