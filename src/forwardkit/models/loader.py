@@ -26,9 +26,12 @@ the model (``kernels.cpu.router.attached_router``); the runner binds it around e
 from __future__ import annotations
 
 import glob
+import io
 import json
+import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -127,11 +130,89 @@ class SafetensorsSlice:
             raise _corrupt(self._path, exc, self._name) from exc
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """Where one tensor's bytes lie in a safetensors file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+def _read_header(path: str) -> dict[str, _Entry] | None:
+    """The tensors of safetensors file ``path``, checked against the file's size; None when a
+    tensor has a dtype this reader does not copy (the memory-mapped reader takes the file)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"the file has {size} bytes, no header")
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            raise ValueError(f"a header of {length} bytes does not fit in a {size}-byte file")
+        header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    start = 8 + length
+    entries: dict[str, _Entry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            return None
+        shape = tuple(int(d) for d in info["shape"])
+        begin, end = (int(o) for o in info["data_offsets"])
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if end - begin != nbytes or begin < 0 or start + end > size:
+            raise ValueError(f"tensor {name!r}: bytes [{begin}, {end}) of the data do not hold "
+                             f"{info['dtype']} {list(shape)} inside the {size}-byte file")
+        entries[name] = _Entry(dtype, shape, start + begin, nbytes)
+    return entries
+
+
+def _read_tensor(f: io.BufferedReader, entry: _Entry) -> torch.Tensor:
+    """One tensor's bytes, read (not mapped) into a new CPU tensor."""
+    out = torch.empty(entry.shape, dtype=entry.dtype)
+    view = out.view(-1).view(torch.uint8).numpy().data
+    f.seek(entry.offset)
+    done = 0
+    while done < entry.nbytes:
+        got = f.readinto(view[done:])
+        if not got:
+            raise ValueError(f"the file ends {entry.nbytes - done} bytes into a tensor")
+        done += got
+    return out
+
+
+def _read_file(path: str, entries: dict[str, _Entry]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``path`` (name order), each read into its own memory: nothing of the
+    file stays mapped, so the process holds only the tensors it keeps (a memory-mapped file's
+    pages count in its resident set until it is closed)."""
+    with open(path, "rb") as f:
+        for name in sorted(entries):
+            try:
+                tensor = _read_tensor(f, entries[name])
+            except (OSError, ValueError) as exc:
+                raise _corrupt(path, exc, name) from exc
+            yield name, tensor
+
+
 def iterate_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str, Any]]:
-    """Yield ``(name, tensor)`` for every tensor of every file, on the CPU. With ``lazy`` the
-    values are :class:`SafetensorsSlice` objects, so a tensor-parallel rank reads only its
-    shard of each (they must be used before the iteration moves on)."""
+    """Yield ``(name, tensor)`` for every tensor of every file, on the CPU, each read into its
+    own memory (:func:`_read_file`). With ``lazy`` the values are :class:`SafetensorsSlice`
+    objects over the memory-mapped file, so a tensor-parallel rank reads only its shard of each
+    (they must be used before the iteration moves on)."""
     for path in files:
+        if not lazy:
+            try:
+                entries = _read_header(path)
+            except (OSError, ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
+                raise _corrupt(path, exc) from exc
+            if entries is not None:
+                yield from _read_file(path, entries)
+                continue
         try:
             handle = safe_open(path, framework="pt", device="cpu")
         except Exception as exc:  # SafetensorError (bad header), OSError, ...

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -164,6 +166,8 @@ def load_named_weights(
             for alias in [n for n, p in real.items() if p is param]:
                 real[alias] = params[alias] = packed
                 setattr(owners[alias], alias.rpartition(".")[2], packed)
+            param = tensor = packed  # the last references to the staging weight and the read tensor
+            return_freed_memory()
     if unexpected or mismatched:
         raise WeightLoadError(unexpected=unexpected, mismatched=mismatched)
     return {
@@ -171,6 +175,30 @@ def load_named_weights(
         for name, got in coverage.items()
         if _is_complete(owners[name], name.rpartition(".")[2], got)
     }
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none."""
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return None
+    trim = getattr(libc, "malloc_trim", None)  # glibc only
+    if trim is None:
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return cast(Callable[[int], int], trim)
+
+
+def return_freed_memory() -> None:
+    """Give the memory of freed tensors back to the system. glibc keeps freed blocks below its
+    (dynamically raised) mmap threshold in the heap, resident, so the freed full-precision
+    staging weights of a quantized load would stay in the process's resident set; trimming
+    after each quantized weight keeps the load's peak near the packed model's size."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _quantize(layer: Linear | LMHead | VocabEmbedding, name: str) -> nn.Parameter:
