@@ -41,8 +41,10 @@ def _format_runs(runs: list[tuple[int, int, int]]) -> str:
 
 def summarize(cfg: EngineConfig) -> dict[str, Any]:
     """The resolved facts ``forwardkit config`` shows, as JSON-able values."""
+    from forwardkit.commands.weight_formats import weight_formats
     from forwardkit.config.model import embedding_quantization
 
+    formats = weight_formats(cfg)
     cc = cfg.compilation_config
     model = cfg.require_model_config()
     pc, sched = cfg.parallel_config, cfg.scheduler_config
@@ -89,9 +91,17 @@ def summarize(cfg: EngineConfig) -> dict[str, Any]:
         "backend": cc.backend,
         "pass_config": cc.pass_config.to_dict(),
         "cudagraph_num_of_warmups": cc.cudagraph_num_of_warmups,
+        "weight_formats": None if formats is None else formats.to_dict(),
         "hash": cfg.compute_hash(),
         "compilation_config": cc.to_dict(),
     }
+
+
+def _weight_rows(cfg: EngineConfig) -> list[tuple[str, str]]:
+    from forwardkit.commands.weight_formats import weight_formats
+
+    formats = weight_formats(cfg)
+    return [] if formats is None else formats.text_rows()
 
 
 def _text(info: dict[str, Any], cfg: EngineConfig) -> str:
@@ -115,6 +125,7 @@ def _text(info: dict[str, Any], cfg: EngineConfig) -> str:
         ("quantization", "none (model dtype)" if info["quantization"] is None else
          f"{info['quantization']} projections, {info['embedding_quantization']} token embedding "
          "and LM head"),
+        *_weight_rows(cfg),
         ("speculative", "off" if info["speculative_config"] is None else
          " ".join(f"{k}={v}" for k, v in info["speculative_config"].items())),
         ("parallel", f"tp={info['tensor_parallel_size']} dp={info['data_parallel_size']} "
