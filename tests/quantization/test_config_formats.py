@@ -88,3 +88,17 @@ def test_gguf_file_formats_per_layer(tmp_path, capsys):
     assert out["layers"][1]["formats"]["attn_norm.weight"] == "F32 as bfloat16"
     text = _run(capsys, "--model", path)
     assert "  layer 2" in text and "Q4_1: attn_v.weight" in text
+
+
+def test_a_weight_the_load_would_refuse_is_marked(tmp_path, capsys):
+    out = _run(capsys, "--model", _config_dir(tmp_path / "m", layers=2), "--quantization", "q4_0",
+               "--json")
+    # TINY's intermediate size 96 is whole blocks; 80 is not: the down projection's rows
+    (tmp_path / "n").mkdir()
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "n" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 80}))
+    assert json.loads(out)["weight_formats"]["layers"][0]["formats"]["mlp.down_proj.weight"] == "q4_0"
+    out = _run(capsys, "--model", str(tmp_path / "n"), "--quantization", "q4_0", "--json")
+    formats = json.loads(out)["weight_formats"]["layers"][0]["formats"]
+    assert formats["mlp.down_proj.weight"] == "q4_0 refused (rows not whole 32-weight blocks)"
+    assert formats["mlp.gate_up_proj.weight"] == "q4_0"

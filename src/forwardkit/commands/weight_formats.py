@@ -91,15 +91,31 @@ def _quantized_on_load(cfg: EngineConfig) -> WeightFormats:
 
     from forwardkit.config.engine import set_current_engine_config
     from forwardkit.config.frozen import thawed_copy
-    from forwardkit.layers.linear import quantized_layers
+    from forwardkit.layers.linear import VocabEmbedding, quantized_layers
     from forwardkit.models import get_model_class
+    from forwardkit.quantization.linear_method import (
+        QuantizedEmbeddingMethod,
+        QuantizedLinearMethod,
+    )
 
     model_config = cfg.require_model_config()
     copy = thawed_copy(cfg)  # building registers layers in the config's run-time state
     with set_current_engine_config(copy), torch.device("meta"):
         model = get_model_class(model_config.architectures)(copy)
-    packed = {id(m.weight): m.quant_method.format.name for _, m in quantized_layers(model)
-              if m.quant_method is not None}
+    packed: dict[int, str] = {}
+    for name, layer in quantized_layers(model):
+        method = layer.quant_method
+        assert method is not None
+        packed[id(layer.weight)] = method.format.name
+        try:
+            if isinstance(layer, VocabEmbedding):
+                assert isinstance(method, QuantizedEmbeddingMethod)
+                method.check_shape(layer, name)
+            else:
+                assert isinstance(method, QuantizedLinearMethod)
+                method.check_shape(layer, name)
+        except ValueError:  # the load refuses it, naming it
+            packed[id(layer.weight)] = f"{method.format.name} refused (rows not whole 32-weight blocks)"
     seen: dict[int, str] = {}
     named: list[tuple[str, str]] = []
     for name, param in model.named_parameters(remove_duplicate=False):

@@ -369,7 +369,8 @@ class VocabParallelEmbedding(VocabEmbedding):
             return super().forward(input_ids)
         inside = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(inside, input_ids - self.vocab_start, 0)
-        out = self.lookup(local) * inside.unsqueeze(-1).to(self.dtype)
+        rows = self.lookup(local)
+        out = rows * inside.unsqueeze(-1).to(rows.dtype)
         return tensor_model_parallel_all_reduce(out, self.tp_size)
 
 
