@@ -144,3 +144,13 @@ def test_resident_bytes_are_what_the_formats_say(llama_dir, fmt):
     tables = [m for m in model.modules() if isinstance(m, (VocabEmbedding, LMHead))]
     assert all(m.weight.dtype == torch.uint8 for m in tables)
     assert weight_bytes(model) == _expected_bytes(model, fmt, tied=False)
+
+
+def test_two_tp_ranks_give_the_one_rank_tokens(tmp_path, reference_path):
+    """The q8_0 embedding and head split by vocabulary rows over two ranks (each rank's lookup
+    masked to its rows, the head's logits gathered) give the one-rank model's tokens."""
+    _tiny_llama(intermediate_size=128).save_pretrained(str(tmp_path))  # 64 a rank: whole blocks
+    one = LLM(model=str(tmp_path), quantization="q4_0", enforce_eager=True)
+    two = LLM(model=str(tmp_path), quantization="q4_0", enforce_eager=True, tensor_parallel_size=2)
+    assert two.runner.module.model.embed_tokens.weight.dtype == torch.uint8
+    assert _greedy(two) == _greedy(one)
