@@ -250,8 +250,10 @@ def test_quantized_weights_go_over_as_the_same_blocks(quant_llm, tmp_path):
     fmt = quant_llm.runner.model_config.quantization
     want_type = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
                  "q4_1": gguf.GGMLQuantizationType.Q4_1}[fmt]
-    # every linear of every layer is quantized (7 a layer), the norms are not
-    assert len(formats) == 7 * hf["num_hidden_layers"] and set(formats.values()) == {fmt}
+    # every linear of every layer in the format (7 a layer), the embedding and head in q8_0
+    projections = {n: f for n, f in formats.items() if ".layers." in n}
+    assert len(projections) == 7 * hf["num_hidden_layers"] and set(projections.values()) == {fmt}
+    assert {formats["model.embed_tokens.weight"], formats["lm_head.weight"]} == {"q8_0"}
     reader = gguf.GGUFReader(write_llama_gguf(tmp_path / "m.gguf", hf, state, formats))
     tensors = {t.name: t for t in reader.tensors}
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
@@ -278,21 +280,47 @@ def test_a_format_gguf_lacks_is_refused_by_name(llm, tmp_path):
 
 
 @pytest.mark.skipif(not llamacpp_available(), reason=NO_BINDING)
-def test_llamacpp_generates_forwardkits_tokens_on_the_same_quantized_bits(quant_llm):
+def test_llamacpp_agrees_with_forwardkit_on_the_same_quantized_bits(quant_llm):
+    """llama.cpp on forwardkit's exported blocks: next-token log-probabilities after every
+    prefix of a 16-token sequence within 0.035 nats of forwardkit's. Measured: 0.019-0.020 on
+    this small-weight model, 0.059-0.062 with the Q/K rows left in forwardkit's order (its
+    attention is nearly uniform, so a wrong order moves little; the bytes themselves are
+    checked above). Both engines round activations to int8 blocks, not identically, and this
+    model's top tokens lie within 0.1 nats, so exact greedy equality would be luck."""
     from forwardkit.bench.generation import hf_quant_formats
     from forwardkit.bench.llamacpp import LlamaCppGenerator
 
-    prompts = [[5, 17, 300, 42, 8], [9, 10, 11, 12, 13]]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    want = [list(o.outputs[0].token_ids) for o in quant_llm.generate(
-        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+    tokens = [5, 17, 300, 42, 8, 9, 10, 11, 12, 13, 700, 1, 2, 3, 4, 99]
+    vocab = quant_llm.runner.model_config.hf_config["vocab_size"]
+    kept: dict[int, torch.Tensor] = {}
+    from forwardkit.engine import llm as llm_module
+
+    original = llm_module.record_prompt_logprobs
+
+    def keep(logits, plan):  # the full distributions the engine computed for the prompt
+        rows = torch.log_softmax(logits.double(), dim=-1)
+        for i, (_, pos) in enumerate(plan.targets):
+            kept[pos] = rows[i]
+        original(logits, plan)
+
+    llm_module.record_prompt_logprobs = keep
+    try:
+        quant_llm.generate(prompt_token_ids=[tokens], sampling_params=SamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)[0]
+    finally:
+        llm_module.record_prompt_logprobs = original
+    ours = torch.stack([kept[p] for p in range(1, len(tokens))])
     model = quant_llm.runner.model
     cpp = LlamaCppGenerator(quant_llm.runner.model_config.hf_config, hf_state_dict(model),
-                            max_seqs=2, max_len=16, threads=1, formats=hf_quant_formats(model))
+                            max_seqs=1, max_len=len(tokens) + 1, threads=1,
+                            formats=hf_quant_formats(model))
     try:
-        assert cpp.generate(prompts, 6) == want
+        theirs = torch.log_softmax(cpp.logits([(t, p, 0, True) for p, t in enumerate(tokens)])
+                                   .double(), dim=-1)
     finally:
         cpp.close()
+    assert ours.shape == (len(tokens) - 1, vocab)
+    assert (ours - theirs[:-1]).abs().max().item() < 0.035
 
 
 def test_bandwidth_use_counts_the_packed_bytes_a_step_reads(quant_llm):
@@ -307,7 +335,7 @@ def test_bandwidth_use_counts_the_packed_bytes_a_step_reads(quant_llm):
     hidden, inter, layers = hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]
     heads, kv, d = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
     weights = layers * (hidden * (heads + 2 * kv) * d + heads * d * hidden + 3 * hidden * inter)
-    head = hf["vocab_size"] * hidden * 4  # float32; the untied embedding table is not read
+    head = hf["vocab_size"] * hidden // 32 * 34  # q8_0; the untied embedding table is not read
     norms = (2 * layers + 1) * hidden * 4
     assert not hf["tie_word_embeddings"]
     want = weights // 32 * fmt.block_bytes + head + norms

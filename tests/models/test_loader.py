@@ -156,3 +156,32 @@ def test_an_engine_config_without_a_model_config_is_refused_clearly():
         with pytest.raises(ValueError, match="has no model_config; build it with .*build_engine_config"):
             build(bare)
     assert build_engine_config(platform="cpu").model_config.architectures == ["LlamaForCausalLM"]
+
+
+def test_safetensors_are_read_not_mapped_with_the_values_safetensors_gives(tmp_path):
+    """The loader reads each tensor into its own memory and gets the values, dtypes and shapes
+    ``safetensors`` itself gives, in name order (that a load's resident set does not hold the
+    file is measured by ``tests/quantization/test_load_memory.py``)."""
+    from safetensors import safe_open
+
+    from forwardkit.models.loader import iterate_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "b.bf16": torch.randn(33, 7, generator=gen).bfloat16(),
+        "a.f32": torch.randn(5, generator=gen),
+        "c.f16": torch.randn(2, 3, 4, generator=gen).half(),
+        "d.i64": torch.arange(-3, 9),
+        "e.bool": torch.tensor([True, False, True]),
+        "f.scalar": torch.tensor(2.5),
+        "g.empty": torch.empty(0, 4),
+    }
+    path = str(tmp_path / "t.safetensors")
+    save_file(tensors, path, metadata={"format": "pt"})
+    got = list(iterate_safetensors([path]))
+    assert [name for name, _ in got] == sorted(tensors)
+    with safe_open(path, framework="pt") as f:
+        for name, tensor in got:
+            want = f.get_tensor(name)
+            assert tensor.dtype == want.dtype and tensor.shape == want.shape, name
+            assert torch.equal(tensor, want), name

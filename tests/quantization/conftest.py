@@ -1,5 +1,6 @@
-"""A tiny float32 Llama checkpoint and its twins whose projection weights are replaced by their
-dequantized values (the reference a quantized load must match)."""
+"""A tiny float32 Llama checkpoint and its twins whose projection weights (and token
+embedding / LM head, in ``q8_0``) are replaced by their dequantized values (the reference a
+quantized load must match)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,30 @@ TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_lay
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+EMBEDDING_FORMAT = "q8_0"  # the token embedding / LM head of a model quantized on load
+
+
 def _tiny_llama(**overrides: object):
     """Weights at std 0.2 so logits spread (greedy tokens are not decided by near-ties)."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**{**TINY, **overrides}, rope_theta=10000.0,
-                                   tie_word_embeddings=False, initializer_range=0.2,
+    settings: dict[str, object] = {**TINY, "tie_word_embeddings": False, **overrides}
+    cfg = transformers.LlamaConfig(**settings, rope_theta=10000.0, initializer_range=0.2,
                                    torch_dtype="float32")
     return transformers.LlamaForCausalLM(cfg)
+
+
+def dequantize_like_load(model, fmt: str) -> None:
+    """Replace ``model``'s (transformers) projection weights by their ``fmt`` values and its
+    embedding and head by their ``q8_0`` values: what a load with ``quantization=fmt`` holds."""
+    from forwardkit.quantization.formats import dequantize, quantize
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied head is the embedding: listed once
+            leaf = name.split(".")[-2]
+            if name.endswith(".weight") and leaf in PROJECTIONS:
+                p.copy_(dequantize(quantize(p, fmt), fmt))
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                p.copy_(dequantize(quantize(p, EMBEDDING_FORMAT), EMBEDDING_FORMAT))
 
 
 @pytest.fixture
@@ -41,18 +59,13 @@ def llama_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def dequantized_dir(tmp_path_factory):
     """``fmt -> checkpoint dir`` of the tiny Llama with each projection weight replaced by
-    dequantize(quantize(w)) (float32, exact)."""
-    from forwardkit.quantization.formats import dequantize, quantize
-
+    dequantize(quantize(w)) and the embedding / head by their ``q8_0`` values (float32, exact)."""
     made: dict[str, str] = {}
 
     def make(fmt: str) -> str:
         if fmt not in made:
             model = _tiny_llama()
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
-                        p.copy_(dequantize(quantize(p, fmt), fmt))
+            dequantize_like_load(model, fmt)
             path: Path = tmp_path_factory.mktemp(f"qllama_deq_{fmt}")
             model.save_pretrained(str(path))
             made[fmt] = str(path)

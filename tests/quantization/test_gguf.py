@@ -167,9 +167,15 @@ def test_q8_0_q4_0_file_has_the_bits_and_tokens_of_quantize_on_load(tmp_path, fm
     model.save_pretrained(str(hf_dir))
     kind = T[fmt.upper()]
     projections = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    tables = ("token_embd.weight", "output.weight")  # q8_0 on load, whatever the projections'
+
+    def type_of(name: str, a: np.ndarray) -> T:
+        if name.split(".")[-2] in projections:
+            return kind
+        return T.Q8_0 if name in tables else T.F32
+
     path = write_gguf(str(tmp_path / f"{fmt}.gguf"), "llama", TINY,
-                      gguf_tensors(model.state_dict(), TINY, "llama"),
-                      type_of=lambda name, a: kind if name.split(".")[-2] in projections else T.F32)
+                      gguf_tensors(model.state_dict(), TINY, "llama"), type_of=type_of)
     from_file = LLM(model=path, dtype="float32", enforce_eager=True)
     on_load = LLM(model=str(hf_dir), quantization=fmt, enforce_eager=True)
     file_layers = dict(quantized_linears(from_file.runner.module))
@@ -178,6 +184,9 @@ def test_q8_0_q4_0_file_has_the_bits_and_tokens_of_quantize_on_load(tmp_path, fm
     for name, layer in load_layers.items():
         assert file_layers[name].quant_method.format.name == fmt
         assert torch.equal(file_layers[name].weight, layer.weight), name  # the same bytes
+    file_head, load_head = from_file.runner.module.lm_head, on_load.runner.module.lm_head
+    assert load_head.quant_method.format.name == file_head.quant_method.format.name == "q8_0"
+    assert torch.equal(file_head.weight, load_head.weight)
     assert _greedy(from_file) == _greedy(on_load)
 
 

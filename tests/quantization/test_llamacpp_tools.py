@@ -94,9 +94,9 @@ def _greedy(llm: LLM) -> list[list[int]]:
 def test_llama_quantize_writes_the_bytes_of_quantize_on_load(kind, f32_file, hf_dir):
     """Every projection ``llama-quantize`` wrote in the asked type holds, once loaded, the bytes
     forwardkit's quantize-on-load makes from the same checkpoint (ggml's reference rounding);
-    with the embedding and head kept in F32 (as quantize-on-load keeps them) both models give
-    the same greedy tokens."""
-    path = _quantize(f32_file, kind, "--output-tensor-type", "f32", "--token-embedding-type", "f32")
+    with the embedding and head in Q8_0 (as quantize-on-load holds them) both models give the
+    same greedy tokens."""
+    path = _quantize(f32_file, kind, "--output-tensor-type", "q8_0", "--token-embedding-type", "q8_0")
     fmt = kind.lower()
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     asked = [n for n, t in types.items() if n.split(".")[-2] in PROJECTIONS and t == kind]

@@ -65,9 +65,11 @@ def test_quantized_tokens_equal_dequantized_checkpoint(llama_dir, dequantized_di
     layers = quantized_linears(module)
     assert len(layers) == 2 * 4  # qkv, o, gate_up, down in each of the 2 layers
     assert all(layer.weight.dtype == torch.uint8 for _, layer in layers)
-    # the LM head and the embedding stay in the model's dtype
-    assert all(m.weight.dtype == torch.float32 for m in module.modules()
-               if isinstance(m, (LMHead, VocabEmbedding)))
+    # the LM head and the embedding are held in q8_0 (each its own table: the model is untied)
+    tables = [m for m in module.modules() if isinstance(m, (LMHead, VocabEmbedding))]
+    assert len(tables) == 2
+    assert all(m.weight.dtype == torch.uint8 and m.quant_method.format.name == "q8_0" for m in tables)
+    assert tables[0].weight.data_ptr() != tables[1].weight.data_ptr()
     reference = LLM(model=dequantized_dir(fmt), enforce_eager=True, **exact_path)
     assert _tokens(_greedy(quant)) == _tokens(_greedy(reference))
 

@@ -48,6 +48,8 @@ def _dequantized_dir(tmp_path, fmt: str) -> str:
         for name, p in model.named_parameters():
             if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS:
                 p.copy_(dequantize(quantize(p, fmt), fmt))
+            elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                p.copy_(dequantize(quantize(p, "q8_0"), "q8_0"))  # held in q8_0 in every format
             elif name.endswith(STACKED):
                 for expert in p:  # each expert's rows, blocks along the last dim
                     expert.copy_(dequantize(quantize(expert, fmt), fmt))

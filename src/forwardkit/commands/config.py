@@ -41,6 +41,10 @@ def _format_runs(runs: list[tuple[int, int, int]]) -> str:
 
 def summarize(cfg: EngineConfig) -> dict[str, Any]:
     """The resolved facts ``forwardkit config`` shows, as JSON-able values."""
+    from forwardkit.commands.weight_formats import weight_formats
+    from forwardkit.config.model import embedding_quantization
+
+    formats = weight_formats(cfg)
     cc = cfg.compilation_config
     model = cfg.require_model_config()
     pc, sched = cfg.parallel_config, cfg.scheduler_config
@@ -59,7 +63,8 @@ def summarize(cfg: EngineConfig) -> dict[str, Any]:
         "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
         "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
         "prefix_caching_hash_algo": cfg.cache_config.prefix_caching_hash_algo,
-        "quantization": None if cfg.model_config is None else cfg.model_config.quantization,
+        "quantization": model.quantization,
+        "embedding_quantization": embedding_quantization(model.quantization),
         "speculative_config": (None if cfg.speculative_config is None else
                                {k: getattr(cfg.speculative_config, k) for k in (
                                    "method", "num_speculative_tokens", "prompt_lookup_min",
@@ -86,9 +91,17 @@ def summarize(cfg: EngineConfig) -> dict[str, Any]:
         "backend": cc.backend,
         "pass_config": cc.pass_config.to_dict(),
         "cudagraph_num_of_warmups": cc.cudagraph_num_of_warmups,
+        "weight_formats": None if formats is None else formats.to_dict(),
         "hash": cfg.compute_hash(),
         "compilation_config": cc.to_dict(),
     }
+
+
+def _weight_rows(cfg: EngineConfig) -> list[tuple[str, str]]:
+    from forwardkit.commands.weight_formats import weight_formats
+
+    formats = weight_formats(cfg)
+    return [] if formats is None else formats.text_rows()
 
 
 def _text(info: dict[str, Any], cfg: EngineConfig) -> str:
@@ -109,7 +122,10 @@ def _text(info: dict[str, Any], cfg: EngineConfig) -> str:
                      f"{info['num_gpu_blocks'] if info['num_gpu_blocks'] is not None else 'auto'}"),
         ("prefix caching", f"{'on' if info['enable_prefix_caching'] else 'off'} "
                            f"(hash {info['prefix_caching_hash_algo']})"),
-        ("quantization", info["quantization"] or "none (model dtype)"),
+        ("quantization", "none (model dtype)" if info["quantization"] is None else
+         f"{info['quantization']} projections, {info['embedding_quantization']} token embedding "
+         "and LM head"),
+        *_weight_rows(cfg),
         ("speculative", "off" if info["speculative_config"] is None else
          " ".join(f"{k}={v}" for k, v in info["speculative_config"].items())),
         ("parallel", f"tp={info['tensor_parallel_size']} dp={info['data_parallel_size']} "

@@ -212,7 +212,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
                    help="adapters kept loaded in host memory (default: --max-loras)")
     g.add_argument("--quantization", default=None, metavar="FORMAT",
                    help="quantize the attention/MLP projections on load: q8_0, q4_0 or q4_1 "
-                        "(embeddings and the LM head stay in --dtype)")
+                        "(the token embedding and the LM head: q8_0)")
     g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=None, metavar="N",
                    help="data-parallel replicas (default 1)")
     g.add_argument("--data-parallel-rank", type=strict_int, default=None, metavar="R",

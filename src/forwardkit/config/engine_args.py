@@ -99,7 +99,7 @@ _ROWS: tuple[EngineArg, ...] = (
     _no("hf_token", _LOCAL, None),
     _no("hf_overrides", "config.json is used as saved", None, {}),
     _acts("quantization", "quantize the attention/MLP projections on load: q8_0, q4_0, q4_1 "
-          "(GGUF block layouts; embeddings and LM head stay in the model dtype)"),
+          "(GGUF block layouts; the token embedding and LM head in q8_0)"),
     _no("allow_deprecated_quantization", "weights run unquantized", False),
     _no("generation_config", "sampling defaults are vLLM's own; the model's "
         "generation_config.json is not read (pass SamplingParams)", "vllm"),

@@ -19,7 +19,8 @@ from pydantic.dataclasses import dataclass
 from forwardkit.config.frozen import FreezableConfig
 from forwardkit.config.utils import hash_factors, normalize_value, short_repr
 
-__all__ = ["QUANTIZATION_FORMATS", "SUPPORTED_ROPE_TYPES", "ModelConfig", "resolve_dtype", "rope_parameters"]
+__all__ = ["EMBEDDING_QUANTIZATION", "QUANTIZATION_FORMATS", "SUPPORTED_ROPE_TYPES", "ModelConfig",
+           "embedding_quantization", "resolve_dtype", "rope_parameters"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -39,6 +40,16 @@ _FALLBACK_MAX_MODEL_LEN = 2048
 
 # Weight formats ``ModelConfig.quantization`` accepts (``forwardkit.quantization.formats``).
 QUANTIZATION_FORMATS = ("q8_0", "q4_0", "q4_1")
+# The format of the token embedding and the LM head (tied or not) of a model quantized on load,
+# whatever the projections' format: llama-quantize keeps the output tensor wider than 4 bits
+# (Q6_K); q8_0 is the nearest wider format with a native kernel here.
+EMBEDDING_QUANTIZATION = "q8_0"
+
+
+def embedding_quantization(quantization: str | None) -> str | None:
+    """The format the token embedding and the LM head are held in when the projections are
+    quantized on load to ``quantization`` (None: unquantized, the model's dtype)."""
+    return None if quantization is None else EMBEDDING_QUANTIZATION
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, hf_config: dict[str, Any] | None = None) -> torch.dtype:
@@ -192,7 +203,9 @@ class ModelConfig(FreezableConfig):
     """Non-None for pooling models."""
     quantization: str | None = None
     """Block format the attention/MLP projections are quantized to on load (``q8_0``, ``q4_0``,
-    ``q4_1``); None keeps every weight in ``dtype``. Embeddings and the LM head stay in ``dtype``."""
+    ``q4_1``); None keeps every weight in ``dtype``. The token embedding and the LM head are then
+    held in :data:`EMBEDDING_QUANTIZATION` (``q8_0``); norms, biases and MoE experts and router
+    gates stay in ``dtype``."""
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -314,4 +327,5 @@ class ModelConfig(FreezableConfig):
         }
         if self.quantization is not None:  # (unquantized models keep their earlier hash)
             factors["quantization"] = self.quantization
+            factors["embedding_quantization"] = embedding_quantization(self.quantization)
         return hash_factors({k: normalize_value(v) for k, v in factors.items()})

@@ -11,12 +11,14 @@ Each parameter carries a ``weight_loader(param, tensor, shard_id=None)`` so mode
 (``q``/``k``/``v`` -> ``qkv_proj``; gate/up -> ``gate_up_proj``). A shape mismatch raises
 :class:`WeightShapeError` naming the expected and given shapes.
 
-A :class:`Linear` built with a ``quant_method``
+A :class:`Linear` or :class:`LMHead` built with a ``quant_method``
 (:class:`~forwardkit.quantization.linear_method.QuantizedLinearMethod`) lets the method create
 its weight (a staging weight, quantized by the loader once loaded) and apply it (with the
 ``cpu_linear`` op on, the ``forwardkit::quant_linear`` op and its native kernels; with
 ``"-cpu_linear"``, dequantize-then-``F.linear`` in plain torch); it never calls
-``forwardkit::linear``.
+``forwardkit::linear``. A :class:`VocabEmbedding` built with one
+(:class:`~forwardkit.quantization.linear_method.QuantizedEmbeddingMethod`) looks its rows up
+through ``forwardkit::quant_embedding``; a head tied to it shares the packed table.
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ import torch.nn.functional as F
 
 from forwardkit.compilation.custom_op import CustomOp
 from forwardkit.kernels.cpu import router
-from forwardkit.quantization.linear_method import QuantizedLinearMethod
+from forwardkit.quantization.linear_method import QuantizedEmbeddingMethod, QuantizedLinearMethod
 
 __all__ = ["CpuLinearLayer", "Linear", "LMHead", "LoRAHook", "MergedLinear", "VocabEmbedding", "WeightShapeError",
-           "copy_weight", "linear_op_weights", "quantized_linears"]
+           "copy_weight", "linear_op_weights", "quantized_layers", "quantized_linears"]
 
 
 class LoRAHook(Protocol):
@@ -163,33 +165,60 @@ class MergedLinear(Linear):
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding table [vocab, hidden]."""
+    """Token embedding table [vocab, hidden]; with a ``quant_method`` the table is held packed
+    and each lookup dequantizes only the rows it gathers."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None,
+                 quant_method: QuantizedEmbeddingMethod | None = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+        self.dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.quant_method = quant_method
+        if quant_method is not None:
+            self.weight = quant_method.create_weights(num_embeddings, embedding_dim, self.dtype)
+        else:
+            self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype),
+                                       requires_grad=False)
         self.weight.weight_loader = _default_loader  # type: ignore[attr-defined]
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of this table (local row indices)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, ids)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Look up the embeddings of ``input_ids``."""
-        return F.embedding(input_ids, self.weight)
+        return self.lookup(input_ids)
+
+    def extra_repr(self) -> str:
+        quant = "" if self.quant_method is None else f", quantization={self.quant_method.format.name}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{quant}"
 
 
 class LMHead(CpuLinearLayer):
-    """Output projection to the vocabulary; ``tie_to`` shares the embedding table's weight. A
-    GGUF file's packed head gets a ``quant_method`` at load
-    (``quantization.linear_method.install_packed_weight``)."""
+    """Output projection to the vocabulary; ``tie_to`` shares the embedding table's weight
+    (packed as the table is when both have a quant method: the loader quantizes the shared
+    weight once and points both at it). A GGUF file's packed head gets a ``quant_method`` at
+    load (``quantization.linear_method.install_packed_weight``)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
-                 tie_to: VocabEmbedding | None = None) -> None:
+                 tie_to: VocabEmbedding | None = None,
+                 quant_method: QuantizedLinearMethod | None = None) -> None:
         super().__init__()
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.input_size, self.output_size = hidden_size, vocab_size  # the quant method's view
         self.tied = tie_to is not None
+        self.quant_method = quant_method
         if tie_to is not None:
+            if (quant_method is None) != (tie_to.quant_method is None):
+                raise ValueError("a head tied to an embedding is quantized exactly when the "
+                                 "embedding is (they share one weight)")
             self.weight = tie_to.weight
         else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+            self.weight = (quant_method.create_weights(hidden_size, vocab_size, dtype)
+                           if quant_method is not None else
+                           nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False))
             self.weight.weight_loader = _default_loader  # type: ignore[attr-defined]
 
     def forward_native(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -215,6 +244,14 @@ def linear_op_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 def quantized_linears(model: nn.Module) -> list[tuple[str, Linear]]:
-    """``(name, layer)`` of every layer of ``model`` that holds a quant method."""
+    """``(name, layer)`` of every projection of ``model`` that holds a quant method."""
     return [(name, m) for name, m in model.named_modules()
             if isinstance(m, Linear) and m.quant_method is not None]
+
+
+def quantized_layers(model: nn.Module) -> list[tuple[str, Linear | LMHead | VocabEmbedding]]:
+    """``(name, layer)`` of every layer of ``model`` that holds a quant method: projections,
+    the LM head and the token embedding (a tied head and its table are two entries sharing one
+    weight)."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, (Linear, LMHead, VocabEmbedding)) and m.quant_method is not None]

@@ -30,9 +30,9 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from forwardkit.config.engine import get_current_engine_config, get_current_engine_config_or_none
+from forwardkit.config.model import embedding_quantization
 from forwardkit.distributed.communication_op import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
@@ -40,7 +40,7 @@ from forwardkit.distributed.communication_op import (
 from forwardkit.distributed.parallel_state import tp_rank_and_size
 from forwardkit.kernels.cpu import router
 from forwardkit.layers.linear import Linear, LMHead, MergedLinear, VocabEmbedding, WeightShapeError
-from forwardkit.quantization.linear_method import QuantizedLinearMethod
+from forwardkit.quantization.linear_method import QuantizedEmbeddingMethod, QuantizedLinearMethod
 
 __all__ = [
     "ColumnParallelLinear",
@@ -55,6 +55,7 @@ __all__ = [
     "copy_shard",
     "current_tp",
     "divide",
+    "embedding_quant_methods",
     "full_shape",
     "materialize",
     "narrow",
@@ -87,11 +88,23 @@ def current_tp() -> tuple[int, int]:
 
 def projection_quant_method() -> QuantizedLinearMethod | None:
     """The quant method of the attention/MLP projections of the model being built: the current
-    engine config's ``model_config.quantization`` (None: unquantized). Embeddings, the LM head
-    and MoE router gates never take one."""
+    engine config's ``model_config.quantization`` (None: unquantized). The embedding and the LM
+    head take theirs from :func:`embedding_quant_methods`; MoE router gates never take one."""
     config = get_current_engine_config_or_none()
     fmt = None if config is None or config.model_config is None else config.model_config.quantization
     return None if fmt is None else QuantizedLinearMethod(fmt)
+
+
+def embedding_quant_methods() -> tuple[QuantizedEmbeddingMethod | None, QuantizedLinearMethod | None]:
+    """``(token embedding's, LM head's)`` quant methods of the model being built: both in the
+    format ``config.model.embedding_quantization`` gives for ``model_config.quantization``
+    (None, None when unquantized)."""
+    config = get_current_engine_config_or_none()
+    quantization = None if config is None or config.model_config is None else config.model_config.quantization
+    fmt = embedding_quantization(quantization)
+    if fmt is None:
+        return None, None
+    return QuantizedEmbeddingMethod(fmt), QuantizedLinearMethod(fmt)
 
 
 def materialize(t: torch.Tensor | TensorSource) -> torch.Tensor:
@@ -339,9 +352,10 @@ class VocabParallelEmbedding(VocabEmbedding):
     """Embedding table with the vocabulary split over TP (module docstring)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1,
+                 quant_method: QuantizedEmbeddingMethod | None = None) -> None:
         per, start, held = _vocab_rows(num_embeddings, tp_rank, tp_size)
-        super().__init__(per if tp_size > 1 else num_embeddings, embedding_dim, dtype)
+        super().__init__(per if tp_size > 1 else num_embeddings, embedding_dim, dtype, quant_method)
         self.org_vocab_size = num_embeddings
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.vocab_start, self.vocab_end = start, start + held
@@ -355,7 +369,8 @@ class VocabParallelEmbedding(VocabEmbedding):
             return super().forward(input_ids)
         inside = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(inside, input_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        rows = self.lookup(local)
+        out = rows * inside.unsqueeze(-1).to(rows.dtype)
         return tensor_model_parallel_all_reduce(out, self.tp_size)
 
 
@@ -372,9 +387,10 @@ class ParallelLMHead(LMHead):
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
-                 tie_to: VocabEmbedding | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tie_to: VocabEmbedding | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 quant_method: QuantizedLinearMethod | None = None) -> None:
         per, _, _ = _vocab_rows(vocab_size, tp_rank, tp_size)
-        super().__init__(per if tp_size > 1 else vocab_size, hidden_size, dtype, tie_to)
+        super().__init__(per if tp_size > 1 else vocab_size, hidden_size, dtype, tie_to, quant_method)
         self.org_vocab_size = vocab_size
         self.tp_rank, self.tp_size = tp_rank, tp_size
         if tp_size > 1 and tie_to is None:

@@ -25,6 +25,7 @@ from forwardkit.layers.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     current_tp,
+    embedding_quant_methods,
 )
 from forwardkit.layers.rotary_embedding import get_rope, rope_parameters
 from forwardkit.models.weights import load_named_weights
@@ -159,7 +160,8 @@ class LlamaModel(nn.Module):
         self.config = cfg
         tp_rank, tp_size = current_tp()
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], dtype,
-                                                   tp_rank=tp_rank, tp_size=tp_size)
+                                                   tp_rank=tp_rank, tp_size=tp_size,
+                                                   quant_method=embedding_quant_methods()[0])
         self.layers = nn.ModuleList(
             self.make_layer(cfg, dtype, f"{prefix}.layers.{i}" if prefix else f"layers.{i}")
             for i in range(cfg["num_hidden_layers"])
@@ -211,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(
             cfg["vocab_size"], cfg["hidden_size"], model_dtype_of(engine_config),
             tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
-            tp_rank=tp_rank, tp_size=tp_size,
+            tp_rank=tp_rank, tp_size=tp_size, quant_method=embedding_quant_methods()[1],
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,13 @@ With ``model_config.model`` None (the built-in model or a named shape) the model
 random weights.
 
 With ``model_config.quantization`` set (``q8_0``, ``q4_0``, ``q4_1``) the attention and MLP
-projections hold a ``QuantizedLinearMethod``: each is loaded at full precision, quantized as
-soon as all of it is loaded and its full-precision copy freed (``models/weights.py``), so the
-model is never held at full precision; seeded random weights are quantized one projection at a
-time after the fill. Embeddings, the LM head and MoE router gates stay in the model's dtype. A
-projection whose input dim is not a multiple of 32 is refused (named) before anything is read.
+projections hold a ``QuantizedLinearMethod``, and the token embedding and the LM head hold
+methods in ``q8_0`` (``config.model.embedding_quantization``; a tied head shares the packed
+table): each weight is loaded at full precision, quantized as soon as all of it is loaded and
+its full-precision copy freed (``models/weights.py``), so the model is never held at full
+precision; seeded random weights are quantized one weight at a time after the fill. Norms, MoE
+experts and router gates stay in the model's dtype. A weight whose rows are not whole 32-weight
+blocks is refused (named) before anything is read.
 
 On the CPU the loader also makes the model's ``CpuLinearRouter`` (``kernels/cpu/router.py``)
 when any layer calls the ``forwardkit::linear`` op (the ``cpu_linear`` custom op, on unless
@@ -24,9 +26,12 @@ the model (``kernels.cpu.router.attached_router``); the runner binds it around e
 from __future__ import annotations
 
 import glob
+import io
 import json
+import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,15 +39,21 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from forwardkit.config.gguf import is_gguf_path
+from forwardkit.config.model import embedding_quantization
 from forwardkit.kernels.cpu.router import CpuLinearRouter, attach_router
 from forwardkit.layers.fused_moe import FusedMoE
-from forwardkit.layers.linear import Linear, linear_op_weights, quantized_linears
+from forwardkit.layers.linear import (
+    Linear,
+    LMHead,
+    VocabEmbedding,
+    linear_op_weights,
+    quantized_layers,
+)
 from forwardkit.logger import init_logger
 from forwardkit.models import get_model_class
 from forwardkit.models.default import init_random_weights
 from forwardkit.models.gguf_loader import load_gguf_weights
-from forwardkit.models.weights import WeightLoadError, missing_parameters
-from forwardkit.quantization.linear_method import QuantizedLinearMethod
+from forwardkit.models.weights import WeightLoadError, missing_parameters, quantize_remaining
 
 if TYPE_CHECKING:
     from forwardkit.config.engine import EngineConfig
@@ -120,11 +131,89 @@ class SafetensorsSlice:
             raise _corrupt(self._path, exc, self._name) from exc
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """Where one tensor's bytes lie in a safetensors file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+def _read_header(path: str) -> dict[str, _Entry] | None:
+    """The tensors of safetensors file ``path``, checked against the file's size; None when a
+    tensor has a dtype this reader does not copy (the memory-mapped reader takes the file)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"the file has {size} bytes, no header")
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            raise ValueError(f"a header of {length} bytes does not fit in a {size}-byte file")
+        header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    start = 8 + length
+    entries: dict[str, _Entry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            return None
+        shape = tuple(int(d) for d in info["shape"])
+        begin, end = (int(o) for o in info["data_offsets"])
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if end - begin != nbytes or begin < 0 or start + end > size:
+            raise ValueError(f"tensor {name!r}: bytes [{begin}, {end}) of the data do not hold "
+                             f"{info['dtype']} {list(shape)} inside the {size}-byte file")
+        entries[name] = _Entry(dtype, shape, start + begin, nbytes)
+    return entries
+
+
+def _read_tensor(f: io.BufferedReader, entry: _Entry) -> torch.Tensor:
+    """One tensor's bytes, read (not mapped) into a new CPU tensor."""
+    out = torch.empty(entry.shape, dtype=entry.dtype)
+    view = out.view(-1).view(torch.uint8).numpy().data
+    f.seek(entry.offset)
+    done = 0
+    while done < entry.nbytes:
+        got = f.readinto(view[done:])
+        if not got:
+            raise ValueError(f"the file ends {entry.nbytes - done} bytes into a tensor")
+        done += got
+    return out
+
+
+def _read_file(path: str, entries: dict[str, _Entry]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``path`` (name order), each read into its own memory: nothing of the
+    file stays mapped, so the process holds only the tensors it keeps (a memory-mapped file's
+    pages count in its resident set until it is closed)."""
+    with open(path, "rb") as f:
+        for name in sorted(entries):
+            try:
+                tensor = _read_tensor(f, entries[name])
+            except (OSError, ValueError) as exc:
+                raise _corrupt(path, exc, name) from exc
+            yield name, tensor
+
+
 def iterate_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str, Any]]:
-    """Yield ``(name, tensor)`` for every tensor of every file, on the CPU. With ``lazy`` the
-    values are :class:`SafetensorsSlice` objects, so a tensor-parallel rank reads only its
-    shard of each (they must be used before the iteration moves on)."""
+    """Yield ``(name, tensor)`` for every tensor of every file, on the CPU, each read into its
+    own memory (:func:`_read_file`). With ``lazy`` the values are :class:`SafetensorsSlice`
+    objects over the memory-mapped file, so a tensor-parallel rank reads only its shard of each
+    (they must be used before the iteration moves on)."""
     for path in files:
+        if not lazy:
+            try:
+                entries = _read_header(path)
+            except (OSError, ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
+                raise _corrupt(path, exc) from exc
+            if entries is not None:
+                yield from _read_file(path, entries)
+                continue
         try:
             handle = safe_open(path, framework="pt", device="cpu")
         except Exception as exc:  # SafetensorError (bad header), OSError, ...
@@ -151,24 +240,28 @@ def _corrupt(path: str, exc: Exception, tensor: str | None = None) -> ValueError
                       "the file is truncated or corrupt: re-download or re-save the checkpoint")
 
 
-def _method(layer: Linear) -> QuantizedLinearMethod:
-    """The quant method of a layer :func:`quantized_linears` listed."""
-    assert layer.quant_method is not None
-    return layer.quant_method
+def _check_quantizable(layers: list[tuple[str, Linear | LMHead | VocabEmbedding]]) -> None:
+    """Refuse (named) a layer whose weight cannot be cut into blocks, before anything is read."""
+    for name, layer in layers:
+        if isinstance(layer, VocabEmbedding):
+            assert layer.quant_method is not None
+            layer.quant_method.check_shape(layer, f"{name}.weight")
+        else:
+            assert layer.quant_method is not None
+            layer.quant_method.check_shape(layer, f"{name}.weight")
 
 
-def _finish_quantization(fmt: str | None, quantized: list[tuple[str, Linear]], dtype: torch.dtype) -> None:
-    """Quantize the projections still at full precision (a checkpoint's were quantized as each
+def _finish_quantization(model: nn.Module, fmt: str | None, dtype: torch.dtype) -> None:
+    """Quantize the weights still at full precision (a checkpoint's were quantized as each
     was loaded; seeded random weights are quantized here, one at a time) and log the sizes."""
-    packed = 0
-    full = 0
-    for name, layer in quantized:
-        weight = _method(layer).process_weights_after_loading(layer, f"{name}.weight")
-        packed += weight.numel()
-        full += layer.input_size * layer.output_size * torch.empty((), dtype=dtype).element_size()
-    logger.info("Quantized %d projections to %s: %.1f MB (%.1f MB in %s); embeddings and the LM "
-                "head stay in %s", len(quantized), fmt, packed / 1e6, full / 1e6,
-                str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
+    packed_weights = quantize_remaining(model)
+    packed = sum(w.numel() for _, w in packed_weights)
+    embedding = sum(w.numel() for name, w in packed_weights
+                    if name.endswith(("embed_tokens.weight", "lm_head.weight")))
+    logger.info("Quantized %d weights: projections to %s (%.1f MB), the token embedding and LM "
+                "head to %s (%.1f MB); norms stay in %s", len(packed_weights), fmt,
+                (packed - embedding) / 1e6, embedding_quantization(fmt), embedding / 1e6,
+                str(dtype).removeprefix("torch."))
 
 
 def _finish_expert_quantization(model: nn.Module) -> None:
@@ -202,9 +295,8 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
     files = safetensors_files(model_dir) if model_dir is not None and not gguf else []
     with set_current_engine_config(engine_config), torch.device(device):
         model = model_cls(engine_config)
-    quantized = quantized_linears(model)
-    for name, layer in quantized:  # refuse a shape that cannot be quantized before reading anything
-        _method(layer).check_shape(layer, f"{name}.weight")
+    quantized = quantized_layers(model)
+    _check_quantizable(quantized)
     if model_dir is None:
         init_random_weights(model)
         logger.info_once("Built %s with seeded random weights (no checkpoint)", model_cls.__name__)
@@ -230,7 +322,7 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
             raise WeightLoadError(missing=missing, source=f"checkpoint {model_dir}")
         logger.info("Loaded %s from %s (%d files)", model_cls.__name__, model_dir, len(files))
     if quantized:
-        _finish_quantization(model_config.quantization, quantized, model_config.dtype)
+        _finish_quantization(model, model_config.quantization, model_config.dtype)
     _finish_expert_quantization(model)
     routed = linear_op_weights(model)
     if routed and device.type == "cpu":

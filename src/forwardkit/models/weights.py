@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 
 from forwardkit.layers.fused_moe import FusedMoE
-from forwardkit.layers.linear import Linear, MergedLinear, WeightShapeError
+from forwardkit.layers.linear import (
+    Linear,
+    LMHead,
+    MergedLinear,
+    VocabEmbedding,
+    WeightShapeError,
+    quantized_layers,
+)
 from forwardkit.layers.parallel import TensorSource, materialize, set_shard_spec, shard_spec_of
 
 __all__ = [
     "WeightLoadError", "check_named_weights", "expected_shards", "load_named_weights", "missing_parameters",
+    "quantize_remaining",
 ]
 
 _LIST_LIMIT = 20
@@ -146,13 +156,18 @@ def load_named_weights(
             continue
         coverage.setdefault(name, set()).add(shard)
         owner = owners[name]
-        if (not dry_run and isinstance(owner, Linear) and owner.quant_method is not None
-                and name.rpartition(".")[2] == "weight" and _is_complete(owner, "weight", coverage[name])):
-            # quantize each projection as soon as it is whole, and drop this function's
-            # references to the full-precision staging weight so it is freed now
-            packed = owner.quant_method.process_weights_after_loading(owner, name)
+        if (not dry_run and isinstance(owner, (Linear, LMHead, VocabEmbedding))
+                and owner.quant_method is not None and name.rpartition(".")[2] == "weight"
+                and _is_complete(owner, "weight", coverage[name])):
+            # quantize each projection (and the embedding / head) as soon as it is whole, point
+            # every layer sharing the weight (a tied head) at the packed one, and drop this
+            # function's references to the full-precision staging weight so it is freed now
+            packed = _quantize(owner, name)
             for alias in [n for n, p in real.items() if p is param]:
                 real[alias] = params[alias] = packed
+                setattr(owners[alias], alias.rpartition(".")[2], packed)
+            param = tensor = packed  # the last references to the staging weight and the read tensor
+            return_freed_memory()
     if unexpected or mismatched:
         raise WeightLoadError(unexpected=unexpected, mismatched=mismatched)
     return {
@@ -160,6 +175,59 @@ def load_named_weights(
         for name, got in coverage.items()
         if _is_complete(owners[name], name.rpartition(".")[2], got)
     }
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none."""
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return None
+    trim = getattr(libc, "malloc_trim", None)  # glibc only
+    if trim is None:
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return cast(Callable[[int], int], trim)
+
+
+def return_freed_memory() -> None:
+    """Give the memory of freed tensors back to the system. glibc keeps freed blocks below its
+    (dynamically raised) mmap threshold in the heap, resident, so the freed full-precision
+    staging weights of a quantized load would stay in the process's resident set; trimming
+    after each quantized weight keeps the load's peak near the packed model's size."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _quantize(layer: Linear | LMHead | VocabEmbedding, name: str) -> nn.Parameter:
+    """Pack ``layer``'s loaded weight by its quant method; returns the packed parameter."""
+    if isinstance(layer, VocabEmbedding):
+        assert layer.quant_method is not None
+        return layer.quant_method.process_weights_after_loading(layer, name)
+    assert layer.quant_method is not None
+    return layer.quant_method.process_weights_after_loading(layer, name)
+
+
+def quantize_remaining(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Quantize every weight of ``model`` whose layer has a quant method and which is still at
+    full precision (seeded random weights; a checkpoint's were packed as they loaded), one at a
+    time; a weight shared by several layers (a tied head and its embedding) is packed once, by
+    its first layer's method, and every sharing layer points at it. Returns ``(name, packed
+    weight)`` of every distinct packed weight of the model's quantized layers."""
+    layers = quantized_layers(model)
+    done: dict[int, nn.Parameter] = {}
+    out: list[tuple[str, nn.Parameter]] = []
+    for name, layer in layers:
+        staging = layer.weight
+        if id(staging) in done:
+            layer.weight = done[id(staging)]
+            continue
+        packed = _quantize(layer, f"{name}.weight")
+        done[id(staging)] = done[id(packed)] = packed
+        out.append((f"{name}.weight", packed))
+    return out
 
 
 def missing_parameters(model: nn.Module, loaded: set[str]) -> list[str]:

@@ -28,7 +28,9 @@ from forwardkit.config.model import QUANTIZATION_FORMATS
 __all__ = ["BLOCK", "FORMATS", "QuantFormat", "dequantize", "get_format", "packed_shape", "quantize"]
 
 BLOCK = 32
-_ROWS_PER_CHUNK = 2048  # rows converted at once (bounds the float32 temporaries of a big matrix)
+# weights converted at once (whole rows): bounds the float32 temporaries of a big matrix to a
+# few MB, so quantizing a weight adds little to the memory its packed bytes take
+_WEIGHTS_PER_CHUNK = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -141,9 +143,10 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat | str, name: str = "weight")
                          f"of {BLOCK}, the {fmt.name} block size")
     out = torch.empty(fmt.packed_shape(rows, k), dtype=torch.uint8, device=weight.device)
     with torch.no_grad():
-        for start in range(0, rows, _ROWS_PER_CHUNK):
-            part = weight[start:start + _ROWS_PER_CHUNK].float().reshape(-1, BLOCK)
-            n = min(_ROWS_PER_CHUNK, rows - start)
+        step = max(1, _WEIGHTS_PER_CHUNK // k)
+        for start in range(0, rows, step):
+            part = weight[start:start + step].float().reshape(-1, BLOCK)
+            n = min(step, rows - start)
             out[start:start + n] = _quantize_blocks(part, fmt.name).reshape(n, -1)
     return out
 

@@ -29,8 +29,9 @@ import torch.nn as nn
 from forwardkit.quantization import ops as _ops  # registers forwardkit::quant_linear
 from forwardkit.quantization.formats import BLOCK, QuantFormat, get_format, quantize
 
-__all__ = ["PackedWeightLayer", "QuantizedLayer", "QuantizedLinearMethod", "QuantizedWeightReloadError",
-           "SplitQuantizedLinearMethod", "install_packed_weight"]
+__all__ = ["EmbeddingTable", "PackedWeightLayer", "QuantizedEmbeddingMethod", "QuantizedLayer",
+           "QuantizedLinearMethod", "QuantizedWeightReloadError", "SplitQuantizedLinearMethod",
+           "install_packed_weight"]
 
 
 def _project(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, fmt: str,
@@ -65,6 +66,15 @@ def _refuse_reload(param: torch.Tensor, loaded: torch.Tensor, shard_id: Hashable
         "be written in place: load the model again instead")
 
 
+def _packed_parameter(staging: torch.Tensor, fmt: QuantFormat, name: str) -> nn.Parameter:
+    """``staging`` (a loaded full-precision weight) quantized into a packed parameter that
+    refuses in-place reloads."""
+    packed = nn.Parameter(quantize(staging.data, fmt, name), requires_grad=False)
+    packed.weight_loader = _refuse_reload  # type: ignore[attr-defined]
+    packed.quant_format = fmt.name  # type: ignore[attr-defined]
+    return packed
+
+
 class QuantizedLinearMethod:
     """Weights in block format :attr:`format` (``q8_0``, ``q4_0``, ``q4_1``)."""
 
@@ -95,11 +105,8 @@ class QuantizedLinearMethod:
         if self.is_quantized(layer):
             return layer.weight
         self.check_shape(layer, name)
-        packed = nn.Parameter(quantize(layer.weight.data, self.format, name), requires_grad=False)
-        packed.weight_loader = _refuse_reload  # type: ignore[attr-defined]
-        packed.quant_format = self.format.name  # type: ignore[attr-defined]
-        layer.weight = packed
-        return packed
+        layer.weight = _packed_parameter(layer.weight, self.format, name)
+        return layer.weight
 
     def apply(self, layer: PackedWeightLayer, x: torch.Tensor, bias: torch.Tensor | None,
               kernel: bool = True) -> torch.Tensor:
@@ -110,6 +117,55 @@ class QuantizedLinearMethod:
             raise RuntimeError(f"a {self.format.name} layer ran before its weight was quantized "
                                "(the model loader quantizes each weight once it is loaded)")
         return _project(x, layer.weight, bias, self.format.name, kernel)
+
+
+class EmbeddingTable(PackedWeightLayer, Protocol):
+    """What :class:`QuantizedEmbeddingMethod` needs of an embedding: its sizes, its dtype (the
+    lookup's output) and its ``weight`` (staging or packed)."""
+
+    num_embeddings: int
+    embedding_dim: int
+    dtype: torch.dtype
+
+
+class QuantizedEmbeddingMethod:
+    """A token embedding table held in block format :attr:`format`: created, filled and
+    quantized like a projection's weight (a staging table, packed once loaded), looked up by
+    the ``forwardkit::quant_embedding`` op, which dequantizes only the rows it gathers. A head
+    tied to the table shares the packed weight (through its own
+    :class:`QuantizedLinearMethod`)."""
+
+    def __init__(self, fmt: str | QuantFormat) -> None:
+        self.format = get_format(fmt) if isinstance(fmt, str) else fmt
+
+    def create_weights(self, num_embeddings: int, embedding_dim: int,
+                       dtype: torch.dtype | None) -> nn.Parameter:
+        """The staging table ``[num_embeddings, embedding_dim]`` (quantized after loading)."""
+        return nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+
+    def check_shape(self, layer: EmbeddingTable, name: str) -> None:
+        """ValueError naming ``name`` when a row is not a whole number of blocks."""
+        if layer.embedding_dim % BLOCK:
+            raise ValueError(
+                f"cannot quantize {name} to {self.format.name}: its embedding dim "
+                f"{layer.embedding_dim} is not a multiple of the {BLOCK}-weight block; run this "
+                "model without quantization")
+
+    def process_weights_after_loading(self, layer: EmbeddingTable, name: str = "weight") -> nn.Parameter:
+        """Quantize the loaded staging table (no-op when packed already); returns the layer's
+        (new) weight parameter."""
+        if QuantizedLinearMethod.is_quantized(layer):
+            return layer.weight
+        self.check_shape(layer, name)
+        layer.weight = _packed_parameter(layer.weight, self.format, name)
+        return layer.weight
+
+    def apply(self, layer: EmbeddingTable, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` in ``layer.dtype`` through ``forwardkit::quant_embedding``."""
+        if not QuantizedLinearMethod.is_quantized(layer):
+            raise RuntimeError(f"a {self.format.name} embedding ran before its table was quantized "
+                               "(the model loader quantizes it once it is loaded)")
+        return torch.ops.forwardkit.quant_embedding(ids, layer.weight, self.format.name, layer.dtype)
 
 
 class SplitQuantizedLinearMethod(QuantizedLinearMethod):

@@ -1,4 +1,6 @@
-"""The registered op of quantized projections: ``forwardkit::quant_linear(x, packed, bias, fmt)``.
+"""The registered ops of quantized weights: ``forwardkit::quant_linear(x, packed, bias, fmt)``
+(projections, the LM head) and ``forwardkit::quant_embedding(ids, packed, fmt, dtype)`` (the
+token embedding's lookup).
 
 ``packed`` is a weight in one of :mod:`~forwardkit.quantization.formats`'s layouts (``uint8``
 ``[out, in / 32 * block_bytes]``); the op returns ``x @ W.T + bias`` in ``x``'s dtype, ``W``
@@ -16,6 +18,11 @@ Paths, chosen per call by the number of activation rows:
 * otherwise (no native build, another device) the weight dequantized to ``x``'s dtype, then
   ``F.linear`` (a dequantized copy per call: correct, not fast), natively where a build exists
   (the same values as the torch dequantization of :func:`reference_linear`).
+
+``quant_embedding`` gathers the packed rows of ``ids`` and dequantizes only those (natively
+where a build exists, else by :func:`~forwardkit.quantization.formats.dequantize`: the same
+float32 values, bit for bit), then casts them to ``dtype``: the rows of the dequantized table,
+indexed, without ever dequantizing the table.
 """
 
 from __future__ import annotations
@@ -24,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from forwardkit.kernels.cpu import native_quant
-from forwardkit.quantization.formats import dequantize, get_format
+from forwardkit.quantization.formats import BLOCK, dequantize, get_format
 
-__all__ = ["quant_linear", "reference_linear"]
+__all__ = ["quant_embedding", "quant_linear", "reference_linear"]
 
 
 def reference_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -49,13 +56,34 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     return reference_linear(x, packed, bias, fmt)
 
 
+def quant_embedding(ids: torch.Tensor, packed: torch.Tensor, fmt: str,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of the ``[vocab, dim]`` table ``packed`` holds in format ``fmt``, in
+    ``dtype``: shape ``[*ids.shape, dim]``."""
+    get_format(fmt)
+    rows = packed.index_select(0, ids.reshape(-1))
+    values = native_quant.dequantize_rows(rows, fmt) if rows.device.type == "cpu" else None
+    if values is None:
+        values = dequantize(rows, fmt)
+    return values.to(dtype).reshape(*ids.shape, values.shape[-1])
+
+
 # Registered with torch.library.Library (like forwardkit::linear): a lighter call than
 # torch.library.custom_op's Python wrappers; it runs once per projection per step.
 _LIB = torch.library.Library("forwardkit", "FRAGMENT")
 _LIB.define("quant_linear(Tensor x, Tensor packed, Tensor? bias, str fmt) -> Tensor")
 _LIB.impl("quant_linear", quant_linear, "CompositeExplicitAutograd")
+_LIB.define("quant_embedding(Tensor ids, Tensor packed, str fmt, ScalarType dtype) -> Tensor")
+_LIB.impl("quant_embedding", quant_embedding, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("forwardkit::quant_linear", lib=_LIB)
 def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+@torch.library.register_fake("forwardkit::quant_embedding", lib=_LIB)
+def _fake_embedding(ids: torch.Tensor, packed: torch.Tensor, fmt: str,
+                    dtype: torch.dtype) -> torch.Tensor:
+    dim = packed.shape[1] // get_format(fmt).block_bytes * BLOCK
+    return packed.new_empty((*ids.shape, dim), dtype=dtype)
