@@ -72,3 +72,54 @@ def dequantized_dir(tmp_path_factory):
         return made[fmt]
 
     return make
+
+
+@pytest.fixture
+def watch_loading(monkeypatch):
+    """``watch(check)``: makes ``load_model`` call ``check(model, name)`` before each checkpoint
+    tensor ``name`` is handed to the model (``model`` is None until ``load_weights`` starts),
+    so a test can look at what is already packed while the load streams."""
+    from forwardkit.models import loader
+
+    def watch(check) -> None:
+        state: dict[str, object] = {}
+        real_iterate, real_class = loader.iterate_safetensors, loader.get_model_class
+
+        def watching(files, lazy=False):
+            for name, tensor in real_iterate(files, lazy):
+                check(state.get("model"), name)
+                yield name, tensor
+
+        def capture_class(archs):
+            cls = real_class(archs)
+
+            class Capturing(cls):  # type: ignore[misc, valid-type]
+                def load_weights(self, weights):
+                    state["model"] = self
+                    return super().load_weights(weights)
+
+            return Capturing
+
+        monkeypatch.setattr(loader, "iterate_safetensors", watching)
+        monkeypatch.setattr(loader, "get_model_class", capture_class)
+
+    return watch
+
+
+@pytest.fixture
+def forwardkit_ops():
+    """``run(module, *inputs) -> (compiled output, forwardkit ops in the Dynamo graph)``: the
+    module compiled with a recording backend (fullgraph), run once."""
+
+    def run(module: torch.nn.Module, *inputs: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm
+
+        out = torch.compile(module, backend=backend, fullgraph=True)(*inputs)
+        targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+        return out, [t for t in targets if t.startswith("forwardkit.")]
+
+    return run

@@ -12,7 +12,7 @@ from forwardkit.config.builder import build_engine_config
 from forwardkit.engine.llm import LLM
 from forwardkit.engine.sampling_params import SamplingParams
 from forwardkit.layers.linear import Linear, LMHead, VocabEmbedding, quantized_linears
-from forwardkit.models.loader import iterate_safetensors, load_model
+from forwardkit.models.loader import load_model
 
 PROMPTS = [[5, 17, 33, 2, 90, 41], [7, 7, 120, 3]]
 
@@ -101,7 +101,7 @@ def test_compiled_quantized_run_keeps_the_op_and_matches_eager(llama_dir):
     assert _tokens(_greedy(compiled)) == _tokens(_greedy(eager))
 
 
-def test_quant_linear_is_one_node_of_a_dynamo_graph():
+def test_quant_linear_is_one_node_of_a_dynamo_graph(forwardkit_ops):
     from forwardkit.quantization.linear_method import QuantizedLinearMethod
 
     layer = Linear(64, 48, bias=True, quant_method=QuantizedLinearMethod("q4_0"))
@@ -109,17 +109,10 @@ def test_quant_linear_is_one_node_of_a_dynamo_graph():
         layer.weight.normal_()
         layer.bias.normal_()
     layer.quant_method.process_weights_after_loading(layer, "w")
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm
-
-    fn = torch.compile(layer, backend=backend, fullgraph=True)
     x = torch.randn(3, 64)
-    torch.testing.assert_close(fn(x), layer(x))
-    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
-    assert [t for t in targets if t.startswith("forwardkit.")] == ["forwardkit.quant_linear"], targets
+    out, ops = forwardkit_ops(layer, x)
+    torch.testing.assert_close(out, layer(x))
+    assert ops == ["forwardkit.quant_linear"], ops
 
 
 def test_q4_0_weight_bytes_at_most_0_35x_bf16(llama_dir):
@@ -132,42 +125,23 @@ def test_q4_0_weight_bytes_at_most_0_35x_bf16(llama_dir):
     assert packed == bf16 * 18 // 64  # 18 bytes per 32 weights
 
 
-def test_each_projection_is_quantized_as_soon_as_it_is_loaded(llama_dir, monkeypatch):
+def test_each_projection_is_quantized_as_soon_as_it_is_loaded(llama_dir, watch_loading):
     """Loading streams: when a tensor is handed to the model, every projection whose tensors
     all came before is packed already (its full-precision copy is gone)."""
-    from forwardkit.models import loader
 
     cfg = build_engine_config(llama_dir, quantization="q8_0", enforce_eager=True)
     seen: list[str] = []
     checks: list[int] = []
-    state = {}
 
-    def watching(files, lazy=False):
-        for name, tensor in iterate_safetensors(files, lazy):
-            model = state.get("model")
-            if model is not None:
-                for prefix, layer in quantized_linears(model):
-                    parts = _hf_names(prefix)
-                    if all(p in seen for p in parts):
-                        assert layer.weight.dtype == torch.uint8, prefix
-                        checks.append(1)
-            seen.append(name)
-            yield name, tensor
+    def check(model, name: str) -> None:
+        if model is not None:
+            for prefix, layer in quantized_linears(model):
+                if all(p in seen for p in _hf_names(prefix)):
+                    assert layer.weight.dtype == torch.uint8, prefix
+                    checks.append(1)
+        seen.append(name)
 
-    real_init = loader.get_model_class
-
-    def capture_class(archs):
-        cls = real_init(archs)
-
-        class Capturing(cls):  # type: ignore[misc, valid-type]
-            def load_weights(self, weights):
-                state["model"] = self
-                return super().load_weights(weights)
-
-        return Capturing
-
-    monkeypatch.setattr(loader, "iterate_safetensors", watching)
-    monkeypatch.setattr(loader, "get_model_class", capture_class)
+    watch_loading(check)
     load_model(cfg)
     assert len(checks) > 0
 

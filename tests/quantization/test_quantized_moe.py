@@ -13,7 +13,7 @@ from forwardkit.config.builder import build_engine_config
 from forwardkit.engine.llm import LLM
 from forwardkit.engine.sampling_params import SamplingParams
 from forwardkit.layers.fused_moe import FusedMoE
-from forwardkit.models.loader import iterate_safetensors, load_model
+from forwardkit.models.loader import load_model
 from forwardkit.quantization.formats import dequantize, quantize
 
 transformers = pytest.importorskip("transformers")
@@ -122,39 +122,20 @@ def test_compiled_run_with_packed_experts_matches_eager(mixtral_dir):
     assert _greedy(compiled) == _greedy(eager)
 
 
-def test_each_layers_experts_are_packed_when_its_last_tensor_arrives(mixtral_dir, monkeypatch):
+def test_each_layers_experts_are_packed_when_its_last_tensor_arrives(mixtral_dir, watch_loading):
     """Streaming: when a tensor of layer i + 1 arrives, layer i's experts are packed already
     (never the whole model's experts at full precision)."""
-    from forwardkit.models import loader
-
     cfg = build_engine_config(mixtral_dir, quantization="q8_0", enforce_eager=True)
-    state: dict[str, torch.nn.Module] = {}
     checked: list[int] = []
 
-    def watching(files, lazy=False):
-        for name, tensor in iterate_safetensors(files, lazy):
-            model = state.get("model")
-            if model is not None and name.startswith("model.layers.1."):
-                layer0 = model.get_submodule("model.layers.0.block_sparse_moe.experts")
-                assert layer0.w13_weight.dtype == torch.uint8
-                assert layer0.w2_weight.dtype == torch.uint8
-                checked.append(1)
-            yield name, tensor
+    def check(model, name: str) -> None:
+        if model is not None and name.startswith("model.layers.1."):
+            layer0 = model.get_submodule("model.layers.0.block_sparse_moe.experts")
+            assert layer0.w13_weight.dtype == torch.uint8
+            assert layer0.w2_weight.dtype == torch.uint8
+            checked.append(1)
 
-    real = loader.get_model_class
-
-    def capture_class(archs):
-        cls = real(archs)
-
-        class Capturing(cls):  # type: ignore[misc, valid-type]
-            def load_weights(self, weights):
-                state["model"] = self
-                return super().load_weights(weights)
-
-        return Capturing
-
-    monkeypatch.setattr(loader, "iterate_safetensors", watching)
-    monkeypatch.setattr(loader, "get_model_class", capture_class)
+    watch_loading(check)
     load_model(cfg)
     assert checked
 
