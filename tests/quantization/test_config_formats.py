@@ -102,3 +102,16 @@ def test_a_weight_the_load_would_refuse_is_marked(tmp_path, capsys):
     formats = json.loads(out)["weight_formats"]["layers"][0]["formats"]
     assert formats["mlp.down_proj.weight"] == "q4_0 refused (rows not whole 32-weight blocks)"
     assert formats["mlp.gate_up_proj.weight"] == "q4_0"
+
+
+def test_quantized_moe_experts_are_shown_packed(tmp_path, capsys):
+    """The experts of a quantized Mixtral are listed in the format the load packs them in."""
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **TINY,
+           "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "tie_word_embeddings": False, "rope_theta": 10000.0, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = _run(capsys, "--model", str(tmp_path), "--quantization", "q4_0")
+    layer_row = next(ln for ln in out.splitlines() if ln.startswith("  layers"))
+    packed, _, rest = layer_row.split(None, 2)[2].partition(";")
+    assert packed.startswith("q4_0:") and "mlp.experts.w13_weight" in packed
+    assert "mlp.experts.w2_weight" in packed and "experts" not in rest

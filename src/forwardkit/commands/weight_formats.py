@@ -91,6 +91,7 @@ def _quantized_on_load(cfg: EngineConfig) -> WeightFormats:
 
     from forwardkit.config.engine import set_current_engine_config
     from forwardkit.config.frozen import thawed_copy
+    from forwardkit.layers.fused_moe import FusedMoE
     from forwardkit.layers.linear import VocabEmbedding, quantized_layers
     from forwardkit.models import get_model_class
     from forwardkit.quantization.linear_method import (
@@ -116,6 +117,9 @@ def _quantized_on_load(cfg: EngineConfig) -> WeightFormats:
                 method.check_shape(layer, name)
         except ValueError:  # the load refuses it, naming it
             packed[id(layer.weight)] = f"{method.format.name} refused (rows not whole 32-weight blocks)"
+    for module in model.modules():  # MoE experts: packed in the projections' format on load
+        if isinstance(module, FusedMoE) and module.quant_format is not None:
+            packed[id(module.w13_weight)] = packed[id(module.w2_weight)] = module.quant_format
     seen: dict[int, str] = {}
     named: list[tuple[str, str]] = []
     for name, param in model.named_parameters(remove_duplicate=False):
