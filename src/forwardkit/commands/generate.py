@@ -235,12 +235,14 @@ def _run_data_parallel(args: argparse.Namespace, config: EngineConfig,
     prompt order."""
     import torch.distributed as dist
 
+    from forwardkit.distributed.parallel_state import quiesce_collectives_at_exit
     from forwardkit.engine import LLM
 
     dp_rank = rank // tp
     moe = config.parallel_config.data_parallel_size > 1
     if not moe and not dist.is_initialized():
         dist.init_process_group("gloo")  # only to gather the outputs; the model steps alone
+        quiesce_collectives_at_exit()
     llm = LLM.from_engine_config(config, seed=0 if args.seed is None else args.seed,
                                  tokenizer=args.tokenizer)
     mode = _output_mode(output, llm, config)

@@ -26,6 +26,7 @@ arguments, the parallel config (``data_parallel_size``, ``data_parallel_rank``,
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import time
@@ -58,6 +59,7 @@ __all__ = [
     "get_world_group",
     "init_distributed",
     "init_dp_group",
+    "quiesce_collectives_at_exit",
     "is_dp_group_initialized",
     "is_tp_group_initialized",
     "rank_dir_name",
@@ -144,11 +146,11 @@ class RankGroup:
     device: torch.device
     timeout_s: float
     owns_default_group: bool = False
-    _extra_groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
     peers: list[tuple[int, int, int]] = field(default_factory=list, repr=False)
     """Per global rank: (host id, pid, process start time), to name a dead or stopped peer."""
     name: str = "dp"
     ranks: list[int] = field(default_factory=list)
+    closed: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -160,7 +162,16 @@ class RankGroup:
         return self.ranks[self.rank]
 
     def _group(self, use_cpu: bool) -> dist.ProcessGroup | None:
+        if self.closed:
+            raise RuntimeError(f"the {self.name.upper()} group was destroyed "
+                               "(destroy_distributed()); initialize the groups again to use it")
         return self.cpu_group if use_cpu else self.device_group
+
+    def close(self) -> None:
+        """Drop this view's process groups (:func:`destroy_distributed` calls it); a collective
+        on a group of more than one rank raises afterwards."""
+        self.closed = True
+        self.cpu_group = self.device_group = None
 
     def _wait(self, work: dist.Work, what: str, timeout_s: float | None) -> None:
         limit = self.timeout_s if timeout_s is None else timeout_s
@@ -570,7 +581,7 @@ def init_distributed(
     of :func:`init_dp_group`; ``rank`` is the global rank. With TP > 1 outside torchrun the
     rank must be given. Every rank must call this once, before building a model.
     """
-    global _STATE
+    global _STATE, _EVER_INITIALIZED
     if _STATE is not None:
         raise RuntimeError("The distributed groups are already initialized; call "
                            "destroy_dp_group() first")
@@ -583,6 +594,7 @@ def init_distributed(
     owns = not dist.is_initialized()
     world, me = _join_world(owns, parallel_config, world_size, rank, master_addr, master_port,
                             backend, timeout, tp)
+    _EVER_INITIALIZED = True  # a gloo world exists from here on: quiesce it at exit
     created: list[dist.ProcessGroup] = []
     try:
         state = _build_groups(world, me, tp, backend, timeout, timeout_s, local_rank, owns,
@@ -738,16 +750,62 @@ def _build_groups(world: int, me: int, tp: int, backend: str, timeout: datetime.
 def destroy_distributed() -> None:
     """Tear down the groups (and the default process group if this module created it).
 
-    Safe to call when no group exists.
+    Safe to call when no group exists. Every :class:`RankGroup` of the state drops its process
+    groups too, so the last reference to each goes here and its gloo worker threads are joined
+    now: a gloo worker that outlived the interpreter's shutdown would abort the process
+    ("terminate called without an active exception") when it frees the last collective's
+    tensors. The groups are also torn down at interpreter exit (``atexit``) when the caller
+    did not do it.
     """
     global _STATE
     state, _STATE = _STATE, None
-    if state is None or not dist.is_initialized():
+    if state is None:
         return
-    for group in state.created:
-        dist.destroy_process_group(group)
+    for group in (state.world, state.dp, state.tp, state.ep):
+        group.close()
+    created, state.created = state.created, []
+    if not dist.is_initialized():
+        return
+    for pg in created:
+        dist.destroy_process_group(pg)
     if state.owns_default_group:
         dist.destroy_process_group()
+
+
+def _quiesce_at_exit() -> None:
+    """At interpreter exit: tear down the groups the caller left, then give gloo's worker
+    threads a moment with the GIL released.
+
+    A gloo worker frees a finished collective's tensors after the waiting rank has already
+    moved on, and freeing a tensor Python also holds takes the GIL. A worker that asks for the
+    GIL once the interpreter is finalizing is ended mid-destructor and the process aborts
+    ("terminate called without an active exception", SIGABRT) after its output is printed.
+    Destroying a process group joins its workers only when its last reference goes, and
+    ``torch.distributed.group.WORLD`` can stay referenced (default arguments captured by
+    modules imported after the init), so the workers also get a short wait here, while the
+    interpreter still serves them.
+    """
+    if not (_EVER_INITIALIZED or dist.is_initialized()):
+        return
+    if _STATE is not None:
+        try:
+            destroy_distributed()
+        except Exception as exc:  # a peer already gone: nothing left to tear down cleanly
+            logger.debug("Tearing down the process groups at exit failed: %s", exc)
+    time.sleep(_EXIT_QUIESCE_S)
+
+
+_EVER_INITIALIZED = False
+_EXIT_QUIESCE_S = 0.05
+atexit.register(_quiesce_at_exit)
+
+
+def quiesce_collectives_at_exit() -> None:
+    """Ask for the exit-time wait for gloo's workers (see ``_quiesce_at_exit``) in a process
+    that initialized ``torch.distributed`` itself and destroys it before exit;
+    :func:`init_distributed` asks for it on its own."""
+    global _EVER_INITIALIZED
+    _EVER_INITIALIZED = True
 
 
 destroy_dp_group = destroy_distributed
