@@ -39,6 +39,8 @@ class CompilationCounter:
     num_cache_entries_updated: int = 0  # index entries written
     num_compile_failures: int = 0  # compiles that raised
     num_sp_reduce_scatters: int = 0  # all-reduces the sequence-parallelism pass split
+    num_norm_quant_fusions: int = 0  # quantized projections fed by their RMSNorm's int8 output
+    num_act_quant_fusions: int = 0  # quantized projections fed by their SiLU-and-mul's int8 output
     num_aot_saves: int = 0  # Dynamo results saved by the AOT precompile path
     num_aot_loads: int = 0  # Dynamo results loaded instead of tracing
     num_cudagraph_captured: int = 0  # CUDA graphs captured (written by the graphs layer)

@@ -2,9 +2,12 @@
 
 :class:`PostGradPassManager` is installed as Inductor's ``post_grad_custom_post_pass`` in the
 backend's private copy of the Inductor config. It runs, in order: no-op elimination (when
-``pass_config.eliminate_noops``), the fusions of :mod:`forwardkit.compilation.fusion` (each
-behind its own flag, ``pass_config.fuse_rms_norm`` and ``pass_config.fuse_silu_and_mul``; they
-are exact rewrites), then the user's passes, then dead-code elimination. Its ``uuid()``
+``pass_config.eliminate_noops``), the passes a lower layer registered in :data:`FLAG_PASSES`
+(the quantized-weight fusions behind ``fuse_norm_quant`` / ``fuse_act_quant``, which live beside
+the kernels they feed, ``quantization/fusion.py``), the fusions of
+:mod:`forwardkit.compilation.fusion` (each behind its own flag, ``pass_config.fuse_rms_norm`` and
+``pass_config.fuse_silu_and_mul``; they are exact rewrites), then the user's passes, then
+dead-code elimination. Its ``uuid()``
 covers the pass config, each pass's source and the compile range, so Inductor's own caches never mix different pass sets.
 """
 
@@ -28,7 +31,8 @@ from forwardkit.logger import init_logger
 if TYPE_CHECKING:
     from forwardkit.config.pass_config import PassConfig
 
-__all__ = ["InductorPass", "NoOpEliminationPass", "PostGradPassManager"]
+__all__ = ["FLAG_PASSES", "InductorPass", "NoOpEliminationPass", "PostGradPassManager",
+           "register_flag_pass"]
 
 logger = init_logger(__name__)
 
@@ -38,6 +42,18 @@ aten = torch.ops.aten
 # are optional for a user's pass (looked up by name), an InductorPass has both.
 GraphPass = Callable[[torch.fx.Graph], object]
 Shape = tuple[int | torch.SymInt, ...]
+
+
+# Passes whose code lives in a layer that may import this one but not be imported by it (the
+# kernels layer's quant fusions): name -> factory(pass_config) giving the pass, or None when the
+# config does not ask for it. The layer registers its factory when it is imported; a model that
+# never imports it has nothing such a pass would rewrite.
+FLAG_PASSES: dict[str, Callable[[PassConfig], GraphPass | None]] = {}
+
+
+def register_flag_pass(name: str, factory: Callable[[PassConfig], GraphPass | None]) -> None:
+    """Add (or replace) the factory ``name`` in :data:`FLAG_PASSES`."""
+    FLAG_PASSES[name] = factory
 
 
 def _shape(node: object) -> Shape | None:
@@ -101,6 +117,10 @@ class PostGradPassManager(InductorPass):
         if pass_config is not None:
             if pass_config.eliminate_noops:
                 self.passes.append(NoOpEliminationPass())
+            for name in sorted(FLAG_PASSES):
+                made = FLAG_PASSES[name](pass_config)
+                if made is not None:
+                    self.passes.append(made)
             if pass_config.fuse_rms_norm:
                 self.passes.append(FusedAddRMSNormPass())
             if pass_config.fuse_silu_and_mul:

@@ -88,8 +88,6 @@ COMPAT_FIELDS: dict[str, dict[str, CompatField]] = {
         "cudagraph_copy_inputs": CompatField("accepted", "graph inputs are always the runner's persistent buffers"),
     },
     "PassConfig": {
-        "fuse_norm_quant": CompatField("resolution", _NO_FP8),
-        "fuse_act_quant": CompatField("resolution", _NO_FP8),
         "fuse_attn_quant": CompatField("resolution", _NO_FP8),
         "fuse_gemm_comms": CompatField("resolution", "turns `enable_sp` on"),
         "fuse_allreduce_rms": CompatField("resolution", "adds its compile-range split point; no fused all-reduce kernel here"),

@@ -46,6 +46,11 @@ QUANTIZATION_FORMATS = ("q8_0", "q4_0", "q4_1")
 EMBEDDING_QUANTIZATION = "q8_0"
 
 
+# GGUF tensor types held in 32-weight blocks by the loader (Q8_0, Q4_0, Q4_1 as they are; Q4_K
+# and Q6_K repacked into them).
+GGUF_BLOCK_TYPES = frozenset({2, 3, 8, 12, 14})
+
+
 def embedding_quantization(quantization: str | None) -> str | None:
     """The format the token embedding and the LM head are held in when the projections are
     quantized on load to ``quantization`` (None: unquantized, the model's dtype)."""
@@ -265,6 +270,13 @@ class ModelConfig(FreezableConfig):
     def is_moe(self) -> bool:
         """The model has experts (``num_local_experts``/``num_experts`` > 0)."""
         return any((self.hf_config.get(key) or 0) > 0 for key in _EXPERT_KEYS)
+
+    @property
+    def has_packed_weights(self) -> bool:
+        """Some projection weights are held block-quantized (``quantization`` set, or a GGUF
+        file with quantized tensors), so they run through the quantized linear op."""
+        types: dict[str, int] = self.hf_config.get("gguf_tensor_types") or {}
+        return self.quantization is not None or any(t in GGUF_BLOCK_TYPES for t in types.values())
 
     @property
     def is_encoder_decoder(self) -> bool:

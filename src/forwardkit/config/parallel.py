@@ -20,6 +20,7 @@ from pydantic.dataclasses import dataclass
 
 from forwardkit import envs
 from forwardkit.config.frozen import FreezableConfig
+from forwardkit.config.model import GGUF_BLOCK_TYPES
 from forwardkit.config.utils import get_hash_factors, hash_factors
 from forwardkit.logger import init_logger
 from forwardkit.platforms import current_platform
@@ -398,8 +399,6 @@ def check_parallel_fits_model(parallel: ParallelConfig, model: ModelConfig) -> N
 
 
 _BLOCK = 32  # weights in one block of the packed formats (quantization/formats.py)
-# GGUF types kept in 32-weight blocks (Q8_0, Q4_0, Q4_1, and Q4_K / Q6_K repacked into them)
-_GGUF_BLOCK_TYPES = {2, 3, 8, 12, 14}
 
 
 def _check_block_boundaries(tp: int, model: ModelConfig, where: str) -> None:
@@ -414,7 +413,7 @@ def _check_block_boundaries(tp: int, model: ModelConfig, where: str) -> None:
         inputs["ffn_down"] = ("intermediate_size", int(hf["intermediate_size"]))
     for tensor, (what, size) in inputs.items():
         packed = model.quantization is not None or any(
-            name.endswith(f".{tensor}.weight") and kind in _GGUF_BLOCK_TYPES
+            name.endswith(f".{tensor}.weight") and kind in GGUF_BLOCK_TYPES
             for name, kind in types.items())
         if packed and (size // tp) % _BLOCK:
             raise ValueError(

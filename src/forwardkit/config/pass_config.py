@@ -46,9 +46,11 @@ class PassConfig(FreezableConfig):
     """
 
     fuse_norm_quant: bool | None = None
-    """Fuse RMSNorm with a following quant op."""
+    """Fuse RMSNorm with a following quant op: here the int8 rounding of the activations of a
+    block-quantized projection on the CPU (``quantization/fusion.py``); on by default where it
+    applies."""
     fuse_act_quant: bool | None = None
-    """Fuse SiLU-and-mul with a following quant op."""
+    """Fuse SiLU-and-mul with a following quant op (as ``fuse_norm_quant``)."""
     fuse_attn_quant: bool | None = None
     """Fuse attention with its output quant op."""
     eliminate_noops: bool | None = None

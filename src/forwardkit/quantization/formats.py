@@ -25,7 +25,8 @@ import torch
 
 from forwardkit.config.model import QUANTIZATION_FORMATS
 
-__all__ = ["BLOCK", "FORMATS", "QuantFormat", "dequantize", "get_format", "packed_shape", "quantize"]
+__all__ = ["BLOCK", "FORMATS", "QuantFormat", "dequantize", "get_format", "packed_shape", "quantize",
+           "quantize_activations"]
 
 BLOCK = 32
 # weights converted at once (whole rows): bounds the float32 temporaries of a big matrix to a
@@ -114,6 +115,35 @@ def _quantize_blocks(blocks: torch.Tensor, name: str) -> torch.Tensor:
         q = torch.trunc((blocks - lo) * _reciprocal(d) + 0.5).clamp(0, 15)
         return torch.cat([_fp16_bytes(d), _fp16_bytes(lo), _pack_nibbles(q)], dim=1)
     raise ValueError(f"quantization must be one of {list(FORMATS)}, got {name!r}")
+
+
+def _bf16_rounded(v: torch.Tensor) -> torch.Tensor:
+    """float32 ``v`` rounded to the nearest bf16 (ties to even), in integers on its bits: a
+    no-op on values that are bf16 already. Inductor keeps a bf16 intermediate in float32
+    inside a fused kernel; this makes the rounding the unfused graph does when it stores the
+    activations explicit, so both quantize the same values (finite values: activations)."""
+    bits = v.view(torch.int32)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -0x10000
+    return bits.view(torch.float32)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activations ``x`` (``[..., k]``, any float dtype, ``k % 32 == 0``) rounded per block of
+    32 to int8 as the native quantized kernels round them (ggml's q8_0 rule in float32, the
+    scale kept in float32): ``(q, d, s)`` with ``q`` int8 ``[..., k]``, ``d = max|x| / 127``
+    and ``s = d * sum(q)`` float32 ``[..., k / 32]``. Plain torch ops, so a compiled graph
+    computes them inside the kernel that produces ``x``; the values equal the kernels' own
+    rounding bit for bit (``forwardkit::quant_linear_q8`` takes them). bf16 activations are
+    taken at bf16 precision even where a compiled graph holds them wider."""
+    k = x.shape[-1]
+    v = x.to(torch.float32)
+    if x.dtype == torch.bfloat16:
+        v = _bf16_rounded(v)
+    blocks = v.reshape(*x.shape[:-1], k // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    q = _roundf(blocks * _reciprocal(d))
+    s = d * q.sum(dim=-1, keepdim=True)
+    return q.to(torch.int8).reshape(x.shape), d.squeeze(-1), s.squeeze(-1)
 
 
 def _dequantize_blocks(blocks: torch.Tensor, name: str) -> torch.Tensor:

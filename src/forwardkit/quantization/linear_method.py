@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
+from forwardkit.quantization import fusion as _fusion  # noqa: F401  (registers the quant fusion pass)
 from forwardkit.quantization import ops as _ops  # registers forwardkit::quant_linear
 from forwardkit.quantization.formats import BLOCK, QuantFormat, get_format, quantize
 

@@ -1,6 +1,8 @@
 """The registered ops of quantized weights: ``forwardkit::quant_linear(x, packed, bias, fmt)``
-(projections, the LM head) and ``forwardkit::quant_embedding(ids, packed, fmt, dtype)`` (the
-token embedding's lookup).
+(projections, the LM head), ``forwardkit::quant_linear_q8(q, d, s, packed, bias, fmt)``
+(the same product on activations already rounded to int8, which the ``fuse_norm_quant`` /
+``fuse_act_quant`` passes put in place of ``quant_linear``) and
+``forwardkit::quant_embedding(ids, packed, fmt, dtype)`` (the token embedding's lookup).
 
 ``packed`` is a weight in one of :mod:`~forwardkit.quantization.formats`'s layouts (``uint8``
 ``[out, in / 32 * block_bytes]``); the op returns ``x @ W.T + bias`` in ``x``'s dtype, ``W``
@@ -31,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from forwardkit.kernels.cpu import native_quant
-from forwardkit.quantization.formats import BLOCK, dequantize, get_format
+from forwardkit.quantization.formats import BLOCK, dequantize, get_format, quantize_activations
 
-__all__ = ["quant_embedding", "quant_linear", "reference_linear"]
+__all__ = ["quant_embedding", "quant_linear", "quant_linear_q8", "reference_linear"]
 
 
 def reference_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -56,6 +58,24 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     return reference_linear(x, packed, bias, fmt)
 
 
+def quant_linear_q8(q: torch.Tensor, d: torch.Tensor, sums: torch.Tensor, packed: torch.Tensor,
+                    bias: torch.Tensor | None, fmt: str) -> torch.Tensor:
+    """:func:`quant_linear` of the activations that
+    :func:`~forwardkit.quantization.formats.quantize_activations` rounded to ``(q, d, sums)``,
+    in float32 (the caller casts it, as the float call does): on the CPU the native kernels'
+    products of the float call, bit for bit (they round activations the same way); elsewhere
+    the rounded activations times the dequantized weight."""
+    get_format(fmt)
+    if q.device.type == "cpu":
+        out = native_quant.quant_linear_q8_rows(q, d, sums, packed, bias, fmt, torch.float32)
+        if out is not None:
+            return out
+    k = q.shape[-1]
+    x = (q.to(torch.float32).reshape(*q.shape[:-1], k // BLOCK, BLOCK) * d.unsqueeze(-1))
+    return reference_linear(x.reshape(q.shape), packed,
+                            None if bias is None else bias.to(torch.float32), fmt)
+
+
 def quant_embedding(ids: torch.Tensor, packed: torch.Tensor, fmt: str,
                     dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` of the ``[vocab, dim]`` table ``packed`` holds in format ``fmt``, in
@@ -73,6 +93,9 @@ def quant_embedding(ids: torch.Tensor, packed: torch.Tensor, fmt: str,
 _LIB = torch.library.Library("forwardkit", "FRAGMENT")
 _LIB.define("quant_linear(Tensor x, Tensor packed, Tensor? bias, str fmt) -> Tensor")
 _LIB.impl("quant_linear", quant_linear, "CompositeExplicitAutograd")
+_LIB.define("quant_linear_q8(Tensor q, Tensor d, Tensor s, Tensor packed, Tensor? bias, str fmt) "
+            "-> Tensor")
+_LIB.impl("quant_linear_q8", quant_linear_q8, "CompositeExplicitAutograd")
 _LIB.define("quant_embedding(Tensor ids, Tensor packed, str fmt, ScalarType dtype) -> Tensor")
 _LIB.impl("quant_embedding", quant_embedding, "CompositeExplicitAutograd")
 
@@ -82,8 +105,29 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, fmt: str
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
+@torch.library.register_fake("forwardkit::quant_linear_q8", lib=_LIB)
+def _fake_q8(q: torch.Tensor, d: torch.Tensor, sums: torch.Tensor, packed: torch.Tensor,
+             bias: torch.Tensor | None, fmt: str) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], packed.shape[0]), dtype=torch.float32)
+
+
 @torch.library.register_fake("forwardkit::quant_embedding", lib=_LIB)
 def _fake_embedding(ids: torch.Tensor, packed: torch.Tensor, fmt: str,
                     dtype: torch.dtype) -> torch.Tensor:
     dim = packed.shape[1] // get_format(fmt).block_bytes * BLOCK
     return packed.new_empty((*ids.shape, dim), dtype=dtype)
+
+
+@torch.library.custom_op("forwardkit::quantize_activations", mutates_args=())
+def quantize_activations_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`~forwardkit.quantization.formats.quantize_activations` as an op: the quant
+    fusions (``quantization/fusion.py``) put it in a graph and then trace it to plain torch ops
+    in place, so Inductor computes it inside the kernel that produces ``x``."""
+    return quantize_activations(x)
+
+
+@quantize_activations_op.register_fake
+def _fake_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    blocks = (*x.shape[:-1], x.shape[-1] // BLOCK)
+    return (x.new_empty(x.shape, dtype=torch.int8), x.new_empty(blocks, dtype=torch.float32),
+            x.new_empty(blocks, dtype=torch.float32))

@@ -61,11 +61,11 @@ from forwardkit.kernels.cpu import native_build
 from forwardkit.logger import init_logger
 
 __all__ = ["FORMATS", "MAX_ROWS", "STRATEGIES", "TILES_MIN_ROWS", "available", "candidate_builds", "dequantize_rows",
-           "isa_supported", "kernel_isa", "max_rows", "quant_linear_rows"]
+           "isa_supported", "kernel_isa", "max_rows", "quant_linear_q8_rows", "quant_linear_rows"]
 
 logger = init_logger(__name__)
 
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 MAX_ROWS = 16
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the kernel's format ids
 _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # the GGUF block layouts (formats.py)
@@ -125,6 +125,8 @@ class _Build(NamedTuple):
     few_rows: Callable[..., int]  # fk_quant_linear: 1..MAX_ROWS rows, either strategy
     tiles: Callable[..., int]  # fk_quant_linear_tiles: any rows, int8 activations
     dequantize: Callable[..., int]  # fk_quant_dequantize
+    few_rows_q8: Callable[..., int]  # fk_quant_linear_q8: the few-row int8 kernel, quantized x
+    tiles_q8: Callable[..., int]  # fk_quant_linear_tiles_q8: the tiles, quantized x
 
 
 def _self_check(build: _Build) -> None:
@@ -151,6 +153,34 @@ def _self_check(build: _Build) -> None:
                 tol = 1e-4 if strategy == "float" else 0.02 * float(ref.abs().max())
                 if rc != 0 or not torch.allclose(y.double(), ref, rtol=tol, atol=tol):
                     raise RuntimeError(f"{fmt} {strategy} self-check failed for {rows} rows (rc={rc})")
+
+
+def _self_check_quantized_input(build: _Build) -> None:
+    """Both kernels on activations quantized by :func:`quantize_activations` give the float
+    entry points' results bit for bit (the torch rounding is the kernels' own)."""
+    from forwardkit.quantization.formats import quantize, quantize_activations
+
+    gen = torch.Generator().manual_seed(2)
+    for fmt, fmt_id in FORMATS.items():
+        packed = quantize(torch.randn(9, 128, generator=gen), fmt)
+        b = torch.randn(9, generator=gen)
+        for rows in (1, 3, 4, 7):
+            x = torch.randn(rows, 128, generator=gen) * 3
+            x[0, :32] = 0  # a block of zeros: scale 0
+            q, d, sums = quantize_activations(x)
+            want = torch.empty(rows, 9)
+            got = torch.full((rows, 9), float("nan"))
+            tail = (packed.data_ptr(), b.data_ptr())
+            if rows < TILES_MIN_ROWS:
+                rc = build.few_rows(x.data_ptr(), *tail, want.data_ptr(), rows, 9, 128, fmt_id, 1)
+                rc2 = build.few_rows_q8(q.data_ptr(), d.data_ptr(), sums.data_ptr(), *tail,
+                                        got.data_ptr(), rows, 9, 128, fmt_id)
+            else:
+                rc = build.tiles(x.data_ptr(), *tail, want.data_ptr(), rows, 9, 128, fmt_id)
+                rc2 = build.tiles_q8(q.data_ptr(), d.data_ptr(), sums.data_ptr(), *tail,
+                                     got.data_ptr(), rows, 9, 128, fmt_id)
+            if rc != 0 or rc2 != 0 or not torch.equal(got, want):
+                raise RuntimeError(f"{fmt} quantized-input self-check failed for {rows} rows")
 
 
 def _self_check_dequantize(deq: Callable[..., int]) -> None:
@@ -185,9 +215,16 @@ def _function(isa: str) -> _Build | None:
     deq = lib.fk_quant_dequantize
     deq.restype = ctypes.c_int
     deq.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_int]
-    build = _Build(isa, few, tiles, deq)
+    few_q8 = lib.fk_quant_linear_q8
+    few_q8.restype = ctypes.c_int
+    few_q8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    tiles_q8 = lib.fk_quant_linear_tiles_q8
+    tiles_q8.restype = ctypes.c_int
+    tiles_q8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    build = _Build(isa, few, tiles, deq, few_q8, tiles_q8)
     try:
         _self_check(build)
+        _self_check_quantized_input(build)
         _self_check_dequantize(deq)
     except RuntimeError as exc:
         logger.warning_once("Native %s quantized linear off (%s)", isa, exc)
@@ -293,3 +330,36 @@ def quant_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
         return None
     native_build.kernel_calls.quant += 1  # the kernel, not the reference path, served it
     return out.reshape(*x.shape[:-1], n).to(x.dtype)
+
+
+def quant_linear_q8_rows(q: torch.Tensor, d: torch.Tensor, sums: torch.Tensor, packed: torch.Tensor,
+                         bias: torch.Tensor | None, fmt: str,
+                         dtype: torch.dtype) -> torch.Tensor | None:
+    """:func:`quant_linear_rows` on activations already quantized by
+    :func:`~forwardkit.quantization.formats.quantize_activations` (``q`` int8 ``[..., k]``,
+    ``d`` and ``sums`` float32 ``[..., k / 32]``), the result in ``dtype``: the same kernels
+    and the same values as the float call on the activations ``q`` came from. None when it
+    does not apply (the caller then dequantizes ``q``)."""
+    fmt_id = FORMATS.get(fmt)
+    if fmt_id is None or q.device.type != "cpu" or q.dtype != torch.int8:
+        return None
+    k, prefix = q.shape[-1], q.shape[:-1]
+    rows = q.numel() // k if k else 0
+    n = packed.shape[0] if packed.dim() == 2 else 0
+    if rows < 1 or n < 1 or not _packed_ok(packed, fmt, k):
+        return None
+    build = _selected()
+    if build is None:
+        return None
+    q = q.reshape(rows, k).contiguous()
+    d = d.reshape(rows, k // _BLOCK).to(torch.float32).contiguous()
+    sums = sums.reshape(rows, k // _BLOCK).to(torch.float32).contiguous()
+    b32 = None if bias is None else bias.to(torch.float32).contiguous()
+    out = torch.empty((rows, n), dtype=torch.float32)
+    args = (q.data_ptr(), d.data_ptr(), sums.data_ptr(), packed.data_ptr(),
+            None if b32 is None else b32.data_ptr(), out.data_ptr(), rows, n, k, fmt_id)
+    rc = build.few_rows_q8(*args) if rows < TILES_MIN_ROWS else build.tiles_q8(*args)
+    if rc != 0:
+        return None
+    native_build.kernel_calls.quant += 1
+    return out.reshape(*prefix, n).to(dtype)

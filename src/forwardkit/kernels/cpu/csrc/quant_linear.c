@@ -35,6 +35,13 @@
  *                (VPMADDUBSW's 16-bit pair sums would saturate on q_x + 128).
  * Weight tiles are split over the OpenMP threads; activation rows are taken in chunks whose
  * int8 copy stays in L2 while every weight tile passes over it.
+ *
+ * fk_quant_linear_q8 / fk_quant_linear_tiles_q8: the same two kernels (the few-row one with the
+ * int8 strategy) on activations already quantized by the caller (xq int8 [M, K], xd the
+ * per-block scales [M, K / 32], xs d * sum(q) per block [M, K / 32]): a compiled graph
+ * computes them inside the kernel that produces the activations (the RMSNorm or SiLU-and-mul
+ * before the projection) with the rounding of fk_quantize_row, so the products are the float
+ * entry points' bit for bit.
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,7 +51,7 @@
 #include <immintrin.h>
 #endif
 
-#define FK_QUANT_ABI_VERSION 2
+#define FK_QUANT_ABI_VERSION 3
 #define FK_QK 32
 #define FK_G 4
 #define FK_MAX_ROWS 16
@@ -307,6 +314,21 @@ FK_INLINE void fk_rows(const float* x, const int8_t* xq, const float* xd, const 
     for (int r = 0; r < G; r++) y[(r0 + r) * N + j] = sums[r] + add;
 }
 
+static void fk_few_rows(const float* x, const int8_t* xq, const float* xd, const float* xs,
+                        const uint8_t* w, const float* bias, float* y, long M, long N, long K,
+                        int fmt, int mode) {
+    long full = M / FK_G * FK_G, row_bytes = K / FK_QK * fk_block_bytes(fmt);
+#pragma omp parallel for schedule(static) if (N * K >= FK_PARALLEL_MIN)
+    for (long j = 0; j < N; j++) {
+        const uint8_t* wrow = w + j * row_bytes;
+        float add = bias ? bias[j] : 0.0f;
+        for (long r0 = 0; r0 < full; r0 += FK_G)
+            fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, FK_G);
+        for (long r0 = full; r0 < M; r0++)
+            fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, 1);
+    }
+}
+
 /*
  * x: [M, K] float32 (1 <= M <= 16); w: [N, K / 32 * block bytes]; bias: [N] float32 or NULL;
  * y: [M, N] float32. Returns 0, or -1 for a bad argument (nothing written).
@@ -316,7 +338,7 @@ int fk_quant_linear(const float* x, const uint8_t* w, const float* bias, float* 
     if (M < 1 || M > FK_MAX_ROWS || N < 1 || K < FK_QK || K % FK_QK || !fk_fmt_ok(fmt) ||
         (mode != 0 && mode != 1))
         return -1;
-    long full = M / FK_G * FK_G, nb = K / FK_QK, row_bytes = nb * fk_block_bytes(fmt);
+    long nb = K / FK_QK;
     int8_t* xq = NULL;
     float* xd = NULL;
     if (mode == 1) {
@@ -329,18 +351,17 @@ int fk_quant_linear(const float* x, const uint8_t* w, const float* bias, float* 
         }
         fk_quantize_rows(x, M, K, xq, xd, xd + M * nb);
     }
-    const float* xs = xd ? xd + M * nb : NULL;
-#pragma omp parallel for schedule(static) if (N * K >= FK_PARALLEL_MIN)
-    for (long j = 0; j < N; j++) {
-        const uint8_t* wrow = w + j * row_bytes;
-        float add = bias ? bias[j] : 0.0f;
-        for (long r0 = 0; r0 < full; r0 += FK_G)
-            fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, FK_G);
-        for (long r0 = full; r0 < M; r0++)
-            fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, 1);
-    }
+    fk_few_rows(x, xq, xd, xd ? xd + M * nb : NULL, w, bias, y, M, N, K, fmt, mode);
     free(xq);
     free(xd);
+    return 0;
+}
+
+/* The int8 strategy on quantized activations (see the top of the file). */
+int fk_quant_linear_q8(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
+                       const float* bias, float* y, long M, long N, long K, int fmt) {
+    if (M < 1 || M > FK_MAX_ROWS || N < 1 || K < FK_QK || K % FK_QK || !fk_fmt_ok(fmt)) return -1;
+    fk_few_rows(NULL, xq, xd, xs, w, bias, y, M, N, K, fmt, 1);
     return 0;
 }
 
@@ -487,23 +508,8 @@ FK_TILE_FN(fk_tile_q4_1, FK_Q4_1)
 int fk_quant_tile_rows(void) { return FK_MR; }
 int fk_quant_tile_cols(void) { return FK_NR; }
 
-/*
- * Any number of rows, int8 activations (see the top of the file). x: [M, K] float32; w, bias,
- * y as for fk_quant_linear. Returns 0, or -1 for a bad argument or no memory (nothing written).
- */
-int fk_quant_linear_tiles(const float* x, const uint8_t* w, const float* bias, float* y, long M,
-                          long N, long K, int fmt) {
-    if (M < 1 || N < 1 || K < FK_QK || K % FK_QK || !fk_fmt_ok(fmt)) return -1;
-    const long nb = K / FK_QK;
-    int8_t* xq = (int8_t*)malloc((size_t)(M * K));
-    float* xd = (float*)malloc(sizeof(float) * (size_t)(2 * M * nb));
-    if (!xq || !xd) {
-        free(xq);
-        free(xd);
-        return -1;
-    }
-    float* xs = xd + M * nb;
-    fk_quantize_rows(x, M, K, xq, xd, xs);
+static void fk_tiles(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
+                     const float* bias, float* y, long M, long N, long K, int fmt) {
     void (*tile)(const int8_t*, const float*, const float*, const uint8_t*, const float*, float*,
                  long, long, long, long, long, long) =
         fmt == FK_Q8_0 ? fk_tile_q8_0 : fmt == FK_Q4_0 ? fk_tile_q4_0 : fk_tile_q4_1;
@@ -519,8 +525,35 @@ int fk_quant_linear_tiles(const float* x, const uint8_t* w, const float* bias, f
                 tile(xq, xd, xs, w, bias, y, m0, c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
         }
     }
+}
+
+/*
+ * Any number of rows, int8 activations (see the top of the file). x: [M, K] float32; w, bias,
+ * y as for fk_quant_linear. Returns 0, or -1 for a bad argument or no memory (nothing written).
+ */
+int fk_quant_linear_tiles(const float* x, const uint8_t* w, const float* bias, float* y, long M,
+                          long N, long K, int fmt) {
+    if (M < 1 || N < 1 || K < FK_QK || K % FK_QK || !fk_fmt_ok(fmt)) return -1;
+    const long nb = K / FK_QK;
+    int8_t* xq = (int8_t*)malloc((size_t)(M * K));
+    float* xd = (float*)malloc(sizeof(float) * (size_t)(2 * M * nb));
+    if (!xq || !xd) {
+        free(xq);
+        free(xd);
+        return -1;
+    }
+    fk_quantize_rows(x, M, K, xq, xd, xd + M * nb);
+    fk_tiles(xq, xd, xd + M * nb, w, bias, y, M, N, K, fmt);
     free(xq);
     free(xd);
+    return 0;
+}
+
+/* The tiles on quantized activations (see the top of the file). */
+int fk_quant_linear_tiles_q8(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
+                             const float* bias, float* y, long M, long N, long K, int fmt) {
+    if (M < 1 || N < 1 || K < FK_QK || K % FK_QK || !fk_fmt_ok(fmt)) return -1;
+    fk_tiles(xq, xd, xs, w, bias, y, M, N, K, fmt);
     return 0;
 }
 
