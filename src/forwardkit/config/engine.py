@@ -65,7 +65,6 @@ from forwardkit.config.levels import (
     OptimizationLevel,
     apply_level_defaults,
     default_capture_sizes,
-    set_default,
 )
 from forwardkit.config.lora import LoRAConfig
 from forwardkit.config.model import ModelConfig
@@ -226,7 +225,6 @@ class EngineConfig(FreezableConfig):
         if "all" not in cc.custom_ops and "none" not in cc.custom_ops:  # step 11
             cc.custom_ops.append(custom_ops_default(cc.mode, cc.backend))
         apply_kernel_switch_env(cc.custom_ops)  # the deprecated kernel variables, into the list
-        self._default_quant_fusions()
         apply_level_defaults(cc, self.optimization_level)  # step 12
         if (cc.resolved_cudagraph_mode().requires_piecewise_compilation()
                 and cc.mode != CompilationMode.VLLM_COMPILE):
@@ -252,22 +250,6 @@ class EngineConfig(FreezableConfig):
             self._resolve_sequence_parallel_ops()
         self._final_checks()  # steps 23-24
         self._resolve_debug_dump_path()  # step 27
-
-    def _default_quant_fusions(self) -> None:
-        """forwardkit: ``fuse_norm_quant`` / ``fuse_act_quant`` default to on (before the level
-        table fills them) where they apply: a model with block-quantized weights on the CPU
-        whose projections run the native int8-activation kernels (the ``cpu_linear`` op on),
-        compiled piecewise with Inductor (mode 3) at O1 or above. The reference's table turns them on only with its fp8
-        custom ops, which do not exist here; everywhere else the table decides as it does
-        there."""
-        cc, model = self.compilation_config, self.model_config
-        if (model is None or not model.has_packed_weights or not self.platform.is_cpu()
-                or self.optimization_level == OptimizationLevel.O0
-                or cc.mode != CompilationMode.VLLM_COMPILE or cc.backend != "inductor"
-                or not cc.is_custom_op_enabled("cpu_linear")):
-            return
-        set_default(cc, cc.pass_config, "fuse_norm_quant", True)
-        set_default(cc, cc.pass_config, "fuse_act_quant", True)
 
     def _warn_ignored_passes(self) -> None:
         """Step 8: the optimization passes run only inside piecewise (Inductor) compilation.

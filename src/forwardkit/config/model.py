@@ -272,13 +272,6 @@ class ModelConfig(FreezableConfig):
         return any((self.hf_config.get(key) or 0) > 0 for key in _EXPERT_KEYS)
 
     @property
-    def has_packed_weights(self) -> bool:
-        """Some projection weights are held block-quantized (``quantization`` set, or a GGUF
-        file with quantized tensors), so they run through the quantized linear op."""
-        types: dict[str, int] = self.hf_config.get("gguf_tensor_types") or {}
-        return self.quantization is not None or any(t in GGUF_BLOCK_TYPES for t in types.values())
-
-    @property
     def is_encoder_decoder(self) -> bool:
         """The HF config says ``is_encoder_decoder``."""
         return bool(self.hf_config.get("is_encoder_decoder", False))

@@ -47,8 +47,8 @@ class PassConfig(FreezableConfig):
 
     fuse_norm_quant: bool | None = None
     """Fuse RMSNorm with a following quant op: here the int8 rounding of the activations of a
-    block-quantized projection on the CPU (``quantization/fusion.py``); on by default where it
-    applies."""
+    block-quantized projection on the CPU (``quantization/fusion.py``). Filled in by the
+    optimization level as in vLLM (on with the ``rms_norm`` / ``quant_fp8`` custom ops)."""
     fuse_act_quant: bool | None = None
     """Fuse SiLU-and-mul with a following quant op (as ``fuse_norm_quant``)."""
     fuse_attn_quant: bool | None = None
