@@ -366,12 +366,9 @@ int fk_quant_linear_q8(const int8_t* xq, const float* xd, const float* xs, const
 }
 
 /* ------------------------------------------------------------------ tiles (any rows) */
-#define FK_MR 4
-#if defined(__AVX512VL__)
-#define FK_NR 4 /* 32 vector registers: 16 accumulators, 4 weights, 4 start values, rows */
-#else
-#define FK_NR 2 /* 16 vector registers */
-#endif
+#define FK_MR 4 /* 8 transposed weight vectors and 4 accumulators fit AVX2's 16 registers;
+                  * 8 rows measured slower with AVX-512's 32 */
+#define FK_NR 8 /* the 8 lanes of a 256-bit float vector: one weight row each */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define FK_VNNI 1
 #endif
@@ -386,79 +383,106 @@ static inline __m256i fk_dpbusd(__m256i c, __m256i a, __m256i b) {
 #endif
 }
 
-/* Rows m0.. (mr <= FK_MR) of x against weight rows n0.. (nr <= FK_NR); a short tile repeats
- * its last row (computed, not stored). */
-FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
-                       const float* bias, float* y, long m0, long mr, long n0, long nr, long N,
-                       long K, const int fmt) {
+/* The 8 x 8 transpose of 32-bit elements: t[s] lane c = u[c] lane s. */
+FK_INLINE void fk_transpose8(const __m256i u[8], __m256i t[8]) {
+    __m256i a0 = _mm256_unpacklo_epi32(u[0], u[1]), a1 = _mm256_unpackhi_epi32(u[0], u[1]);
+    __m256i a2 = _mm256_unpacklo_epi32(u[2], u[3]), a3 = _mm256_unpackhi_epi32(u[2], u[3]);
+    __m256i a4 = _mm256_unpacklo_epi32(u[4], u[5]), a5 = _mm256_unpackhi_epi32(u[4], u[5]);
+    __m256i a6 = _mm256_unpacklo_epi32(u[6], u[7]), a7 = _mm256_unpackhi_epi32(u[6], u[7]);
+    __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
+    __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
+    __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
+    __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
+    t[0] = _mm256_permute2x128_si256(b0, b4, 0x20);
+    t[1] = _mm256_permute2x128_si256(b1, b5, 0x20);
+    t[2] = _mm256_permute2x128_si256(b2, b6, 0x20);
+    t[3] = _mm256_permute2x128_si256(b3, b7, 0x20);
+    t[4] = _mm256_permute2x128_si256(b0, b4, 0x31);
+    t[5] = _mm256_permute2x128_si256(b1, b5, 0x31);
+    t[6] = _mm256_permute2x128_si256(b2, b6, 0x31);
+    t[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
+}
+
+static inline int32_t fk_load4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Rows m0.. (mr <= FK_MR) of x against weight rows n0.. (nr <= FK_NR = 8); a short tile
+ * repeats its last row (computed, not stored). Per 32-weight block the tile's 8 weight rows
+ * are unpacked to bytes and transposed in 4-byte groups, so lane c of t[s] holds bytes
+ * 4s..4s+3 of weight row c: each integer dot product then takes 4 bytes of one activation
+ * row, broadcast, against all 8 weight rows, and its lanes are the 8 outputs. One conversion
+ * and one FMA with the 8 scales d_w * d_x finish a row's block for all 8 weight rows. */
+FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
+                       const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
+                       long nr, long N, long K, const int fmt) {
     const long nb = K / FK_QK, bb = fk_block_bytes(fmt), qat = fk_quants_at(fmt);
     const int8_t* xr[FK_MR];
     const float* dr[FK_MR];
     const uint8_t* wr[FK_NR];
-    __m256 acc[FK_MR][FK_NR];
+    __m256 acc[FK_MR];
     for (int i = 0; i < FK_MR; i++) {
         long r = m0 + (i < mr ? i : mr - 1);
         xr[i] = xq + r * K;
         dr[i] = xd + r * nb;
-        for (int j = 0; j < FK_NR; j++) acc[i][j] = _mm256_setzero_ps();
+        acc[i] = _mm256_setzero_ps();
     }
     for (int j = 0; j < FK_NR; j++) wr[j] = w + (n0 + (j < nr ? j : nr - 1)) * nb * bb;
     for (long b = 0; b < nb; b++) {
-        __m256i wv[FK_NR];
-#if defined(FK_VNNI)
-        __m256i wc[FK_NR];
-#endif
-        __m256 wd[FK_NR];
+        __m256i u[FK_NR], t[FK_NR];
+        uint16_t halves[FK_NR];
         for (int j = 0; j < FK_NR; j++) {
             const uint8_t* blk = wr[j] + b * bb;
-            wd[j] = _mm256_set1_ps(fk_half(blk));
+            memcpy(&halves[j], blk, 2);
             if (fmt == FK_Q8_0) {
-                wv[j] = _mm256_loadu_si256((const __m256i*)(blk + 2));
-#if defined(FK_VNNI)
-                wc[j] = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                         fk_dpbusd(_mm256_setzero_si256(), _mm256_set1_epi8((char)0x80), wv[j]));
-#endif
+                u[j] = _mm256_loadu_si256((const __m256i*)(blk + 2));
             } else {
                 __m128i packed = _mm_loadu_si128((const __m128i*)(blk + qat));
-                wv[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
-                                         _mm256_set1_epi8(0x0F));
+                u[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                                        _mm256_set1_epi8(0x0F));
             }
         }
+        fk_transpose8(u, t);
+        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)halves));
+#if defined(FK_VNNI)
+        /* q8_0 with VNNI: the unsigned operand is q_x + 128, so each weight row's dot
+         * product starts at -128 * sum(q_w) (exact) */
+        __m256i wc = _mm256_setzero_si256();
+        if (fmt == FK_Q8_0) {
+            for (int s8 = 0; s8 < 8; s8++)
+                wc = fk_dpbusd(wc, _mm256_set1_epi8((char)0x80), t[s8]);
+            wc = _mm256_sub_epi32(_mm256_setzero_si256(), wc);
+        }
+#endif
         for (int i = 0; i < FK_MR; i++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i*)(xr[i] + b * FK_QK));
-            __m256 xdv = _mm256_set1_ps(dr[i][b]);
-            __m256i xa = xv, xc = _mm256_setzero_si256();
+            const int8_t* xb = xr[i] + b * FK_QK;
+            __m256i dot;
             if (fmt == FK_Q8_0) {
 #if defined(FK_VNNI)
-                xa = _mm256_xor_si256(xv, _mm256_set1_epi8((char)0x80));
+                dot = wc; /* xq holds q_x + 128 here (fk_tiles) */
+                for (int s8 = 0; s8 < 8; s8++)
+                    dot = fk_dpbusd(dot, _mm256_set1_epi32(fk_load4(xb + 4 * s8)), t[s8]);
 #else
-                xa = _mm256_sign_epi8(xv, xv);
-#endif
-            } else if (fmt == FK_Q4_0) {
-                xc = _mm256_sub_epi32(xc, fk_dpbusd(_mm256_setzero_si256(), _mm256_set1_epi8(8), xv));
-            }
-            for (int j = 0; j < FK_NR; j++) {
-                __m256i dot;
-                if (fmt == FK_Q8_0) {
-#if defined(FK_VNNI)
-                    dot = fk_dpbusd(wc[j], xa, wv[j]);
-#else
-                    dot = fk_dpbusd(xc, xa, _mm256_sign_epi8(wv[j], xv));
-#endif
-                } else {
-                    dot = fk_dpbusd(xc, wv[j], xv);
+                dot = _mm256_setzero_si256();
+                for (int s8 = 0; s8 < 8; s8++) {
+                    __m256i xv = _mm256_set1_epi32(fk_load4(xb + 4 * s8));
+                    dot = fk_dpbusd(dot, _mm256_sign_epi8(xv, xv), _mm256_sign_epi8(t[s8], xv));
                 }
-                /* the pair's scale d_w * d_x as one vector multiply (not a scalar one and a
-                 * broadcast per pair): an empty asm keeps GCC from folding it back */
-                __m256 scale = _mm256_mul_ps(wd[j], xdv);
-                __asm__("" : "+v"(scale));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i][j]);
+#endif
+            } else {
+                /* q4_0's "- 8": -8 * sum(q_x), exact (xi: the sums, per row and block) */
+                dot = _mm256_set1_epi32(fmt == FK_Q4_0 ? -8 * xi[(xr[i] - xq) / K * nb + b] : 0);
+                for (int s8 = 0; s8 < 8; s8++)
+                    dot = fk_dpbusd(dot, t[s8], _mm256_set1_epi32(fk_load4(xb + 4 * s8)));
             }
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                     _mm256_mul_ps(wd, _mm256_set1_ps(dr[i][b])), acc[i]);
         }
     }
     float out[FK_MR][FK_NR];
-    for (int i = 0; i < FK_MR; i++)
-        for (int j = 0; j < FK_NR; j++) out[i][j] = fk_hsum(acc[i][j]);
+    for (int i = 0; i < FK_MR; i++) _mm256_storeu_ps(out[i], acc[i]);
     if (fmt == FK_Q4_1) { /* + sum over blocks of m_w * d_x * sum(q_x) */
         for (int j = 0; j < FK_NR; j++)
             for (long b = 0; b < nb; b++) {
@@ -471,9 +495,9 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
             y[(m0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
 }
 #else
-FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
-                       const float* bias, float* y, long m0, long mr, long n0, long nr, long N,
-                       long K, const int fmt) {
+FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
+                       const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
+                       long nr, long N, long K, const int fmt) {
     const long nb = K / FK_QK, bb = fk_block_bytes(fmt);
     float acc[FK_MR][FK_NR];
     memset(acc, 0, sizeof acc);
@@ -496,10 +520,10 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
 #endif
 
 #define FK_TILE_FN(NAME, FMT)                                                                  \
-    static void NAME(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,    \
-                     const float* bias, float* y, long m0, long mr, long n0, long nr, long N, \
-                     long K) {                                                                 \
-        fk_tile(xq, xd, xs, w, bias, y, m0, mr, n0, nr, N, K, FMT);                           \
+    static void NAME(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,   \
+                     const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0, \
+                     long nr, long N, long K) {                                                \
+        fk_tile(xq, xd, xs, xi, w, bias, y, m0, mr, n0, nr, N, K, FMT);                       \
     }
 FK_TILE_FN(fk_tile_q8_0, FK_Q8_0)
 FK_TILE_FN(fk_tile_q4_0, FK_Q4_0)
@@ -508,11 +532,32 @@ FK_TILE_FN(fk_tile_q4_1, FK_Q4_1)
 int fk_quant_tile_rows(void) { return FK_MR; }
 int fk_quant_tile_cols(void) { return FK_NR; }
 
-static void fk_tiles(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
-                     const float* bias, float* y, long M, long N, long K, int fmt) {
-    void (*tile)(const int8_t*, const float*, const float*, const uint8_t*, const float*, float*,
-                 long, long, long, long, long, long) =
+/* Returns 0, or -1 when out of memory (nothing written). */
+static int fk_tiles(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
+                    const float* bias, float* y, long M, long N, long K, int fmt) {
+    void (*tile)(const int8_t*, const float*, const float*, const int32_t*, const uint8_t*,
+                 const float*, float*, long, long, long, long, long, long) =
         fmt == FK_Q8_0 ? fk_tile_q8_0 : fmt == FK_Q4_0 ? fk_tile_q4_0 : fk_tile_q4_1;
+    const long nb = K / FK_QK;
+    int32_t* xi = NULL; /* q4_0: sum(q_x) per row and block */
+    if (fmt == FK_Q4_0) {
+        xi = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * nb));
+        if (!xi) return -1;
+        for (long r = 0; r < M * nb; r++) {
+            int32_t sum = 0;
+            for (int e = 0; e < FK_QK; e++) sum += xq[r * FK_QK + e];
+            xi[r] = sum;
+        }
+    }
+#if defined(FK_VNNI)
+    int8_t* xu = NULL; /* q8_0: q_x + 128, VPDPBUSD's unsigned operand */
+    if (fmt == FK_Q8_0) {
+        xu = (int8_t*)malloc((size_t)(M * K));
+        if (!xu) return -1;
+        for (long e = 0; e < M * K; e++) xu[e] = (int8_t)(xq[e] ^ (int8_t)0x80);
+        xq = xu;
+    }
+#endif
     long chunk = FK_CHUNK_BYTES / K / FK_MR * FK_MR;
     if (chunk < FK_MR) chunk = FK_MR;
     const long ntiles = (N + FK_NR - 1) / FK_NR;
@@ -522,9 +567,14 @@ static void fk_tiles(const int8_t* xq, const float* xd, const float* xs, const u
         for (long t = 0; t < ntiles; t++) {
             const long n0 = t * FK_NR, nr = N - n0 < FK_NR ? N - n0 : FK_NR;
             for (long m0 = c0; m0 < c1; m0 += FK_MR)
-                tile(xq, xd, xs, w, bias, y, m0, c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
+                tile(xq, xd, xs, xi, w, bias, y, m0, c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
         }
     }
+    free(xi);
+#if defined(FK_VNNI)
+    free(xu);
+#endif
+    return 0;
 }
 
 /*
@@ -543,18 +593,17 @@ int fk_quant_linear_tiles(const float* x, const uint8_t* w, const float* bias, f
         return -1;
     }
     fk_quantize_rows(x, M, K, xq, xd, xd + M * nb);
-    fk_tiles(xq, xd, xd + M * nb, w, bias, y, M, N, K, fmt);
+    int rc = fk_tiles(xq, xd, xd + M * nb, w, bias, y, M, N, K, fmt);
     free(xq);
     free(xd);
-    return 0;
+    return rc;
 }
 
 /* The tiles on quantized activations (see the top of the file). */
 int fk_quant_linear_tiles_q8(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
                              const float* bias, float* y, long M, long N, long K, int fmt) {
     if (M < 1 || N < 1 || K < FK_QK || K % FK_QK || !fk_fmt_ok(fmt)) return -1;
-    fk_tiles(xq, xd, xs, w, bias, y, M, N, K, fmt);
-    return 0;
+    return fk_tiles(xq, xd, xs, w, bias, y, M, N, K, fmt);
 }
 
 /*
