@@ -13,10 +13,9 @@ Paths, chosen per call by the number of activation rows:
 
 * on the CPU, every format (``q8_0``, ``q4_0``, ``q4_1``), the native kernels of
   ``kernels/cpu/native_quant.py``, which read the packed blocks directly: below
-  :data:`~forwardkit.kernels.cpu.native_quant.TILES_MIN_ROWS` rows (decode of one or two
-  sequences) the few-row kernel, from there (batched decode, prompts) the tiled kernel
-  (activations quantized per block to int8 once per call, integer dot products over tiles of
-  rows);
+  :data:`~forwardkit.kernels.cpu.native_quant.TILES_MIN_ROWS` rows (decode of one sequence)
+  the few-row kernel, from there (batched decode, prompts) the tiled kernel (activations
+  quantized per block to int8 once per call, integer dot products over tiles of 8 weight rows);
 * otherwise (no native build, another device) the weight dequantized to ``x``'s dtype, then
   ``F.linear`` (a dequantized copy per call: correct, not fast), natively where a build exists
   (the same values as the torch dequantization of :func:`reference_linear`).

@@ -5,29 +5,32 @@ and ``q4_1`` weights, reading the packed GGUF blocks directly (34, 18 or 20 byte
 weights instead of 64 in bf16). Activations go in as float32 (a bf16/fp16 ``x`` is widened
 first, the result cast back). Two kernels, chosen by the number of activation rows:
 
-* **few rows** (1-3 rows by default, any up to :data:`MAX_ROWS` when asked: decode steps of one
-  or two sequences): each weight row streams once past groups of 4 activation rows. Two strategies: ``int8`` (the default; activations
-  quantized per block of 32 to int8, integer dot products, as llama.cpp does) and ``float``
-  (each weight block dequantized in registers: dequantize-then-matmul's products, summed in
-  another order). ``int8`` measured faster on one core of an AVX-512 Xeon with a 2048 x 2048
-  weight: 0.18 / 0.54 / 2.2 ms at 1 / 4 / 16 rows (q8_0) against ``float``'s 0.56 / 0.61 / 2.7
-  (q4_0: 0.21 / 0.57 / 2.4 against 0.58 / 0.61 / 2.6): one ``maddubs`` per 32 products instead
-  of widening every weight to float32.
-* **tiles** (from :data:`TILES_MIN_ROWS` = 4 rows: batched decode and prompts): the activations are quantized to int8 once per call, then
-  each register tile of 4 activation rows x 4 weight rows (2 on AVX2, which has 16 vector
-  registers) costs, per block, one integer dot product per pair (``vpdpbusd`` in the
-  ``avx512_vnni`` build, ``maddubs`` + ``madd`` otherwise), a conversion and an FMA with the
-  pair's scale; weight tiles are split over the OpenMP threads. Chosen over dequantizing the
-  weight and calling ``F.linear`` (the op's former path) by measurement: see
-  ``benchmarks/quantized_prefill.py`` and the README's quantization section (1.6-2.0x faster
-  at 64 rows on the 2-core EPYC, 3.2-3.7x where bf16 matmuls are emulated,
-  and no float copy of the weight per call). The other candidate, weight tiles dequantized in
-  registers into a float32 GEMM, is not built: measured only through the few-row kernel's
-  ``float`` strategy at 16 rows, which was not consistently faster or slower than ``int8`` on
-  the (heavily shared) machine. Against the few-row kernel (one thread, 2048 x 2048 weight,
-  medians of 20 interleaved calls on the 2-core EPYC) the tiles took 1.0-1.45x less time at
-  4-16 rows with the ``avx2`` build and 1.14-1.58x with ``avx512_vnni``, but 1.1-2.5x more at
-  1-2 rows (a 4-row tile computes padding rows), hence :data:`TILES_MIN_ROWS`.
+* **few rows** (1 row by default, any up to :data:`MAX_ROWS` when asked: decode steps of one
+  sequence): each weight row streams once past groups of 4 activation rows. Two strategies:
+  ``int8`` (the default; activations quantized per block of 32 to int8, integer dot products,
+  as llama.cpp does) and ``float`` (each weight block dequantized in registers:
+  dequantize-then-matmul's products, summed in another order). ``int8`` measured faster on one
+  core of an AVX-512 Xeon with a 2048 x 2048 weight: 0.18 / 0.54 / 2.2 ms at 1 / 4 / 16 rows
+  (q8_0) against ``float``'s 0.56 / 0.61 / 2.7 (q4_0: 0.21 / 0.57 / 2.4 against 0.58 / 0.61 /
+  2.6): one ``maddubs`` per 32 products instead of widening every weight to float32.
+* **tiles** (from :data:`TILES_MIN_ROWS` = 2 rows: batched decode and prompts): the
+  activations are quantized to int8 once per call; each tile is 8 weight rows against up to
+  64 activation rows. Per 32-weight block the 8 weight rows are unpacked to bytes and
+  transposed in 4-byte groups (lane ``c`` of vector ``s`` holds bytes ``4s..4s+3`` of weight
+  row ``c``), so one integer dot product (``vpdpbusd`` in the ``avx512_vnni`` build,
+  ``maddubs`` + ``madd`` otherwise) takes 4 bytes of an activation row, broadcast, against
+  all 8 weight rows, its 8 lanes being the 8 outputs, and one conversion and one FMA with the
+  8 scales finish the row's block; the unpacked block serves all the rows of the pass, whose
+  accumulators stay in L1. Weight tiles are split over the OpenMP threads. This replaced
+  register tiles of 4 x 4 pairs whose 8-lane dot products each needed their own conversion,
+  scale product and FMA per block: with 2 threads on the 2-core EPYC a 64 x 8192 x 2048
+  product went from 11.2 to 6.1 ms (q4_0, ``avx512_vnni``), 15.5 to 7.6 (q4_0, ``avx2``),
+  10.8 to 5.6 (q8_0, ``avx512_vnni``) and 15.8 to 10.7 (q8_0, ``avx2``), and the tiles
+  overtook the few-row kernel from 2 rows (q4_0 0.44 against 0.73 ms at 2 rows of an
+  8192 x 2048 weight, 1.71 against 4.26 at 16; at 1 row 0.37 against 0.38, q8_0 0.43 against
+  0.33), hence :data:`TILES_MIN_ROWS`. The tiles were chosen over dequantizing the weight and
+  calling ``F.linear`` (the op's former path) by measurement (``benchmarks/quantized_prefill.py``
+  and the README's quantization section), and need no float copy of the weight per call.
 
 Both kernels' results differ from dequantize-then-matmul by the activations' int8 rounding
 (like llama.cpp's); ``q4_1``'s minimum adds ``m * d_x * sum(q_x)`` per block.
@@ -72,9 +75,9 @@ _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # the GGUF block layouts (f
 STRATEGIES = {"float": 0, "int8": 1}
 # int8 measured faster at every row count 1-16 (module doc); "float" is exact to summation order
 DEFAULT_STRATEGY = "int8"
-# From this many rows the tiled kernel serves (int8): measured 1.0-1.6x the few-row kernel at
-# 4-16 rows and 0.4-0.9x at 1-2 (module doc)
-TILES_MIN_ROWS = 4
+# From this many rows the tiled kernel serves (int8): measured 1.5-2.5x the few-row kernel at
+# 2-16 rows, not faster at 1 (module doc)
+TILES_MIN_ROWS = 2
 _BLOCK = 32
 
 

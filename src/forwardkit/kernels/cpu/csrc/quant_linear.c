@@ -22,17 +22,20 @@
  *   most a few KB) stays in L1 while every group passes over it.
  *
  * fk_quant_linear_tiles (any number of rows: prompts). The activations are quantized to int8
- * once per call (as the int8 strategy above), then every tile of FK_MR activation rows x FK_NR
- * weight rows is one register block: per 32-weight block each weight row is loaded once and
- * each activation row once, and each pair costs one integer dot product (VPDPBUSD with
- * AVX-512 VNNI; VPMADDUBSW + VPMADDWD on AVX2), one conversion and one FMA with the pair's
- * scale. Signedness: VPDPBUSD multiplies unsigned by signed bytes, so
+ * once per call (as the int8 strategy above), then each tile of FK_NR = 8 weight rows runs
+ * against passes of up to FK_MR activation rows: per 32-weight block the 8 weight rows are
+ * unpacked to bytes and transposed in 4-byte groups (lane c of t[s] = bytes 4s..4s+3 of row
+ * c), so one integer dot product (VPDPBUSD with AVX-512 VNNI; VPMADDUBSW + VPMADDWD on AVX2)
+ * takes 4 bytes of an activation row, broadcast, against all 8 weight rows, its lanes being
+ * the 8 outputs, and one conversion and one FMA with the 8 scales d_w * d_x finish a row's
+ * block. Signedness: VPDPBUSD multiplies unsigned by signed bytes, so
  *   q4_0 / q4_1  take the nibbles as the unsigned operand (0..15); q4_0's "- 8" is the
- *                accumulator's start value, -8 * sum(q_x) per lane (exact, in integers);
- *                q4_1's minimum adds m_w * d_x * sum(q_x) per block, summed after the tile;
- *   q8_0         (VNNI) takes q_x + 128 as the unsigned operand, the accumulator starting at
- *                -128 * sum(q_w) per lane (exact); (AVX2) |q_x| against q_w with q_x's sign
- *                (VPMADDUBSW's 16-bit pair sums would saturate on q_x + 128).
+ *                accumulator's start value, -8 * sum(q_x) (exact, in integers; the sums are
+ *                taken once per call); q4_1's minimum adds m_w * d_x * sum(q_x) per block;
+ *   q8_0         (VNNI) takes q_x + 128 (made once per call) as the unsigned operand, the
+ *                accumulator starting at -128 * sum(q_w) per weight row (exact); (AVX2)
+ *                |q_x| against q_w with q_x's sign (VPMADDUBSW's 16-bit pair sums would
+ *                saturate on q_x + 128).
  * Weight tiles are split over the OpenMP threads; activation rows are taken in chunks whose
  * int8 copy stays in L2 while every weight tile passes over it.
  *
@@ -366,8 +369,7 @@ int fk_quant_linear_q8(const int8_t* xq, const float* xd, const float* xs, const
 }
 
 /* ------------------------------------------------------------------ tiles (any rows) */
-#define FK_MR 4 /* 8 transposed weight vectors and 4 accumulators fit AVX2's 16 registers;
-                  * 8 rows measured slower with AVX-512's 32 */
+#define FK_MR 64 /* activation rows one unpacked weight block serves (accumulators in L1) */
 #define FK_NR 8 /* the 8 lanes of a 256-bit float vector: one weight row each */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define FK_VNNI 1
@@ -409,36 +411,32 @@ static inline int32_t fk_load4(const int8_t* p) {
     return v;
 }
 
-/* Rows m0.. (mr <= FK_MR) of x against weight rows n0.. (nr <= FK_NR = 8); a short tile
- * repeats its last row (computed, not stored). Per 32-weight block the tile's 8 weight rows
- * are unpacked to bytes and transposed in 4-byte groups, so lane c of t[s] holds bytes
- * 4s..4s+3 of weight row c: each integer dot product then takes 4 bytes of one activation
- * row, broadcast, against all 8 weight rows, and its lanes are the 8 outputs. One conversion
- * and one FMA with the 8 scales d_w * d_x finish a row's block for all 8 weight rows. */
+/* Rows m0..m0 + mr (mr <= FK_MR) of x against weight rows n0.. (nr <= FK_NR = 8); a short
+ * weight tile repeats its last row (computed, not stored). Per 32-weight block the tile's 8
+ * weight rows are unpacked to bytes and transposed in 4-byte groups, so lane c of t[s] holds
+ * bytes 4s..4s+3 of weight row c: each integer dot product then takes 4 bytes of one
+ * activation row, broadcast, against all 8 weight rows, and its lanes are the 8 outputs. One
+ * conversion and one FMA with the 8 scales d_w * d_x finish a row's block for all 8 weight
+ * rows. The unpacked block serves every row of the pass (up to FK_MR), whose accumulators
+ * stay in L1. */
 FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
                        const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
                        long nr, long N, long K, const int fmt) {
     const long nb = K / FK_QK, bb = fk_block_bytes(fmt), qat = fk_quants_at(fmt);
-    const int8_t* xr[FK_MR];
-    const float* dr[FK_MR];
     const uint8_t* wr[FK_NR];
     __m256 acc[FK_MR];
-    for (int i = 0; i < FK_MR; i++) {
-        long r = m0 + (i < mr ? i : mr - 1);
-        xr[i] = xq + r * K;
-        dr[i] = xd + r * nb;
-        acc[i] = _mm256_setzero_ps();
-    }
+    for (long i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int j = 0; j < FK_NR; j++) wr[j] = w + (n0 + (j < nr ? j : nr - 1)) * nb * bb;
     for (long b = 0; b < nb; b++) {
         __m256i u[FK_NR], t[FK_NR];
-        uint16_t halves[FK_NR];
+        uint16_t halves[FK_NR], mins[FK_NR];
         for (int j = 0; j < FK_NR; j++) {
             const uint8_t* blk = wr[j] + b * bb;
             memcpy(&halves[j], blk, 2);
             if (fmt == FK_Q8_0) {
                 u[j] = _mm256_loadu_si256((const __m256i*)(blk + 2));
             } else {
+                if (fmt == FK_Q4_1) memcpy(&mins[j], blk + 2, 2);
                 __m128i packed = _mm_loadu_si128((const __m128i*)(blk + qat));
                 u[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
                                         _mm256_set1_epi8(0x0F));
@@ -446,6 +444,8 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
         }
         fk_transpose8(u, t);
         const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)halves));
+        const __m256 wm = fmt == FK_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)mins))
+                                         : _mm256_setzero_ps();
 #if defined(FK_VNNI)
         /* q8_0 with VNNI: the unsigned operand is q_x + 128, so each weight row's dot
          * product starts at -128 * sum(q_w) (exact) */
@@ -456,8 +456,9 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
             wc = _mm256_sub_epi32(_mm256_setzero_si256(), wc);
         }
 #endif
-        for (int i = 0; i < FK_MR; i++) {
-            const int8_t* xb = xr[i] + b * FK_QK;
+        for (long i = 0; i < mr; i++) {
+            const long r = m0 + i;
+            const int8_t* xb = xq + r * K + b * FK_QK;
             __m256i dot;
             if (fmt == FK_Q8_0) {
 #if defined(FK_VNNI)
@@ -473,26 +474,22 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
 #endif
             } else {
                 /* q4_0's "- 8": -8 * sum(q_x), exact (xi: the sums, per row and block) */
-                dot = _mm256_set1_epi32(fmt == FK_Q4_0 ? -8 * xi[(xr[i] - xq) / K * nb + b] : 0);
+                dot = _mm256_set1_epi32(fmt == FK_Q4_0 ? -8 * xi[r * nb + b] : 0);
                 for (int s8 = 0; s8 < 8; s8++)
                     dot = fk_dpbusd(dot, t[s8], _mm256_set1_epi32(fk_load4(xb + 4 * s8)));
             }
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                     _mm256_mul_ps(wd, _mm256_set1_ps(dr[i][b])), acc[i]);
+            __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                       _mm256_mul_ps(wd, _mm256_set1_ps(xd[r * nb + b])), acc[i]);
+            if (fmt == FK_Q4_1) /* + m_w * d_x * sum(q_x) */
+                a = _mm256_fmadd_ps(wm, _mm256_set1_ps(xs[r * nb + b]), a);
+            acc[i] = a;
         }
     }
-    float out[FK_MR][FK_NR];
-    for (int i = 0; i < FK_MR; i++) _mm256_storeu_ps(out[i], acc[i]);
-    if (fmt == FK_Q4_1) { /* + sum over blocks of m_w * d_x * sum(q_x) */
-        for (int j = 0; j < FK_NR; j++)
-            for (long b = 0; b < nb; b++) {
-                float m = fk_half(wr[j] + b * bb + 2);
-                for (int i = 0; i < FK_MR; i++) out[i][j] += m * xs[(m0 + (i < mr ? i : mr - 1)) * nb + b];
-            }
+    for (long i = 0; i < mr; i++) {
+        float out[FK_NR];
+        _mm256_storeu_ps(out, acc[i]);
+        for (int j = 0; j < nr; j++) y[(m0 + i) * N + n0 + j] = out[j] + (bias ? bias[n0 + j] : 0.0f);
     }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++)
-            y[(m0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
 }
 #else
 FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
