@@ -12,7 +12,6 @@ from forwardkit.compilation.counters import compilation_counter
 from forwardkit.config.builder import build_engine_config
 from forwardkit.engine import LLM, SamplingParams
 from forwardkit.kernels.cpu import native_quant
-from forwardkit.quantization import fusion  # noqa: F401  (registers the pass)
 from forwardkit.quantization.formats import FORMATS, _bf16_rounded, quantize, quantize_activations
 from forwardkit.quantization.fusion import QuantFusionPass
 

@@ -2,7 +2,8 @@
 
 :class:`PostGradPassManager` is installed as Inductor's ``post_grad_custom_post_pass`` in the
 backend's private copy of the Inductor config. It runs, in order: no-op elimination (when
-``pass_config.eliminate_noops``), the passes a lower layer registered in :data:`FLAG_PASSES`
+``pass_config.eliminate_noops``), the passes a lower layer registered in
+:data:`~forwardkit.compilation.pass_registry.FLAG_PASSES`
 (the quantized-weight fusions behind ``fuse_norm_quant`` / ``fuse_act_quant``, which live beside
 the kernels they feed, ``quantization/fusion.py``), the fusions of
 :mod:`forwardkit.compilation.fusion` (each behind its own flag, ``pass_config.fuse_rms_norm`` and
@@ -26,6 +27,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from forwardkit.compilation.compiler import current_compile_range
 from forwardkit.compilation.fusion import FusedAddRMSNormPass, SiluAndMulFusionPass
 from forwardkit.compilation.inductor_pass import InductorPass
+from forwardkit.compilation.pass_registry import FLAG_PASSES, register_flag_pass
 from forwardkit.logger import init_logger
 
 if TYPE_CHECKING:
@@ -42,18 +44,6 @@ aten = torch.ops.aten
 # are optional for a user's pass (looked up by name), an InductorPass has both.
 GraphPass = Callable[[torch.fx.Graph], object]
 Shape = tuple[int | torch.SymInt, ...]
-
-
-# Passes whose code lives in a layer that may import this one but not be imported by it (the
-# kernels layer's quant fusions): name -> factory(pass_config) giving the pass, or None when the
-# config does not ask for it. The layer registers its factory when it is imported; a model that
-# never imports it has nothing such a pass would rewrite.
-FLAG_PASSES: dict[str, Callable[[PassConfig], GraphPass | None]] = {}
-
-
-def register_flag_pass(name: str, factory: Callable[[PassConfig], GraphPass | None]) -> None:
-    """Add (or replace) the factory ``name`` in :data:`FLAG_PASSES`."""
-    FLAG_PASSES[name] = factory
 
 
 def _shape(node: object) -> Shape | None:

@@ -15,8 +15,9 @@ them when a build loads), so the products and the tokens are those of the unfuse
 
 Where no native build serves, the unfused op does not round activations, so the pass leaves
 the graph alone. It lives in this layer, beside the kernels it feeds; the compilation layer's
-pass manager runs it through ``compilation.passes.FLAG_PASSES``, filled when this module is
-imported (the quantized linear method imports it). Fusions are counted in
+pass manager runs it through ``compilation.pass_registry.FLAG_PASSES``, where the quantized
+linear method's module registers a factory that imports this module only when a flag asks for
+the pass. Fusions are counted in
 ``compilation_counter.num_norm_quant_fusions`` / ``num_act_quant_fusions``.
 """
 
@@ -32,8 +33,6 @@ from torch._ops import OpOverload
 from forwardkit.compilation.counters import compilation_counter
 from forwardkit.compilation.fusion import InlineOpaqueOpPass
 from forwardkit.compilation.inductor_pass import InductorPass
-from forwardkit.compilation.passes import register_flag_pass
-from forwardkit.config.pass_config import PassConfig
 from forwardkit.kernels.cpu import native_quant
 from forwardkit.logger import init_logger
 from forwardkit.quantization import formats
@@ -179,11 +178,3 @@ class QuantFusionPass(InductorPass):
                 part.meta["val"] = out
                 parts.append(part)
         return parts
-
-
-def _factory(pass_config: PassConfig) -> QuantFusionPass | None:
-    norm, act = bool(pass_config.fuse_norm_quant), bool(pass_config.fuse_act_quant)
-    return QuantFusionPass(norm, act) if norm or act else None
-
-
-register_flag_pass("quant_fusion", _factory)

@@ -21,14 +21,17 @@ Life of a quantized layer's weight:
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn as nn
 
-from forwardkit.quantization import fusion as _fusion  # noqa: F401  (registers the quant fusion pass)
+from forwardkit.compilation.pass_registry import register_flag_pass
 from forwardkit.quantization import ops as _ops  # registers forwardkit::quant_linear
 from forwardkit.quantization.formats import BLOCK, QuantFormat, get_format, quantize
+
+if TYPE_CHECKING:
+    from forwardkit.config.pass_config import PassConfig
 
 __all__ = ["EmbeddingTable", "PackedWeightLayer", "QuantizedEmbeddingMethod", "QuantizedLayer",
            "QuantizedLinearMethod", "QuantizedWeightReloadError", "SplitQuantizedLinearMethod",
@@ -228,3 +231,17 @@ def install_packed_weight(layer: nn.Module, parts: list[tuple[str, torch.Tensor]
     layer.weight = packed
     setattr(layer, "quant_method", method)  # noqa: B010 (a plain attribute, not a submodule)
     return packed
+
+
+def _quant_fusion_pass(pass_config: PassConfig) -> object:
+    """The ``fuse_norm_quant`` / ``fuse_act_quant`` pass (``quantization/fusion.py``, imported
+    only here: it needs the compiler) when a flag asks for it, else None."""
+    norm, act = bool(pass_config.fuse_norm_quant), bool(pass_config.fuse_act_quant)
+    if not (norm or act):
+        return None
+    from forwardkit.quantization.fusion import QuantFusionPass
+
+    return QuantFusionPass(norm, act)
+
+
+register_flag_pass("quant_fusion", _quant_fusion_pass)
