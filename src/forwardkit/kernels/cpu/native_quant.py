@@ -199,6 +199,13 @@ def _self_check_dequantize(deq: Callable[..., int]) -> None:
             raise RuntimeError(f"{fmt} dequantize self-check failed")
 
 
+def _bind(fn: Callable[..., int], argtypes: list[type]) -> Callable[..., int]:
+    """A C entry point returning int, with its argument types set."""
+    fn.restype = ctypes.c_int  # type: ignore[attr-defined]
+    fn.argtypes = argtypes  # type: ignore[attr-defined]
+    return fn
+
+
 @KERNEL.cached
 def _function(isa: str) -> _Build | None:
     """Build ``isa`` loaded and self-checked; None when unsupported or failing."""
@@ -209,21 +216,12 @@ def _function(isa: str) -> _Build | None:
     if lib.fk_quant_max_rows() != MAX_ROWS:
         logger.warning_once("Native %s quantized linear off (row limit differs)", isa)
         return None
-    few = lib.fk_quant_linear
-    few.restype = ctypes.c_int
-    few.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int] * 2
-    tiles = lib.fk_quant_linear_tiles
-    tiles.restype = ctypes.c_int
-    tiles.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    deq = lib.fk_quant_dequantize
-    deq.restype = ctypes.c_int
-    deq.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_int]
-    few_q8 = lib.fk_quant_linear_q8
-    few_q8.restype = ctypes.c_int
-    few_q8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    tiles_q8 = lib.fk_quant_linear_tiles_q8
-    tiles_q8.restype = ctypes.c_int
-    tiles_q8.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    ptr, size, flag = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    few = _bind(lib.fk_quant_linear, [ptr] * 4 + [size] * 3 + [flag] * 2)
+    tiles = _bind(lib.fk_quant_linear_tiles, [ptr] * 4 + [size] * 3 + [flag])
+    deq = _bind(lib.fk_quant_dequantize, [ptr] * 2 + [size] * 2 + [flag])
+    few_q8 = _bind(lib.fk_quant_linear_q8, [ptr] * 6 + [size] * 3 + [flag])
+    tiles_q8 = _bind(lib.fk_quant_linear_tiles_q8, [ptr] * 6 + [size] * 3 + [flag])
     build = _Build(isa, few, tiles, deq, few_q8, tiles_q8)
     try:
         _self_check(build)
