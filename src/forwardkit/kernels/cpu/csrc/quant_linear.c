@@ -38,6 +38,9 @@
  *                accumulator starting at -128 * sum(q_w) per weight row (exact); (AVX2)
  *                |q_x| against q_w with q_x's sign (VPMADDUBSW's 16-bit pair sums would
  *                saturate on q_x + 128).
+ * With AVX-512 and VNNI a tile is 16 weight rows in 512-bit vectors (two 8-row transposes joined
+ * lane-wise): each VPDPBUSD then serves 16 outputs for the same per-row work around it.
+ * The 8-lane dot products run as two chains of 4 (integer sums: exact, whatever the order).
  * Weight tiles are split over the OpenMP threads; activation rows are taken in chunks whose
  * int8 copy stays in L2 while every weight tile passes over it.
  *
@@ -481,7 +484,12 @@ int fk_quant_linear_q8(const int8_t* xq, const float* xd, const float* xs, const
 
 /* ------------------------------------------------------------------ tiles (any rows) */
 #define FK_MR 64 /* activation rows one unpacked weight block serves (accumulators in L1) */
+#if defined(FK_VNNI) && defined(__AVX512F__)
+#define FK_WIDE 1 /* 512-bit tiles */
+#define FK_NR 16  /* the 16 lanes of a 512-bit float vector: one weight row each */
+#else
 #define FK_NR 8 /* the 8 lanes of a 256-bit float vector: one weight row each */
+#endif
 #if defined(__AVX2__)
 /* The 8 x 8 transpose of 32-bit elements: t[s] lane c = u[c] lane s. */
 FK_INLINE void fk_transpose8(const __m256i u[8], __m256i t[8]) {
@@ -508,6 +516,81 @@ static inline int32_t fk_load4(const int8_t* p) {
     memcpy(&v, p, 4);
     return v;
 }
+
+#if defined(FK_WIDE)
+/* fk_tile below with 512-bit vectors (AVX-512 with VNNI): 16 weight rows a tile, their two
+ * 8 x 8 transposes joined lane-wise, so each VPDPBUSD serves 16 outputs and the per-row work
+ * around it (the broadcasts, the conversion, the FMA with the scales) is spread over twice as
+ * many. Every output is summed in the same order as the 256-bit tile's: the same floats. */
+FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
+                       const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
+                       long nr, long N, long K, const int fmt) {
+    const long nb = K / FK_QK, bb = fk_block_bytes(fmt), qat = fk_quants_at(fmt);
+    const uint8_t* wr[FK_NR];
+    __m512 acc[FK_MR];
+    for (long i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    for (int j = 0; j < FK_NR; j++) wr[j] = w + (n0 + (j < nr ? j : nr - 1)) * nb * bb;
+    for (long b = 0; b < nb; b++) {
+        __m256i u[FK_NR], lo[8], hi[8];
+        __m512i t[8];
+        uint16_t halves[FK_NR], mins[FK_NR];
+        for (int j = 0; j < FK_NR; j++) {
+            const uint8_t* blk = wr[j] + b * bb;
+            memcpy(&halves[j], blk, 2);
+            if (fmt == FK_Q8_0) {
+                u[j] = _mm256_loadu_si256((const __m256i*)(blk + 2));
+            } else {
+                if (fmt == FK_Q4_1) memcpy(&mins[j], blk + 2, 2);
+                __m128i packed = _mm_loadu_si128((const __m128i*)(blk + qat));
+                u[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                                        _mm256_set1_epi8(0x0F));
+            }
+        }
+        fk_transpose8(u, lo);
+        fk_transpose8(u + 8, hi);
+        for (int s8 = 0; s8 < 8; s8++)
+            t[s8] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[s8]), hi[s8], 1);
+        const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)halves));
+        const __m512 wm = fmt == FK_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)mins))
+                                         : _mm512_setzero_ps();
+        __m512i wc = _mm512_setzero_si512(); /* q8_0: -128 * sum(q_w) per weight row */
+        if (fmt == FK_Q8_0) {
+            for (int s8 = 0; s8 < 8; s8++)
+                wc = _mm512_dpbusd_epi32(wc, _mm512_set1_epi8((char)0x80), t[s8]);
+            wc = _mm512_sub_epi32(_mm512_setzero_si512(), wc);
+        }
+        for (long i = 0; i < mr; i++) {
+            const long r = m0 + i;
+            const int8_t* xb = xq + r * K + b * FK_QK;
+            __m512i dot, d2 = _mm512_setzero_si512(); /* two chains of 4 (integers: exact) */
+            if (fmt == FK_Q8_0) {
+                dot = wc; /* xq holds q_x + 128 here (fk_tiles) */
+                for (int s8 = 0; s8 < 4; s8++) {
+                    dot = _mm512_dpbusd_epi32(dot, _mm512_set1_epi32(fk_load4(xb + 4 * s8)), t[s8]);
+                    d2 = _mm512_dpbusd_epi32(d2, _mm512_set1_epi32(fk_load4(xb + 4 * s8 + 16)), t[s8 + 4]);
+                }
+            } else {
+                dot = _mm512_set1_epi32(fmt == FK_Q4_0 ? -8 * xi[r * nb + b] : 0);
+                for (int s8 = 0; s8 < 4; s8++) {
+                    dot = _mm512_dpbusd_epi32(dot, t[s8], _mm512_set1_epi32(fk_load4(xb + 4 * s8)));
+                    d2 = _mm512_dpbusd_epi32(d2, t[s8 + 4], _mm512_set1_epi32(fk_load4(xb + 4 * s8 + 16)));
+                }
+            }
+            dot = _mm512_add_epi32(dot, d2);
+            __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                       _mm512_mul_ps(wd, _mm512_set1_ps(xd[r * nb + b])), acc[i]);
+            if (fmt == FK_Q4_1) /* + m_w * d_x * sum(q_x) */
+                a = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[r * nb + b]), a);
+            acc[i] = a;
+        }
+    }
+    for (long i = 0; i < mr; i++) {
+        float out[FK_NR];
+        _mm512_storeu_ps(out, acc[i]);
+        for (int j = 0; j < nr; j++) y[(m0 + i) * N + n0 + j] = out[j] + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+#else
 
 /* Rows m0..m0 + mr (mr <= FK_MR) of x against weight rows n0.. (nr <= FK_NR = 8); a short
  * weight tile repeats its last row (computed, not stored). Per 32-weight block the tile's 8
@@ -560,9 +643,14 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
             __m256i dot;
             if (fmt == FK_Q8_0) {
 #if defined(FK_VNNI)
-                dot = wc; /* xq holds q_x + 128 here (fk_tiles) */
-                for (int s8 = 0; s8 < 8; s8++)
+                /* xq holds q_x + 128 here (fk_tiles); two chains of 4 (integers: exact) */
+                __m256i d2 = _mm256_setzero_si256();
+                dot = wc;
+                for (int s8 = 0; s8 < 4; s8++) {
                     dot = fk_dpbusd(dot, _mm256_set1_epi32(fk_load4(xb + 4 * s8)), t[s8]);
+                    d2 = fk_dpbusd(d2, _mm256_set1_epi32(fk_load4(xb + 4 * s8 + 16)), t[s8 + 4]);
+                }
+                dot = _mm256_add_epi32(dot, d2);
 #else
                 dot = _mm256_setzero_si256();
                 for (int s8 = 0; s8 < 8; s8++) {
@@ -573,8 +661,14 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
             } else {
                 /* q4_0's "- 8": -8 * sum(q_x), exact (xi: the sums, per row and block) */
                 dot = _mm256_set1_epi32(fmt == FK_Q4_0 ? -8 * xi[r * nb + b] : 0);
-                for (int s8 = 0; s8 < 8; s8++)
+                __m256i d1 = _mm256_setzero_si256(), d2 = d1, d3 = d1; /* four chains of 2 */
+                for (int s8 = 0; s8 < 2; s8++) {
                     dot = fk_dpbusd(dot, t[s8], _mm256_set1_epi32(fk_load4(xb + 4 * s8)));
+                    d1 = fk_dpbusd(d1, t[s8 + 2], _mm256_set1_epi32(fk_load4(xb + 4 * s8 + 8)));
+                    d2 = fk_dpbusd(d2, t[s8 + 4], _mm256_set1_epi32(fk_load4(xb + 4 * s8 + 16)));
+                    d3 = fk_dpbusd(d3, t[s8 + 6], _mm256_set1_epi32(fk_load4(xb + 4 * s8 + 24)));
+                }
+                dot = _mm256_add_epi32(_mm256_add_epi32(dot, d1), _mm256_add_epi32(d2, d3));
             }
             __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                        _mm256_mul_ps(wd, _mm256_set1_ps(xd[r * nb + b])), acc[i]);
@@ -589,6 +683,7 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
         for (int j = 0; j < nr; j++) y[(m0 + i) * N + n0 + j] = out[j] + (bias ? bias[n0 + j] : 0.0f);
     }
 }
+#endif /* FK_WIDE */
 #else
 FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
                        const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
