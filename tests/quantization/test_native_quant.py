@@ -211,3 +211,23 @@ def test_native_dequantize_is_bit_exact(fmt):
         got = native_quant.dequantize_rows(packed, fmt)
         assert got is not None
         assert torch.equal(got, dequantize(packed, fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_in_and_out_equal_converting_around_the_float_call(isa, fmt):
+    """bfloat16 activations go into the kernels as they are and the result comes out in
+    bfloat16: bit for bit the float32 call on the widened activations, rounded to nearest even
+    by torch (fails if the kernel truncates, or widens or rounds any other way); NaN stays NaN."""
+    gen = torch.Generator().manual_seed(21)
+    packed = quantize(torch.randn(37, 160, generator=gen), fmt)
+    bias = torch.randn(37, generator=gen)
+    for rows, path in ((1, "few"), (3, "few"), (5, "tiles"), (70, "tiles")):
+        x = (torch.randn(rows, 160, generator=gen) * 3).bfloat16()
+        got = native_quant.quant_linear_rows(x, packed, bias, fmt, isa=isa, path=path)
+        want = native_quant.quant_linear_rows(x.float(), packed, bias, fmt, isa=isa, path=path)
+        assert got is not None and want is not None and got.dtype == torch.bfloat16
+        assert torch.equal(got, want.bfloat16()), f"{rows} rows, {path}"
+    x = torch.randn(1, 160, generator=gen).bfloat16()
+    x[0, 0] = float("nan")
+    got = native_quant.quant_linear_rows(x, packed, None, fmt, isa=isa, path="few", strategy="float")
+    assert got is not None and bool(got.isnan().all())

@@ -68,7 +68,9 @@ __all__ = ["FORMATS", "MAX_ROWS", "STRATEGIES", "TILES_MIN_ROWS", "available", "
 
 logger = init_logger(__name__)
 
-_ABI_VERSION = 3
+_ABI_VERSION = 4
+# the `io` argument of the float entry points: x, y in bfloat16 (else float32)
+_X_BF16, _Y_BF16 = 1, 2
 MAX_ROWS = 16
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the kernel's format ids
 _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # the GGUF block layouts (formats.py)
@@ -151,7 +153,7 @@ def _self_check(build: _Build) -> None:
                     continue
                 y = torch.full((rows, 13), float("nan"))
                 args = (x.data_ptr(), packed.data_ptr(), b.data_ptr(), y.data_ptr(), rows, 13, 96, fmt_id)
-                rc = build.few_rows(*args, mode) if rows <= MAX_ROWS else build.tiles(*args)
+                rc = build.few_rows(*args, mode, 0) if rows <= MAX_ROWS else build.tiles(*args, 0)
                 # int8 activations carry their own rounding: 2% of the largest output
                 tol = 1e-4 if strategy == "float" else 0.02 * float(ref.abs().max())
                 if rc != 0 or not torch.allclose(y.double(), ref, rtol=tol, atol=tol):
@@ -175,11 +177,11 @@ def _self_check_quantized_input(build: _Build) -> None:
             got = torch.full((rows, 9), float("nan"))
             tail = (packed.data_ptr(), b.data_ptr())
             if rows < TILES_MIN_ROWS:
-                rc = build.few_rows(x.data_ptr(), *tail, want.data_ptr(), rows, 9, 128, fmt_id, 1)
+                rc = build.few_rows(x.data_ptr(), *tail, want.data_ptr(), rows, 9, 128, fmt_id, 1, 0)
                 rc2 = build.few_rows_q8(q.data_ptr(), d.data_ptr(), sums.data_ptr(), *tail,
                                         got.data_ptr(), rows, 9, 128, fmt_id)
             else:
-                rc = build.tiles(x.data_ptr(), *tail, want.data_ptr(), rows, 9, 128, fmt_id)
+                rc = build.tiles(x.data_ptr(), *tail, want.data_ptr(), rows, 9, 128, fmt_id, 0)
                 rc2 = build.tiles_q8(q.data_ptr(), d.data_ptr(), sums.data_ptr(), *tail,
                                      got.data_ptr(), rows, 9, 128, fmt_id)
             if rc != 0 or rc2 != 0 or not torch.equal(got, want):
@@ -217,8 +219,8 @@ def _function(isa: str) -> _Build | None:
         logger.warning_once("Native %s quantized linear off (row limit differs)", isa)
         return None
     ptr, size, flag = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
-    few = _bind(lib.fk_quant_linear, [ptr] * 4 + [size] * 3 + [flag] * 2)
-    tiles = _bind(lib.fk_quant_linear_tiles, [ptr] * 4 + [size] * 3 + [flag])
+    few = _bind(lib.fk_quant_linear, [ptr] * 4 + [size] * 3 + [flag] * 3)
+    tiles = _bind(lib.fk_quant_linear_tiles, [ptr] * 4 + [size] * 3 + [flag] * 2)
     deq = _bind(lib.fk_quant_dequantize, [ptr] * 2 + [size] * 2 + [flag])
     few_q8 = _bind(lib.fk_quant_linear_q8, [ptr] * 6 + [size] * 3 + [flag])
     tiles_q8 = _bind(lib.fk_quant_linear_tiles_q8, [ptr] * 6 + [size] * 3 + [flag])
@@ -316,21 +318,26 @@ def quant_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     build = _selected() if isa is None else _function(isa)
     if build is None:
         return None
-    x32 = x.reshape(rows, k).to(torch.float32).contiguous()
+    # bf16 goes in and comes out as it is (the kernel widens and rounds: the same values as
+    # converting here, without two more tensors a call); other dtypes through float32
+    bf16 = x.dtype == torch.bfloat16
+    xin = x.reshape(rows, k).contiguous() if bf16 else x.reshape(rows, k).to(torch.float32).contiguous()
     b32 = None if bias is None else bias.to(torch.float32).contiguous()
-    out = torch.empty((rows, n), dtype=torch.float32)
-    args = (x32.data_ptr(), packed.data_ptr(), None if b32 is None else b32.data_ptr(),
+    out = torch.empty((rows, n), dtype=torch.bfloat16 if bf16 else torch.float32)
+    args = (xin.data_ptr(), packed.data_ptr(), None if b32 is None else b32.data_ptr(),
             out.data_ptr(), rows, n, k, fmt_id)
+    io = _X_BF16 | _Y_BF16 if bf16 else 0
     if path == "few":
-        rc = build.few_rows(*args, STRATEGIES[strategy])
+        rc = build.few_rows(*args, STRATEGIES[strategy], io)
     elif path == "tiles":
-        rc = build.tiles(*args)
+        rc = build.tiles(*args, io)
     else:
         raise ValueError(f"path must be 'few', 'tiles' or None, got {path!r}")
     if rc != 0:
         return None
     native_build.kernel_calls.quant += 1  # the kernel, not the reference path, served it
-    return out.reshape(*x.shape[:-1], n).to(x.dtype)
+    out = out.reshape(*x.shape[:-1], n)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def quant_linear_q8_rows(q: torch.Tensor, d: torch.Tensor, sums: torch.Tensor, packed: torch.Tensor,

@@ -59,7 +59,7 @@
 #include <immintrin.h>
 #endif
 
-#define FK_QUANT_ABI_VERSION 3
+#define FK_QUANT_ABI_VERSION 4
 #define FK_QK 32
 #define FK_G 4
 #define FK_R 4 /* weight rows the one-row int8 kernel takes at a time */
@@ -446,12 +446,9 @@ static void fk_few_rows(const float* x, const int8_t* xq, const float* xd, const
     }
 }
 
-/*
- * x: [M, K] float32 (1 <= M <= 16); w: [N, K / 32 * block bytes]; bias: [N] float32 or NULL;
- * y: [M, N] float32. Returns 0, or -1 for a bad argument (nothing written).
- */
-int fk_quant_linear(const float* x, const uint8_t* w, const float* bias, float* y, long M, long N,
-                    long K, int fmt, int mode) {
+/* fk_quant_linear on float32 x and y (below, with the bf16 I/O). */
+static int fk_linear_f32(const float* x, const uint8_t* w, const float* bias, float* y, long M,
+                         long N, long K, int fmt, int mode) {
     if (M < 1 || M > FK_MAX_ROWS || N < 1 || K < FK_QK || K % FK_QK || !fk_fmt_ok(fmt) ||
         (mode != 0 && mode != 1))
         return -1;
@@ -767,12 +764,9 @@ static int fk_tiles(const int8_t* xq, const float* xd, const float* xs, const ui
     return 0;
 }
 
-/*
- * Any number of rows, int8 activations (see the top of the file). x: [M, K] float32; w, bias,
- * y as for fk_quant_linear. Returns 0, or -1 for a bad argument or no memory (nothing written).
- */
-int fk_quant_linear_tiles(const float* x, const uint8_t* w, const float* bias, float* y, long M,
-                          long N, long K, int fmt) {
+/* fk_quant_linear_tiles on float32 x and y (below, with the bf16 I/O). */
+static int fk_tiles_f32(const float* x, const uint8_t* w, const float* bias, float* y, long M,
+                        long N, long K, int fmt) {
     if (M < 1 || N < 1 || K < FK_QK || K % FK_QK || !fk_fmt_ok(fmt)) return -1;
     const long nb = K / FK_QK;
     int8_t* xq = (int8_t*)malloc((size_t)(M * K));
@@ -794,6 +788,79 @@ int fk_quant_linear_tiles_q8(const int8_t* xq, const float* xd, const float* xs,
                              const float* bias, float* y, long M, long N, long K, int fmt) {
     if (M < 1 || N < 1 || K < FK_QK || K % FK_QK || !fk_fmt_ok(fmt)) return -1;
     return fk_tiles(xq, xd, xs, w, bias, y, M, N, K, fmt);
+}
+
+/* ------------------------------------------------------------------ bf16 in and out */
+/* Argument `io` of the two float entry points: bit 0, x is bfloat16 (else float32); bit 1, y is
+ * bfloat16 (else float32). A bf16 x is widened exactly; a bf16 y is rounded to nearest even
+ * (NaN as 0x7FC0), as torch's float32 -> bfloat16 conversion does, so a caller holding bf16
+ * tensors gets the values of converting before and after, without two extra tensors a call. */
+enum { FK_X_BF16 = 1, FK_Y_BF16 = 2 };
+
+static inline uint16_t fk_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+typedef int (*fk_linear_fn)(const float*, const uint8_t*, const float*, float*, long, long, long,
+                            int, int);
+
+static int fk_with_io(fk_linear_fn fn, const void* x, const uint8_t* w, const float* bias, void* y,
+                      long M, long N, long K, int fmt, int mode, int io) {
+    if (io & ~(FK_X_BF16 | FK_Y_BF16) || M < 1 || N < 1 || K < 1) return -1;
+    float* x32 = NULL;
+    float* y32 = NULL;
+    if (io & FK_X_BF16) {
+        x32 = (float*)malloc(sizeof(float) * (size_t)(M * K));
+        if (!x32) return -1;
+        const uint16_t* h = (const uint16_t*)x;
+        for (long e = 0; e < M * K; e++) {
+            uint32_t u = (uint32_t)h[e] << 16;
+            memcpy(&x32[e], &u, 4);
+        }
+    }
+    if (io & FK_Y_BF16) {
+        y32 = (float*)malloc(sizeof(float) * (size_t)(M * N));
+        if (!y32) {
+            free(x32);
+            return -1;
+        }
+    }
+    int rc = fn(x32 ? x32 : (const float*)x, w, bias, y32 ? y32 : (float*)y, M, N, K, fmt, mode);
+    if (rc == 0 && y32) {
+        uint16_t* h = (uint16_t*)y;
+        for (long e = 0; e < M * N; e++) h[e] = fk_to_bf16(y32[e]);
+    }
+    free(x32);
+    free(y32);
+    return rc;
+}
+
+static int fk_tiles_f32_mode(const float* x, const uint8_t* w, const float* bias, float* y, long M,
+                             long N, long K, int fmt, int mode) {
+    (void)mode;
+    return fk_tiles_f32(x, w, bias, y, M, N, K, fmt);
+}
+
+/*
+ * x: [M, K] float32 or bfloat16 (io bit 0; 1 <= M <= 16); w: [N, K / 32 * block bytes]; bias:
+ * [N] float32 or NULL; y: [M, N] float32 or bfloat16 (io bit 1). Returns 0, or -1 for a bad
+ * argument or no memory (nothing written).
+ */
+int fk_quant_linear(const void* x, const uint8_t* w, const float* bias, void* y, long M, long N,
+                    long K, int fmt, int mode, int io) {
+    return fk_with_io(fk_linear_f32, x, w, bias, y, M, N, K, fmt, mode, io);
+}
+
+/*
+ * Any number of rows, int8 activations (see the top of the file); the arguments as for
+ * fk_quant_linear.
+ */
+int fk_quant_linear_tiles(const void* x, const uint8_t* w, const float* bias, void* y, long M,
+                          long N, long K, int fmt, int io) {
+    return fk_with_io(fk_tiles_f32_mode, x, w, bias, y, M, N, K, fmt, 0, io);
 }
 
 /*
