@@ -321,7 +321,9 @@ def quant_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     # bf16 goes in and comes out as it is (the kernel widens and rounds: the same values as
     # converting here, without two more tensors a call); other dtypes through float32
     bf16 = x.dtype == torch.bfloat16
-    xin = x.reshape(rows, k).contiguous() if bf16 else x.reshape(rows, k).to(torch.float32).contiguous()
+    flat = x.dim() == 2  # [rows, k] already (a step's tokens): no reshape either way
+    xin = x if flat else x.reshape(rows, k)
+    xin = xin.contiguous() if bf16 else xin.to(torch.float32).contiguous()
     b32 = None if bias is None else bias.to(torch.float32).contiguous()
     out = torch.empty((rows, n), dtype=torch.bfloat16 if bf16 else torch.float32)
     args = (xin.data_ptr(), packed.data_ptr(), None if b32 is None else b32.data_ptr(),
@@ -336,8 +338,9 @@ def quant_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     if rc != 0:
         return None
     native_build.kernel_calls.quant += 1  # the kernel, not the reference path, served it
-    out = out.reshape(*x.shape[:-1], n)
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+    if not flat:
+        out = out.reshape(*x.shape[:-1], n)
+    return out if bf16 or x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def quant_linear_q8_rows(q: torch.Tensor, d: torch.Tensor, sums: torch.Tensor, packed: torch.Tensor,
