@@ -40,7 +40,9 @@
  *                saturate on q_x + 128).
  * With AVX-512 and VNNI a tile is 16 weight rows in 512-bit vectors (two 8-row transposes joined
  * lane-wise): each VPDPBUSD then serves 16 outputs for the same per-row work around it.
- * The 8-lane dot products run as two chains of 4 (integer sums: exact, whatever the order).
+ * The 8-lane dot products run as two chains of 4 (integer sums: exact, whatever the order);
+ * without VNNI, q4's 8 VPMADDUBSW pair sums of a block add in 16 bits (no overflow: nibbles
+ * times |q_x| <= 127) and are widened once.
  * Weight tiles are split over the OpenMP threads; activation rows are taken in chunks whose
  * int8 copy stays in L2 while every weight tile passes over it.
  *
@@ -658,14 +660,23 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
             } else {
                 /* q4_0's "- 8": -8 * sum(q_x), exact (xi: the sums, per row and block) */
                 dot = _mm256_set1_epi32(fmt == FK_Q4_0 ? -8 * xi[r * nb + b] : 0);
-                __m256i d1 = _mm256_setzero_si256(), d2 = d1, d3 = d1; /* four chains of 2 */
-                for (int s8 = 0; s8 < 2; s8++) {
+#if defined(FK_VNNI)
+                __m256i d2 = _mm256_setzero_si256(); /* two chains of 4 (integers: exact) */
+                for (int s8 = 0; s8 < 4; s8++) {
                     dot = fk_dpbusd(dot, t[s8], _mm256_set1_epi32(fk_load4(xb + 4 * s8)));
-                    d1 = fk_dpbusd(d1, t[s8 + 2], _mm256_set1_epi32(fk_load4(xb + 4 * s8 + 8)));
                     d2 = fk_dpbusd(d2, t[s8 + 4], _mm256_set1_epi32(fk_load4(xb + 4 * s8 + 16)));
-                    d3 = fk_dpbusd(d3, t[s8 + 6], _mm256_set1_epi32(fk_load4(xb + 4 * s8 + 24)));
                 }
-                dot = _mm256_add_epi32(_mm256_add_epi32(dot, d1), _mm256_add_epi32(d2, d3));
+                dot = _mm256_add_epi32(dot, d2);
+#else
+                /* nibbles (0..15) times int8 (-127..127): the 8 VPMADDUBSW pair sums of a block
+                 * add up in 16 bits without overflow (8 * 2 * 15 * 127 = 30480), so they are
+                 * widened to 32 bits once, not 8 times */
+                __m256i s16 = _mm256_maddubs_epi16(t[0], _mm256_set1_epi32(fk_load4(xb)));
+                for (int s8 = 1; s8 < 8; s8++)
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(
+                                                    t[s8], _mm256_set1_epi32(fk_load4(xb + 4 * s8))));
+                dot = _mm256_add_epi32(dot, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+#endif
             }
             __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                        _mm256_mul_ps(wd, _mm256_set1_ps(xd[r * nb + b])), acc[i]);
