@@ -9,7 +9,7 @@
  * -ffp-contract=off, so the dequantization (q4_1: d * q + m, two roundings) gives ggml's float32
  * values bit for bit.
  *
- * Two entry points:
+ * Two entry points (activations and results in float32 or bfloat16: argument `io`, below):
  *
  * fk_quant_linear (1..16 rows: decode steps, small batches). Two strategies (argument `mode`):
  *   0 (float)  each weight block is dequantized in registers and multiplied into float32
