@@ -516,6 +516,24 @@ static inline int32_t fk_load4(const int8_t* p) {
     return v;
 }
 
+/* Block b of a tile's FK_NR weight rows: its 32 weights of each row as bytes (u; q4 nibbles
+ * 0..15 in element order), the fp16 scales (halves) and q4_1's fp16 minimums (mins). */
+FK_INLINE void fk_unpack_tile(const uint8_t* const* wr, long b, long bb, long qat, int fmt,
+                              __m256i* u, uint16_t* halves, uint16_t* mins) {
+    for (int j = 0; j < FK_NR; j++) {
+        const uint8_t* blk = wr[j] + b * bb;
+        memcpy(&halves[j], blk, 2);
+        if (fmt == FK_Q8_0) {
+            u[j] = _mm256_loadu_si256((const __m256i*)(blk + 2));
+        } else {
+            if (fmt == FK_Q4_1) memcpy(&mins[j], blk + 2, 2);
+            __m128i packed = _mm_loadu_si128((const __m128i*)(blk + qat));
+            u[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                                    _mm256_set1_epi8(0x0F));
+        }
+    }
+}
+
 #if defined(FK_WIDE)
 /* fk_tile below with 512-bit vectors (AVX-512 with VNNI): 16 weight rows a tile, their two
  * 8 x 8 transposes joined lane-wise, so each VPDPBUSD serves 16 outputs and the per-row work
@@ -533,18 +551,7 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
         __m256i u[FK_NR], lo[8], hi[8];
         __m512i t[8];
         uint16_t halves[FK_NR], mins[FK_NR];
-        for (int j = 0; j < FK_NR; j++) {
-            const uint8_t* blk = wr[j] + b * bb;
-            memcpy(&halves[j], blk, 2);
-            if (fmt == FK_Q8_0) {
-                u[j] = _mm256_loadu_si256((const __m256i*)(blk + 2));
-            } else {
-                if (fmt == FK_Q4_1) memcpy(&mins[j], blk + 2, 2);
-                __m128i packed = _mm_loadu_si128((const __m128i*)(blk + qat));
-                u[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
-                                        _mm256_set1_epi8(0x0F));
-            }
-        }
+        fk_unpack_tile(wr, b, bb, qat, fmt, u, halves, mins);
         fk_transpose8(u, lo);
         fk_transpose8(u + 8, hi);
         for (int s8 = 0; s8 < 8; s8++)
@@ -610,18 +617,7 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
     for (long b = 0; b < nb; b++) {
         __m256i u[FK_NR], t[FK_NR];
         uint16_t halves[FK_NR], mins[FK_NR];
-        for (int j = 0; j < FK_NR; j++) {
-            const uint8_t* blk = wr[j] + b * bb;
-            memcpy(&halves[j], blk, 2);
-            if (fmt == FK_Q8_0) {
-                u[j] = _mm256_loadu_si256((const __m256i*)(blk + 2));
-            } else {
-                if (fmt == FK_Q4_1) memcpy(&mins[j], blk + 2, 2);
-                __m128i packed = _mm_loadu_si128((const __m128i*)(blk + qat));
-                u[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
-                                        _mm256_set1_epi8(0x0F));
-            }
-        }
+        fk_unpack_tile(wr, b, bb, qat, fmt, u, halves, mins);
         fk_transpose8(u, t);
         const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)halves));
         const __m256 wm = fmt == FK_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)mins))
