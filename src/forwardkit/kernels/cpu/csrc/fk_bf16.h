@@ -5,7 +5,7 @@
  * arithmetic on 32-bit lanes, which GCC vectorises in `#pragma omp simd` loops for whatever
  * ISA the file is compiled for.
  *
- * Included by decode_attention.c and both linear_few_rows builds; the builder (kernels/cpu/native_build.py) hashes every file
+ * Included by decode_attention.c, both linear_few_rows builds and quant_linear.c; the builder (kernels/cpu/native_build.py) hashes every file
  * a source includes with #include "..." into the library's name, so a change here rebuilds.
  */
 #ifndef FK_BF16_H

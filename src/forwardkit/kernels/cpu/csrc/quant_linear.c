@@ -61,6 +61,8 @@
 #include <immintrin.h>
 #endif
 
+#include "fk_bf16.h"
+
 #define FK_QUANT_ABI_VERSION 4
 #define FK_QK 32
 #define FK_G 4
@@ -196,15 +198,6 @@ static void fk_quantize_rows(const float* x, long rows, long K, int8_t* xq, floa
 #endif
 
 #if defined(__AVX2__)
-/* c + the dot products of unsigned bytes a with signed bytes b, 4 per int32 lane. */
-static inline __m256i fk_dpbusd(__m256i c, __m256i a, __m256i b) {
-#if defined(FK_VNNI)
-    return _mm256_dpbusd_epi32(c, a, b);
-#else
-    return _mm256_add_epi32(c, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
-#endif
-}
-
 /* 32 int8 weights of a block in one register: q8_0 signed, q4_0 nibble - 8, q4_1 nibble. */
 static inline __m256i fk_block_vec(const uint8_t* blk, int fmt) {
     if (fmt == FK_Q8_0) return _mm256_loadu_si256((const __m256i*)(blk + 2));
@@ -428,7 +421,7 @@ static void fk_few_rows(const float* x, const int8_t* xq, const float* xd, const
             long j = g * step, R = g < groups ? step : N - j;
             float sums[FK_R];
             const uint8_t* wrow = w + j * row_bytes;
-            if (R == FK_R && step == FK_R)
+            if (R == FK_R) /* a whole group (q4; q8_0's step leaves R = 1) */
                 fk_rows1_int8(xq, xd, xs, K, wrow, row_bytes, fmt, FK_R, sums);
             else
                 for (long r = 0; r < R; r++)
@@ -598,7 +591,8 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
 }
 #else
 
-/* Rows m0..m0 + mr (mr <= FK_MR) of x against weight rows n0.. (nr <= FK_NR = 8); a short
+/* Without VNNI (the AVX2 and plain AVX-512 builds): rows m0..m0 + mr (mr <= FK_MR) of x against
+ * weight rows n0.. (nr <= FK_NR = 8); a short
  * weight tile repeats its last row (computed, not stored). Per 32-weight block the tile's 8
  * weight rows are unpacked to bytes and transposed in 4-byte groups, so lane c of t[s] holds
  * bytes 4s..4s+3 of weight row c: each integer dot product then takes 4 bytes of one
@@ -622,48 +616,21 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
         const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)halves));
         const __m256 wm = fmt == FK_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)mins))
                                          : _mm256_setzero_ps();
-#if defined(FK_VNNI)
-        /* q8_0 with VNNI: the unsigned operand is q_x + 128, so each weight row's dot
-         * product starts at -128 * sum(q_w) (exact) */
-        __m256i wc = _mm256_setzero_si256();
-        if (fmt == FK_Q8_0) {
-            for (int s8 = 0; s8 < 8; s8++)
-                wc = fk_dpbusd(wc, _mm256_set1_epi8((char)0x80), t[s8]);
-            wc = _mm256_sub_epi32(_mm256_setzero_si256(), wc);
-        }
-#endif
         for (long i = 0; i < mr; i++) {
             const long r = m0 + i;
             const int8_t* xb = xq + r * K + b * FK_QK;
             __m256i dot;
-            if (fmt == FK_Q8_0) {
-#if defined(FK_VNNI)
-                /* xq holds q_x + 128 here (fk_tiles); two chains of 4 (integers: exact) */
-                __m256i d2 = _mm256_setzero_si256();
-                dot = wc;
-                for (int s8 = 0; s8 < 4; s8++) {
-                    dot = fk_dpbusd(dot, _mm256_set1_epi32(fk_load4(xb + 4 * s8)), t[s8]);
-                    d2 = fk_dpbusd(d2, _mm256_set1_epi32(fk_load4(xb + 4 * s8 + 16)), t[s8 + 4]);
-                }
-                dot = _mm256_add_epi32(dot, d2);
-#else
+            if (fmt == FK_Q8_0) { /* |q_x| against q_w with q_x's sign, one pair sum widened at a time
+                                   * (two of 127 * 127 would overflow 16 bits) */
                 dot = _mm256_setzero_si256();
                 for (int s8 = 0; s8 < 8; s8++) {
                     __m256i xv = _mm256_set1_epi32(fk_load4(xb + 4 * s8));
-                    dot = fk_dpbusd(dot, _mm256_sign_epi8(xv, xv), _mm256_sign_epi8(t[s8], xv));
+                    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(t[s8], xv));
+                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
                 }
-#endif
             } else {
                 /* q4_0's "- 8": -8 * sum(q_x), exact (xi: the sums, per row and block) */
                 dot = _mm256_set1_epi32(fmt == FK_Q4_0 ? -8 * xi[r * nb + b] : 0);
-#if defined(FK_VNNI)
-                __m256i d2 = _mm256_setzero_si256(); /* two chains of 4 (integers: exact) */
-                for (int s8 = 0; s8 < 4; s8++) {
-                    dot = fk_dpbusd(dot, t[s8], _mm256_set1_epi32(fk_load4(xb + 4 * s8)));
-                    d2 = fk_dpbusd(d2, t[s8 + 4], _mm256_set1_epi32(fk_load4(xb + 4 * s8 + 16)));
-                }
-                dot = _mm256_add_epi32(dot, d2);
-#else
                 /* nibbles (0..15) times int8 (-127..127): the 8 VPMADDUBSW pair sums of a block
                  * add up in 16 bits without overflow (8 * 2 * 15 * 127 = 30480), so they are
                  * widened to 32 bits once, not 8 times */
@@ -672,7 +639,6 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
                     s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(
                                                     t[s8], _mm256_set1_epi32(fk_load4(xb + 4 * s8))));
                 dot = _mm256_add_epi32(dot, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
-#endif
             }
             __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                        _mm256_mul_ps(wd, _mm256_set1_ps(xd[r * nb + b])), acc[i]);
@@ -800,21 +766,12 @@ int fk_quant_linear_tiles_q8(const int8_t* xq, const float* xd, const float* xs,
 /* ------------------------------------------------------------------ bf16 in and out */
 /* Argument `io` of the two float entry points: bit 0, x is bfloat16 (else float32); bit 1, y is
  * bfloat16 (else float32). A bf16 x is widened exactly; a bf16 y is rounded to nearest even
- * (NaN as 0x7FC0), as torch's float32 -> bfloat16 conversion does, so a caller holding bf16
- * tensors gets the values of converting before and after, without two extra tensors a call. */
+ * (fk_bf16.h, as torch's float32 -> bfloat16 conversion), so a caller holding bf16 tensors
+ * gets the values of converting before and after, without two extra tensors a call. */
 enum { FK_X_BF16 = 1, FK_Y_BF16 = 2 };
 
-static inline uint16_t fk_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-typedef int (*fk_linear_fn)(const float*, const uint8_t*, const float*, float*, long, long, long,
-                            int, int);
-
-static int fk_with_io(fk_linear_fn fn, const void* x, const uint8_t* w, const float* bias, void* y,
+/* The few-row kernel (tiles == 0, strategy `mode`) or the tiles on x / y as `io` says. */
+static int fk_with_io(int tiles, const void* x, const uint8_t* w, const float* bias, void* y,
                       long M, long N, long K, int fmt, int mode, int io) {
     if (io & ~(FK_X_BF16 | FK_Y_BF16) || M < 1 || N < 1 || K < 1) return -1;
     float* x32 = NULL;
@@ -823,10 +780,7 @@ static int fk_with_io(fk_linear_fn fn, const void* x, const uint8_t* w, const fl
         x32 = (float*)malloc(sizeof(float) * (size_t)(M * K));
         if (!x32) return -1;
         const uint16_t* h = (const uint16_t*)x;
-        for (long e = 0; e < M * K; e++) {
-            uint32_t u = (uint32_t)h[e] << 16;
-            memcpy(&x32[e], &u, 4);
-        }
+        for (long e = 0; e < M * K; e++) x32[e] = fk_bf16_to_f32(h[e]);
     }
     if (io & FK_Y_BF16) {
         y32 = (float*)malloc(sizeof(float) * (size_t)(M * N));
@@ -835,20 +789,17 @@ static int fk_with_io(fk_linear_fn fn, const void* x, const uint8_t* w, const fl
             return -1;
         }
     }
-    int rc = fn(x32 ? x32 : (const float*)x, w, bias, y32 ? y32 : (float*)y, M, N, K, fmt, mode);
+    const float* xf = x32 ? x32 : (const float*)x;
+    float* yf = y32 ? y32 : (float*)y;
+    int rc = tiles ? fk_tiles_f32(xf, w, bias, yf, M, N, K, fmt)
+                   : fk_linear_f32(xf, w, bias, yf, M, N, K, fmt, mode);
     if (rc == 0 && y32) {
         uint16_t* h = (uint16_t*)y;
-        for (long e = 0; e < M * N; e++) h[e] = fk_to_bf16(y32[e]);
+        for (long e = 0; e < M * N; e++) h[e] = fk_f32_to_bf16(y32[e]);
     }
     free(x32);
     free(y32);
     return rc;
-}
-
-static int fk_tiles_f32_mode(const float* x, const uint8_t* w, const float* bias, float* y, long M,
-                             long N, long K, int fmt, int mode) {
-    (void)mode;
-    return fk_tiles_f32(x, w, bias, y, M, N, K, fmt);
 }
 
 /*
@@ -858,7 +809,7 @@ static int fk_tiles_f32_mode(const float* x, const uint8_t* w, const float* bias
  */
 int fk_quant_linear(const void* x, const uint8_t* w, const float* bias, void* y, long M, long N,
                     long K, int fmt, int mode, int io) {
-    return fk_with_io(fk_linear_f32, x, w, bias, y, M, N, K, fmt, mode, io);
+    return fk_with_io(0, x, w, bias, y, M, N, K, fmt, mode, io);
 }
 
 /*
@@ -867,7 +818,7 @@ int fk_quant_linear(const void* x, const uint8_t* w, const float* bias, void* y,
  */
 int fk_quant_linear_tiles(const void* x, const uint8_t* w, const float* bias, void* y, long M,
                           long N, long K, int fmt, int io) {
-    return fk_with_io(fk_tiles_f32_mode, x, w, bias, y, M, N, K, fmt, 0, io);
+    return fk_with_io(1, x, w, bias, y, M, N, K, fmt, 0, io);
 }
 
 /*
