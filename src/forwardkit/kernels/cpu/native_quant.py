@@ -2,11 +2,15 @@
 
 Serves ``forwardkit::quant_linear`` (``quantization/ops.py``) on the CPU for ``q8_0``, ``q4_0``
 and ``q4_1`` weights, reading the packed GGUF blocks directly (34, 18 or 20 bytes per 32
-weights instead of 64 in bf16). Activations go in as float32 (a bf16/fp16 ``x`` is widened
-first, the result cast back). Two kernels, chosen by the number of activation rows:
+weights instead of 64 in bf16). bf16 activations go in and results come out as they are (the
+C code widens them exactly and rounds the results as torch does); float16 ones through
+float32. Two kernels, chosen by the number of activation rows:
 
 * **few rows** (1 row by default, any up to :data:`MAX_ROWS` when asked: decode steps of one
-  sequence): each weight row streams once past groups of 4 activation rows. Two strategies:
+  sequence): each weight row streams once past groups of 4 activation rows (one row of int8
+  activations: q4 weights 4 rows at a time, the next 4 prefetched, since 4 rows read side by
+  side are 4 short streams the hardware prefetcher follows badly; 22-23 -> 26-27 GB/s over a
+  1B-shape layer). Two strategies:
   ``int8`` (the default; activations quantized per block of 32 to int8, integer dot products,
   as llama.cpp does) and ``float`` (each weight block dequantized in registers:
   dequantize-then-matmul's products, summed in another order). ``int8`` measured faster on one
@@ -14,8 +18,8 @@ first, the result cast back). Two kernels, chosen by the number of activation ro
   (q8_0) against ``float``'s 0.56 / 0.61 / 2.7 (q4_0: 0.21 / 0.57 / 2.4 against 0.58 / 0.61 /
   2.6): one ``maddubs`` per 32 products instead of widening every weight to float32.
 * **tiles** (from :data:`TILES_MIN_ROWS` = 2 rows: batched decode and prompts): the
-  activations are quantized to int8 once per call; each tile is 8 weight rows against up to
-  64 activation rows. Per 32-weight block the 8 weight rows are unpacked to bytes and
+  activations are quantized to int8 once per call; each tile is 8 weight rows (16 in 512-bit
+  registers in the ``avx512_vnni`` build) against up to 64 activation rows. Per 32-weight block the 8 weight rows are unpacked to bytes and
   transposed in 4-byte groups (lane ``c`` of vector ``s`` holds bytes ``4s..4s+3`` of weight
   row ``c``), so one integer dot product (``vpdpbusd`` in the ``avx512_vnni`` build,
   ``maddubs`` + ``madd`` otherwise) takes 4 bytes of an activation row, broadcast, against
