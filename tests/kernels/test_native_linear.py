@@ -295,9 +295,10 @@ def test_a_call_finds_its_row_limit_in_the_one_cached_selection(fresh_kernel):
 @pytest.mark.parametrize(("n", "k"), [(13, 70), (259, 2080), (9, 47), (24, 8192)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_avx2_bf16_any_rows_kernel(rows, n, k, with_bias):
-    """The blocked bf16 kernel for prompts (AVX2 build): any row count (short groups of 4 rows,
-    short blocks of 8 weight rows, a K tail; K = 8192 splits the rows into chunks of 16)
-    against a float64 linear, and each row equal to that row computed alone."""
+    """The blocked bf16 kernel for prompts (AVX2 build): any row count (short groups of 6 rows,
+    100 rows in two passes of at most 96), full and short 16-row weight panels, K tails and
+    K split into slices of 1024 (2080, 8192) against a float64 linear, and each row equal to
+    that row computed alone."""
     _require("avx2", BF16)
     assert native_linear.bf16_rows_available()
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)

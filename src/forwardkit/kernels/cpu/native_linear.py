@@ -9,20 +9,19 @@ in blocks of rows with VDPBF16PS and reaches 20-28 GB/s a core with the weight o
 For float32 it saves MKL's per-call overhead on the small matrices of small models. For more
 rows oneDNN's packed matmul is faster (it is compute-bound there) and stays in use, except on a
 CPU without native bf16 arithmetic: there oneDNN widens the whole bf16 weight on every call, so
-the AVX2 build also serves bf16 products of 3-16 rows (batched decode, short prompts) by
-running groups of up to 4 activation rows through each block of weight rows (2.5-3.9x
-``F.linear`` at 3-16 rows on the 2-core EPYC); :func:`max_rows` says how many rows a build takes.
+the AVX2 build also serves bf16 products of 3-16 rows (batched decode, short prompts): 3-7 rows
+run in groups through each block of weight rows (2.5-3.9x ``F.linear`` on the 2-core EPYC), 8
+and more go to the blocked kernel below; :func:`max_rows` says how many rows a build takes.
 Products of more rows on such a CPU (prompts) take the AVX2 build's blocked kernel
-(:func:`linear_bf16_rows`, ``fk_linear_bf16_rows``): the activations widened to float32 once
-per chunk of rows, each block of 8 weight rows meeting every group of 4 activation rows as
-4 x 2 register tiles, the bf16 weights widened in registers (no float32 copy of the weight).
-Measured at 64 rows on the 2-core EPYC with oneDNN capped to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``,
-as on a CPU without native bf16), 2 threads, medians of 11 interleaved calls in each of two
-runs on a heavily shared machine (absolute times inflated): a 2048 x 2048 weight took 51-53 ms
-against 82-92 ms for PyTorch's bf16 ``F.linear`` (1.5-1.8x) and 79-93 ms for float32
-``F.linear`` on a float32 copy of the weight (1.5-1.8x); 8192 x 2048: 136-144 ms against
-312-335 ms (2.3x) and 192-234 ms (1.4-1.6x). The router calls it only where oneDNN has no
-bf16 (with native bf16, oneDNN's matmul is 2-3.5x faster than this kernel).
+(:func:`linear_bf16_rows`, ``fk_linear_bf16_rows``): a packed outer-product GEMM whose threads
+each own 16-column panels of the output; a panel's 16 weight rows are widened to float32 into a
+``[k][16]`` buffer once per slice of 1024 k-values and pass of up to 96 activation rows, and a
+6 x 16 register tile runs 12 float32 FMAs per k for 8 loads (no float32 copy of the whole
+weight; each output rounded to bf16 once). Measured at 64 rows on the 2-core EPYC, 2 threads,
+medians of 7 calls: 2048 x 2048 and 8192 x 2048 weights at 184-193 GFLOPS, about 80 % of the
+FMA peak measured there (about 230) and twice the 4 x 2 dot-product tiles it replaced (96-103);
+16 rows 147 GFLOPS against 97-102. The router calls it only where oneDNN has no bf16 (with
+native bf16, oneDNN's matmul is faster still).
 
 There are two builds, chosen per dtype by the CPU's flags: ``csrc/linear_few_rows.c`` for
 AVX-512 (bf16 with VDPBF16PS, needs AVX-512-BF16; float32 needs AVX-512F/BW/VL) and
@@ -259,15 +258,16 @@ _BF16_ROWS_ISA = "avx2"
 
 
 def _self_check_bf16_rows(fn: Callable[..., int]) -> None:
-    """Row counts past the few-row kernel's (short groups of 4 rows, a short block of 8 weight
-    rows, a K tail, a bias) against ``F.linear`` in float64."""
+    """Row counts past the few-row kernel's (short groups of 6 rows, a full 16-row weight panel
+    packed by the vector transpose and a short one, a K tail, a bias) against ``F.linear`` in
+    float64."""
     gen = torch.Generator().manual_seed(1)
     for rows in (17, 22):
         x = torch.randn(rows, 70, generator=gen).to(torch.bfloat16)
-        w = torch.randn(13, 70, generator=gen).to(torch.bfloat16)
-        b = torch.randn(13, generator=gen).to(torch.bfloat16)
-        y = torch.empty(rows, 13, dtype=torch.bfloat16)
-        rc = fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), rows, 13, 70)
+        w = torch.randn(19, 70, generator=gen).to(torch.bfloat16)
+        b = torch.randn(19, generator=gen).to(torch.bfloat16)
+        y = torch.empty(rows, 19, dtype=torch.bfloat16)
+        rc = fn(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), rows, 19, 70)
         ref = F.linear(x.double(), w.double(), b.double())
         if rc != 0 or not torch.allclose(y.double(), ref, rtol=2e-2, atol=2e-2):
             raise RuntimeError(f"bf16 rows self-check failed for {rows} rows (rc={rc})")
