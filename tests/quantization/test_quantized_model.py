@@ -177,8 +177,18 @@ def test_cli_generate_quantization_flag(llama_dir, capsys):
         prompt_token_ids=[[5, 17, 33]],
         sampling_params=SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False))[0]
     assert [int(t) for t in ids.replace(",", " ").split()] == want
-    assert main(["generate", "--quantization", "int3", "--prompt-token-ids", "1"]) != 0
-    assert "--quantization must be one of ['q8_0', 'q4_0', 'q4_1']" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:  # argparse's usage error: exit status 2
+        main(["generate", "--quantization", "int3", "--prompt-token-ids", "1"])
+    assert bad.value.code == 2
+    assert ("argument --quantization: must be one of ['q8_0', 'q4_0', 'q4_1'], got 'int3'"
+            in capsys.readouterr().err)
+    # the bench refuses it before building anything (no progress line drawn first)
+    with pytest.raises(SystemExit) as bad:
+        main(["bench", "--generation", "--quantization", "q4_2", "--contenders", "forwardkit"])
+    assert bad.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --quantization: must be one of ['q8_0', 'q4_0', 'q4_1'], got 'q4_2'" in err
+    assert "build + first token" not in err
 
 
 def test_update_weights_into_a_quantized_projection_is_refused_whole(llama_dir):

@@ -62,6 +62,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def quantization_format(text: str) -> str:
+    """argparse type: a block format the loader quantizes to (checked here, before any model or
+    progress output, with the same list the model config checks)."""
+    from forwardkit.config.model import QUANTIZATION_FORMATS
+
+    if text not in QUANTIZATION_FORMATS:
+        raise argparse.ArgumentTypeError(f"must be one of {list(QUANTIZATION_FORMATS)}, got {text!r}")
+    return text
+
+
 def non_negative_float(text: str) -> float:
     """argparse type: a number >= 0."""
     value = strict_float(text)
@@ -210,7 +220,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
                         "(default 16)")
     g.add_argument("--max-cpu-loras", type=positive_int, default=None, metavar="N",
                    help="adapters kept loaded in host memory (default: --max-loras)")
-    g.add_argument("--quantization", default=None, metavar="FORMAT",
+    g.add_argument("--quantization", type=quantization_format, default=None, metavar="FORMAT",
                    help="quantize the attention/MLP projections on load: q8_0, q4_0 or q4_1 "
                         "(the token embedding and the LM head: q8_0)")
     g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=None, metavar="N",
