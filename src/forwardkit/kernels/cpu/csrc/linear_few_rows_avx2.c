@@ -14,10 +14,12 @@
  * with F.linear to float32 rounding of the sum, not bit for bit.
  *
  * The few-row kernels read the weight, as the AVX-512 kernel does, in its plain row-major
- * layout, a block of R rows at a time, each row against every activation row; blocks are split over the OpenMP threads
- * (small products, whose weights sit in cache, stay on one thread); while a block is read the
- * next block's rows are prefetched one cache line per row and step (the hardware prefetchers
- * restart at every 4 KiB page and a row is a few KiB).
+ * layout: one sequence's decode takes one row from each of 4 contiguous parts of a thread's
+ * rows at a time (4 long sequential streams the hardware prefetchers follow); more activation
+ * rows take blocks of R adjacent rows, each row against every activation row, with the next
+ * block's rows prefetched one cache line per row and step (the hardware prefetchers restart
+ * at every 4 KiB page and a row is a few KiB). Small products, whose weights sit in cache, stay
+ * on one thread.
  *
  * Built at first use by forwardkit.kernels.cpu.native_linear with the system C compiler
  * (-mavx2 -mfma); the caller checks the CPU before calling.
@@ -91,7 +93,7 @@ static inline float hsum(__m256 v) {
         float s = hsum(acc[i][j]);                                                             \
         for (long t = k; t < K; t++) s += fk_bf16_to_f32(wr[j][t]) * fk_bf16_to_f32(x[i * K + t]); \
         if (bias) s += fk_bf16_to_f32(bias[n0 + j * rs]);                                      \
-        y[i * N + n0 + j * rs] = fk_f32_to_bf16(s);                                                 \
+        y[i * N + n0 + j * rs] = fk_f32_to_bf16(s);                                            \
       }                                                                                        \
   }
 
@@ -103,7 +105,8 @@ FK_BLOCK_BF16(4, 2)
 
 /* bf16 rows beyond 2 (batched decode, 3..FK_GEMM_MIN_ROWS - 1): without native bf16 arithmetic
  * oneDNN widens the whole weight on every call, so streaming it here wins as long as the FMAs
- * keep up (from 8 rows the packed GEMM below is faster: 1.1-1.2x at 8 rows, 1.5-1.7x at 16). A block of 8 weight rows is taken by one thread; the activation rows go through it
+ * keep up (from 8 rows the packed GEMM below is faster: 1.1-1.2x at 8 rows, 1.5-1.7x at 16).
+ * A block of 8 weight rows is taken by one thread; the activation rows go through it
  * in groups of up to 4 (the block stays in L1/L2 between groups), each group against
  * sub-blocks of 2 weight rows (4 x 2 accumulators plus the widened weights fit the 16
  * registers). */
@@ -239,8 +242,10 @@ static void fk_pack(const uint16_t* w, long K, long n0, long nr, long k0, long k
         fk_tr8(r); /* r[q]: pair q (k + 2q, k + 2q + 1) of rows r0..r0+7 */
         for (int q = 0; q < 8; q++) {
           __m256i v = _mm256_castps_si256(r[q]);
-          _mm256_storeu_ps(p + (k + 2 * q) * FK_NR + r0, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-          _mm256_storeu_ps(p + (k + 2 * q + 1) * FK_NR + r0, _mm256_castsi256_ps(_mm256_and_si256(v, hi)));
+          _mm256_storeu_ps(p + (k + 2 * q) * FK_NR + r0,
+                           _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+          _mm256_storeu_ps(p + (k + 2 * q + 1) * FK_NR + r0,
+                           _mm256_castsi256_ps(_mm256_and_si256(v, hi)));
         }
       }
   }
@@ -293,7 +298,8 @@ int fk_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bi
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     const long p_lo = np * t / nt, p_hi = np * (t + 1) / nt;
     const long ldc = FK_SB * FK_NR;
-    float* buf = (float*)aligned_alloc(64, sizeof(float) * (FK_MC * FK_KC + FK_KC * FK_NR + FK_MC * ldc));
+    float* buf = (float*)aligned_alloc(
+        64, sizeof(float) * (FK_MC * FK_KC + FK_KC * FK_NR + FK_MC * ldc));
     if (!buf) {
 #pragma omp atomic write
       failed = 1;
