@@ -308,18 +308,21 @@ FK_INLINE void fk_block1_int8(const int8_t* xq, const float* xd, const float* xs
                            _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(8), x))
         : _mm256_setzero_si256();
 #else
-    __m256i ax = _mm256_sign_epi8(x, x);
+    /* the same without VNNI: unsigned nibbles against signed activations by VPMADDUBSW (pair
+     * sums at most 2 * 15 * 127, no saturation), q4_0's - 8 as -8 * the activation's sums */
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256i start = fmt == FK_Q4_0
+        ? _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), x), _mm256_set1_epi16(-1))
+        : _mm256_setzero_si256();
 #endif
     for (int r = 0; r < R; r++) {
         const uint8_t* blk = blk0 + r * row_bytes;
-#if defined(FK_VNNI)
         __m128i packed = _mm_loadu_si128((const __m128i*)(blk + fk_quants_at(fmt)));
         __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+#if defined(FK_VNNI)
         __m256i dot = _mm256_dpbusd_epi32(start, nib, x);
 #else
-        __m256i q = fk_block_vec(blk, fmt);
-        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(q, x)),
-                                        _mm256_set1_epi16(1));
+        __m256i dot = _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(nib, x), ones));
 #endif
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(fk_half(blk) * dx), _mm256_cvtepi32_ps(dot), acc[r]);
         if (fmt == FK_Q4_1) macc[r] += fk_half(blk + 2) * xs[b];
