@@ -80,11 +80,11 @@ FK_BLOCK(4, 4)
 /* float32: the same blocking with FMA over 16 floats. Needs AVX-512F only. */
 #define FK_BLOCK32(MR, R)                                                                      \
   static void fk32_block_##MR##_##R(const float* x, const float* w, const float* bias,        \
-                                    float* y, long n0, long nr, long N, long K) {              \
+                                    float* y, long n0, long nr, long N, long K, long rs) {     \
     __m512 acc[MR][R];                                                                         \
     const float* wr[R];                                                                        \
     for (int j = 0; j < R; j++) {                                                              \
-      wr[j] = w + (n0 + (j < nr ? j : 0)) * K;                                                 \
+      wr[j] = w + (n0 + (j < nr ? j : 0) * rs) * K;                                            \
       for (int i = 0; i < MR; i++) acc[i][j] = _mm512_setzero_ps();                            \
     }                                                                                          \
     long k = 0;                                                                                \
@@ -92,7 +92,8 @@ FK_BLOCK(4, 4)
       __m512 xv[MR];                                                                           \
       for (int i = 0; i < MR; i++) xv[i] = _mm512_loadu_ps(x + i * K + k);                     \
       for (int j = 0; j < R; j++) {                                                            \
-        _mm_prefetch((const char*)(wr[j] + R * K + k), _MM_HINT_T0); /* next block's row j */  \
+        if (rs == 1) /* the next block's row j */                                              \
+          _mm_prefetch((const char*)(wr[j] + R * K + k), _MM_HINT_T0);                         \
         __m512 wv = _mm512_loadu_ps(wr[j] + k);                                                \
         for (int i = 0; i < MR; i++) acc[i][j] = _mm512_fmadd_ps(wv, xv[i], acc[i][j]);        \
       }                                                                                        \
@@ -108,15 +109,28 @@ FK_BLOCK(4, 4)
     }                                                                                          \
     for (int i = 0; i < MR; i++)                                                               \
       for (int j = 0; j < nr; j++)                                                             \
-        y[i * N + n0 + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j] : 0.0f);    \
+        y[i * N + n0 + j * rs] =                                                               \
+            _mm512_reduce_add_ps(acc[i][j]) + (bias ? bias[n0 + j * rs] : 0.0f);               \
   }
 
 FK_BLOCK32(1, 8)
+FK_BLOCK32(1, 4) /* FK_STREAMS rows far apart */
 FK_BLOCK32(2, 8)
 
 int fk_linear_f32(const float* x, const float* w, const float* bias, float* y, long M, long N,
                   long K) {
   if (M < 1 || M > 2 || N < 1 || K < 1) return -1;
+  if (M == 1 && N * K >= (1L << 18)) { /* as in fk_linear_bf16: FK_STREAMS streams */
+#pragma omp parallel
+    {
+      const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+      const long lo = N * t / nt, hi = N * (t + 1) / nt, per = (hi - lo) / FK_STREAMS;
+      for (long i = 0; i < per; i++) fk32_block_1_4(x, w, bias, y, lo + i, FK_STREAMS, N, K, per);
+      for (long j = lo + FK_STREAMS * per; j < hi; j++)
+        fk32_block_1_8(x, w, bias, y, j, 1, N, K, 1);
+    }
+    return 0;
+  }
   const long R = 8;
   const long nblocks = (N + R - 1) / R;
   /* small products (weights in cache) are not worth waking a second thread for */
@@ -124,8 +138,8 @@ int fk_linear_f32(const float* x, const float* w, const float* bias, float* y, l
   for (long b = 0; b < nblocks; b++) {
     const long n0 = b * R;
     const long nr = N - n0 < R ? N - n0 : R;
-    if (M == 1) fk32_block_1_8(x, w, bias, y, n0, nr, N, K);
-    else fk32_block_2_8(x, w, bias, y, n0, nr, N, K);
+    if (M == 1) fk32_block_1_8(x, w, bias, y, n0, nr, N, K, 1);
+    else fk32_block_2_8(x, w, bias, y, n0, nr, N, K, 1);
   }
   return 0;
 }

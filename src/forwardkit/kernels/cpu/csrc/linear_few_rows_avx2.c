@@ -348,11 +348,11 @@ int fk_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bi
 /* float32: the same blocking, 16 floats (one cache line) per row and step. */
 #define FK_BLOCK_F32(MR, R)                                                                    \
   static void fkf_##MR##_##R(const float* x, const float* w, const float* bias, float* y,      \
-                             long n0, long nr, long N, long K) {                               \
+                             long n0, long nr, long N, long K, long rs) {                      \
     __m256 acc[MR][R];                                                                         \
     const float* wr[R];                                                                        \
     for (int j = 0; j < R; j++) {                                                              \
-      wr[j] = w + (n0 + (j < nr ? j : 0)) * K;                                                 \
+      wr[j] = w + (n0 + (j < nr ? j : 0) * rs) * K;                                            \
       for (int i = 0; i < MR; i++) acc[i][j] = _mm256_setzero_ps();                            \
     }                                                                                          \
     long k = 0;                                                                                \
@@ -363,7 +363,8 @@ int fk_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bi
         x1[i] = _mm256_loadu_ps(x + i * K + k + 8);                                            \
       }                                                                                        \
       for (int j = 0; j < R; j++) {                                                            \
-        _mm_prefetch((const char*)(wr[j] + R * K + k), _MM_HINT_T0); /* next block's row j */  \
+        if (rs == 1) /* the next block's row j */                                              \
+          _mm_prefetch((const char*)(wr[j] + R * K + k), _MM_HINT_T0);                         \
         __m256 a = _mm256_loadu_ps(wr[j] + k);                                                 \
         __m256 b = _mm256_loadu_ps(wr[j] + k + 8);                                             \
         for (int i = 0; i < MR; i++) {                                                         \
@@ -376,24 +377,35 @@ int fk_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bi
       for (int j = 0; j < nr; j++) {                                                           \
         float s = hsum(acc[i][j]);                                                             \
         for (long t = k; t < K; t++) s += wr[j][t] * x[i * K + t];                             \
-        y[i * N + n0 + j] = s + (bias ? bias[n0 + j] : 0.0f);                                  \
+        y[i * N + n0 + j * rs] = s + (bias ? bias[n0 + j * rs] : 0.0f);                        \
       }                                                                                        \
   }
 
 FK_BLOCK_F32(1, 8)
+FK_BLOCK_F32(1, 4) /* FK_STREAMS rows far apart */
 FK_BLOCK_F32(2, 4)
 
 int fk_linear_f32(const float* x, const float* w, const float* bias, float* y, long M, long N,
                   long K) {
   if (M < 1 || M > 2 || N < 1 || K < 1) return -1;
+  if (M == 1 && N * K >= FK_PARALLEL_MIN) { /* as in fk_linear_bf16: FK_STREAMS streams */
+#pragma omp parallel
+    {
+      const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+      const long lo = N * t / nt, hi = N * (t + 1) / nt, per = (hi - lo) / FK_STREAMS;
+      for (long i = 0; i < per; i++) fkf_1_4(x, w, bias, y, lo + i, FK_STREAMS, N, K, per);
+      for (long j = lo + FK_STREAMS * per; j < hi; j++) fkf_1_8(x, w, bias, y, j, 1, N, K, 1);
+    }
+    return 0;
+  }
   const long R = M == 1 ? 8 : 4;
   const long nblocks = (N + R - 1) / R;
 #pragma omp parallel for schedule(static) if (N * K >= FK_PARALLEL_MIN)
   for (long b = 0; b < nblocks; b++) {
     const long n0 = b * R;
     const long nr = N - n0 < R ? N - n0 : R;
-    if (M == 1) fkf_1_8(x, w, bias, y, n0, nr, N, K);
-    else fkf_2_4(x, w, bias, y, n0, nr, N, K);
+    if (M == 1) fkf_1_8(x, w, bias, y, n0, nr, N, K, 1);
+    else fkf_2_4(x, w, bias, y, n0, nr, N, K, 1);
   }
   return 0;
 }
