@@ -210,7 +210,7 @@ int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
 #define FK_NR 16
 #define FK_KC 1024 /* k per packed panel slice */
 #define FK_MC 96   /* activation rows per pass */
-#define FK_SB 16
+#define FK_SB 16   /* panels per column block: partial sums of FK_MC x 256 outputs per thread */
 
 /* 8 rows of 8 32-bit lanes -> lane j of out[q] = element q of row j */
 static inline void fk_tr8(__m256 r[8]) {
