@@ -58,6 +58,12 @@ class CpuCapabilities:
     def amx(self) -> bool:
         return {"amx_tile", "amx_bf16"} <= self.flags
 
+    @property
+    def avx2_fma(self) -> bool:
+        """AVX2 and FMA: forwardkit's AVX2 kernel builds (bf16 widened to float32 in registers)
+        run here."""
+        return {"avx2", "fma"} <= self.flags
+
     def has(self, needed: frozenset[str] | set[str]) -> bool:
         """Whether the CPU reports every flag in ``needed``."""
         return needed <= self.flags

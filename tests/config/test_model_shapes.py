@@ -76,11 +76,27 @@ def test_unknown_shape_and_conflicting_model_are_named(tmp_path):
         build_engine_config(str(tmp_path), model_shape="default")
 
 
-def test_auto_bf16_falls_back_to_fp32_on_a_cpu_without_bf16(monkeypatch):
+def test_auto_bf16_runs_in_fp32_only_where_bf16_would_be_emulated(monkeypatch):
+    """``dtype="auto"`` keeps a bf16 checkpoint in bf16 where its products run natively: a CPU
+    with native bf16 matmuls, or AVX2 + FMA with forwardkit's AVX2 bf16 kernels (the
+    ``cpu_linear`` op); elsewhere (bf16 matmuls emulated) it runs in float32."""
     import forwardkit.config.builder as builder
+    from forwardkit.platforms import CpuCapabilities
+
+    def cpu(flags: set[str]) -> None:
+        monkeypatch.setattr(builder, "cpu_capabilities",
+                            lambda: CpuCapabilities(frozenset(flags), "test CPU", False))
+
+    def auto_dtype(**kw) -> torch.dtype:
+        return build_engine_config(model_shape="llama-3.2-1b", platform="cpu", **kw).model_config.dtype
 
     monkeypatch.setattr(builder, "cpu_has_native_bf16", lambda: False)
-    assert build_engine_config(model_shape="llama-3.2-1b", platform="cpu").model_config.dtype == torch.float32
+    cpu({"avx2", "fma", "f16c"})  # an AVX2 server: the AVX2 kernels serve bf16
+    assert auto_dtype() == torch.bfloat16
+    # the same CPU with the native linear switched off: bf16 would be emulated
+    assert auto_dtype(compilation_config={"custom_ops": ["-cpu_linear"]}) == torch.float32
+    cpu({"sse4_2", "avx"})  # no AVX2: emulated
+    assert auto_dtype() == torch.float32
     forced = build_engine_config(model_shape="llama-3.2-1b", dtype="bfloat16", platform="cpu")
     assert forced.model_config.dtype == torch.bfloat16  # an explicit choice is kept
     cuda = build_engine_config(model_shape="llama-3.2-1b", platform="cuda")

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from forwardkit.config.cache import CacheConfig, check_hash_algo
 from forwardkit.config.compilation import CompilationConfig
+from forwardkit.config.custom_ops import is_custom_op_enabled
 from forwardkit.config.engine import EngineConfig
 from forwardkit.config.engine_args import ENGINE_ARGS, LLM_LEVEL_ARGS, screen_engine_args
 from forwardkit.config.gguf import gguf_model_config, is_gguf_path
@@ -271,7 +272,7 @@ def build_engine_config(
                              "have: leave quantization unset")
         if quantization is not None:
             model_config = dataclasses.replace(model_config, quantization=quantization)
-        model_config = _cpu_dtype_fallback(model_config, dtype, resolved_platform)
+        model_config = _cpu_dtype_fallback(model_config, dtype, resolved_platform, compilation)
         scheduler_config = _scheduler_config(model_config, max_num_seqs, max_num_batched_tokens,
                                              enable_chunked_prefill, scheduler_kwargs)
         cache_kwargs: dict[str, Any] = {"num_gpu_blocks": num_gpu_blocks, **routed["cache"]}
@@ -368,15 +369,24 @@ def cpu_has_native_bf16() -> bool:
     return cpu_capabilities().native_bf16
 
 
-def _cpu_dtype_fallback(model_config: ModelConfig, dtype: Any, platform: Platform) -> ModelConfig:
-    """On a CPU without native bf16, a checkpoint's bf16 (taken by ``dtype="auto"``) runs in
-    float32: emulated bf16 matmuls are several times slower. An explicit dtype is kept."""
+def _cpu_dtype_fallback(model_config: ModelConfig, dtype: Any, platform: Platform,
+                        compilation: CompilationConfig) -> ModelConfig:
+    """A checkpoint's bf16 (taken by ``dtype="auto"``) runs in float32 on a CPU where bf16
+    products would be emulated: no native bf16 matmul (AVX-512-BF16 / AMX through oneDNN) and
+    neither forwardkit's AVX2 bf16 kernels (they need AVX2 + FMA and the ``cpu_linear`` op, on
+    unless ``"-cpu_linear"``). Emulated bf16 matmuls are several times slower than float32;
+    the AVX2 kernels are faster than float32 (they read half the bytes at batch 1 and match
+    float32's prompt speed). An explicit dtype is kept."""
     auto = dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto")
     if (not auto or model_config.dtype != torch.bfloat16
             or not platform.is_cpu() or cpu_has_native_bf16()):
         return model_config
-    logger.info_once("This CPU has no native bf16 matmuls: running the bf16 model in float32 "
-                     "(pass dtype='bfloat16' to force bf16)")
+    if cpu_capabilities().avx2_fma and is_custom_op_enabled(
+            compilation.custom_ops, "cpu_linear", compilation.mode, compilation.backend):
+        return model_config
+    logger.info_once("This CPU has no native bf16 matmuls and forwardkit's AVX2 bf16 kernels do "
+                     "not serve here (no AVX2 + FMA, or custom_ops has '-cpu_linear'): running "
+                     "the bf16 model in float32 (pass dtype='bfloat16' to force bf16)")
     return dataclasses.replace(model_config, dtype=torch.float32)
 
 
