@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "fk_bf16.h"
+#include "fk_streams.h"
 
 #define FK_ABI_VERSION 2
 #define FK_STREAMS 4 /* one-row decode: sequential streams per thread */
@@ -123,8 +124,8 @@ int fk_linear_f32(const float* x, const float* w, const float* bias, float* y, l
   if (M == 1 && N * K >= (1L << 18)) { /* as in fk_linear_bf16: FK_STREAMS streams */
 #pragma omp parallel
     {
-      const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-      const long lo = N * t / nt, hi = N * (t + 1) / nt, per = (hi - lo) / FK_STREAMS;
+      const fk_parts q = fk_thread_parts(N, FK_STREAMS);
+      const long lo = q.lo, hi = q.hi, per = q.per;
       for (long i = 0; i < per; i++) fk32_block_1_4(x, w, bias, y, lo + i, FK_STREAMS, N, K, per);
       for (long j = lo + FK_STREAMS * per; j < hi; j++)
         fk32_block_1_8(x, w, bias, y, j, 1, N, K, 1);
@@ -149,15 +150,13 @@ int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
                    long M, long N, long K) {
   if (M < 1 || M > 4 || N < 1 || K < 1) return -1;
   if (M == 1 && N * K >= (1L << 18)) {
-    /* One sequence's decode: each thread splits its rows into FK_STREAMS contiguous parts and
-     * takes row i of every part together, so it reads FK_STREAMS long sequential streams (the
-     * same sums as blocks of adjacent rows, bit for bit). Streaming 12 bf16 weights of the 1B
-     * shape, 2 threads, interleaved: 40.2-40.7 GB/s for blocks of 8 adjacent rows with the
-     * next block prefetched, 57.8-58.2 for 4 streams, 49.2 for 8. */
+    /* One sequence's decode: FK_STREAMS long streams a thread (fk_streams.h; the same sums as
+     * blocks of adjacent rows, bit for bit). 12 bf16 weights of the 1B shape, 2 threads:
+     * 40.2-40.7 GB/s for blocks of 8 adjacent rows, 57.8-58.2 for 4 streams, 49.2 for 8. */
 #pragma omp parallel
     {
-      const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-      const long lo = N * t / nt, hi = N * (t + 1) / nt, per = (hi - lo) / FK_STREAMS;
+      const fk_parts q = fk_thread_parts(N, FK_STREAMS);
+      const long lo = q.lo, hi = q.hi, per = q.per;
       for (long i = 0; i < per; i++)
         fk_block_1_4(x, w, bias, y, 0, lo + i, FK_STREAMS, N, K, per);
       for (long j = lo + FK_STREAMS * per; j < hi; j++)

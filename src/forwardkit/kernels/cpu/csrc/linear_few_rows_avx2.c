@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "fk_bf16.h"
+#include "fk_streams.h"
 
 #define FK_ABI_VERSION 2
 
@@ -157,15 +158,13 @@ int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
       xo[i * H + h] = fk_bf16_to_f32(x[i * K + 2 * h + 1]);
     }
   if (M == 1 && N * K >= FK_PARALLEL_MIN) {
-    /* One sequence's decode: each thread splits its rows into FK_STREAMS contiguous parts and
-     * takes row i of every part together, so it reads FK_STREAMS long sequential streams (the
-     * same sums as blocks of adjacent rows, bit for bit). Streaming 12 bf16 weights of the 1B
-     * shape, 2 threads, interleaved: 30.3-30.9 GB/s for blocks of 8 adjacent rows with the
-     * next block prefetched, 34.8-36.0 for 4 streams, 34.1-34.4 for 8. */
+    /* One sequence's decode: FK_STREAMS long streams a thread (fk_streams.h; the same sums as
+     * blocks of adjacent rows, bit for bit). 12 bf16 weights of the 1B shape, 2 threads:
+     * 30.3-30.9 GB/s for blocks of 8 adjacent rows, 34.8-36.0 for 4 streams, 34.1-34.4 for 8. */
 #pragma omp parallel
     {
-      const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-      const long lo = N * t / nt, hi = N * (t + 1) / nt, per = (hi - lo) / FK_STREAMS;
+      const fk_parts q = fk_thread_parts(N, FK_STREAMS);
+      const long lo = q.lo, hi = q.hi, per = q.per;
       for (long i = 0; i < per; i++)
         fkb_1_4(xe, xo, H, x, w, bias, y, lo + i, FK_STREAMS, N, K, per);
       for (long j = lo + FK_STREAMS * per; j < hi; j++)
@@ -391,8 +390,8 @@ int fk_linear_f32(const float* x, const float* w, const float* bias, float* y, l
   if (M == 1 && N * K >= FK_PARALLEL_MIN) { /* as in fk_linear_bf16: FK_STREAMS streams */
 #pragma omp parallel
     {
-      const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-      const long lo = N * t / nt, hi = N * (t + 1) / nt, per = (hi - lo) / FK_STREAMS;
+      const fk_parts q = fk_thread_parts(N, FK_STREAMS);
+      const long lo = q.lo, hi = q.hi, per = q.per;
       for (long i = 0; i < per; i++) fkf_1_4(x, w, bias, y, lo + i, FK_STREAMS, N, K, per);
       for (long j = lo + FK_STREAMS * per; j < hi; j++) fkf_1_8(x, w, bias, y, j, 1, N, K, 1);
     }

@@ -64,6 +64,7 @@
 #include <omp.h>
 
 #include "fk_bf16.h"
+#include "fk_streams.h"
 
 #define FK_QUANT_ABI_VERSION 4
 #define FK_QK 32
@@ -413,16 +414,14 @@ static void fk_few_rows(const float* x, const int8_t* xq, const float* xd, const
                         int fmt, int mode) {
     long full = M / FK_G * FK_G, row_bytes = K / FK_QK * fk_block_bytes(fmt);
     if (M == 1 && mode == 1) { /* one sequence's decode */
-        /* Each thread splits its rows into FK_R contiguous parts and runs row i of every part
-         * together: FK_R long sequential streams. Measured streaming 6 layers of the 1B shape
-         * (2 threads, 2-core EPYC, same process, interleaved): q4_0 31.9 -> 35.0 GB/s (VNNI),
-         * 24.9 -> 27.1 (AVX2) against FK_R adjacent rows with the next FK_R prefetched; q8_0
-         * 42-50 -> 54-56 against one row at a time. Adjacent rows are FK_R short streams that
-         * restart every row, which the prefetchers follow badly; 8 parts were slower than 4. */
+        /* FK_R long sequential streams a thread (fk_streams.h). 6 layers of the 1B shape, 2
+         * threads, interleaved: q4_0 31.9 -> 35.0 GB/s (VNNI), 24.9 -> 27.1 (AVX2) against FK_R
+         * adjacent rows with the next FK_R prefetched; q8_0 42-50 -> 54-56 against one row at a
+         * time. */
 #pragma omp parallel if (N * K >= FK_PARALLEL_MIN)
         {
-            const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-            const long lo = N * t / nt, hi = N * (t + 1) / nt, per = (hi - lo) / FK_R;
+            const fk_parts q = fk_thread_parts(N, FK_R);
+            const long lo = q.lo, hi = q.hi, per = q.per;
             float sums[FK_R];
             for (long i = 0; i < per; i++) {
                 fk_rows1_int8(xq, xd, xs, K, w + (lo + i) * row_bytes, per * row_bytes, fmt, FK_R,
