@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from forwardkit.compilation.counters import compilation_counter
+from forwardkit.config.compilation import CompilationConfig
 from forwardkit.config.engine import EngineConfig, set_current_engine_config
 from forwardkit.config.model import ModelConfig
 from forwardkit.forward_context import set_forward_context
@@ -21,12 +22,13 @@ TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_lay
             rms_norm_eps=1e-5, rope_theta=10000.0, num_local_experts=4, num_experts_per_tok=2)
 ARCH = {"llama": LlamaForCausalLM, "mixtral": MixtralForCausalLM}
 STEPS = [64, 17, 3, 1]
+ATTENTION_OPS = CompilationConfig.ATTENTION_OPS
 
 
-def _build(arch: str, mode: int, backend: str = "eager"):
+def _build(arch: str, mode: int, backend: str = "eager", **cc):
     hf = dict(TINY, architectures=[ARCH[arch].__name__])
     cfg = EngineConfig(model_config=ModelConfig(hf_config=hf, dtype=torch.float32),
-                       compilation_config=dict(mode=mode, backend=backend))
+                       compilation_config=dict(mode=mode, backend=backend, **cc))
     with set_current_engine_config(cfg):
         model = ARCH[arch](cfg)
     init_random_weights(model)
@@ -46,10 +48,13 @@ def _step(built, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
-@pytest.mark.parametrize("mode", [0, 1, 2, 3])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3, "3-split"])
 def test_modes_match_eager_and_trace_once(arch, mode):
     ref = _build(arch, 0)
-    built = _build(arch, mode)
+    split = mode == "3-split"  # on the CPU mode 3 compiles one graph unless splitting ops are listed
+    if split:
+        mode = 3
+    built = _build(arch, mode, **({"splitting_ops": list(ATTENTION_OPS)} if split else {}))
     before = compilation_counter.clone()
     for n in STEPS:
         torch.testing.assert_close(_step(built, n), _step(ref, n), rtol=1e-5, atol=1e-5)
@@ -58,9 +63,11 @@ def test_modes_match_eager_and_trace_once(arch, mode):
         assert traces == 1 and compilation_counter.num_recompiles == before.num_recompiles
     if mode == 3:
         backend = built[1].model._fk_backend
-        # 2 attention layers -> 5 pieces, attention kept eager
-        assert len(backend.pieces) == 5
-        assert [p.is_splitting_graph for p in backend.pieces] == [False, True, False, True, False]
+        if split:  # 2 attention layers -> 5 pieces, attention kept eager
+            assert len(backend.pieces) == 5
+            assert [p.is_splitting_graph for p in backend.pieces] == [False, True, False, True, False]
+        else:  # one piece; attention is an opaque op inside it
+            assert len(backend.pieces) == 1 and not backend.pieces[0].is_splitting_graph
     if mode == 0:
         assert traces == 0
 

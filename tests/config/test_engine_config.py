@@ -345,6 +345,24 @@ def test_default_platform_and_cpu(cpu_platform):
     assert cc.bs_to_padded_graph_size is None and cc.cudagraph_num_of_warmups == 0
 
 
+@pytest.mark.parametrize("cc, splitting", [
+    ({}, []),  # no static graphs: one graph, no exit and entry around each attention
+    ({"splitting_ops": ATTN}, ATTN),  # what the user lists is kept
+    ({"splitting_ops": ["forwardkit::unified_attention"]}, ["forwardkit::unified_attention"]),
+    ({"pass_config": {"enable_sp": True}}, ATTN),  # sequence parallelism's pass needs pieces
+    ({"mode": 2}, []),
+])
+def test_a_platform_without_static_graphs_compiles_one_graph(cc, splitting):
+    cfg = build(static=False, **cc)
+    assert cfg.compilation_config.splitting_ops == splitting
+    again = EngineConfig(model_config=cfg.model_config, compilation_config=cfg.compilation_config,
+                         platform=CpuPlatform())
+    assert again.compilation_config.splitting_ops == splitting  # resolving again: the same
+    # with static graphs (an emulated CUDA platform) the reference's attention split stays
+    assert build(static=True, **cc).compilation_config.splitting_ops == cc.get(
+        "splitting_ops", ATTN if cc.get("mode") != 2 else [])
+
+
 def test_platform_is_restored_after_resolution(cpu_platform):
     from forwardkit.platforms import current_platform
 

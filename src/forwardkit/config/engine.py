@@ -271,6 +271,17 @@ class EngineConfig(FreezableConfig):
         cc, model, parallel = self.compilation_config, self.model_config, self.parallel_config
         effective_dp = parallel.data_parallel_size if model is None or model.is_moe else 1
         graphs_before = cc.cudagraph_mode
+        if (cc.splitting_ops is None and cc.mode == CompilationMode.VLLM_COMPILE
+                and not self.platform.supports_static_graph() and not cc.pass_config.enable_sp
+                and not cc.use_inductor_graph_partition and not cc.pass_config.fuse_attn_quant):
+            # NOTE: the reference splits at attention here on every platform: the pieces are
+            # what piecewise CUDA graphs capture, and a platform without static graphs never
+            # captures one (the reference's own CPU platform compiles one graph, in mode 2).
+            # Each split costs a graph exit and entry per layer and step (a 1 B model's
+            # decode step runs about 2 ms faster as one graph on a 2-core CPU), so such a
+            # platform compiles one graph unless the user lists splitting ops. Sequence
+            # parallelism keeps the split: its pass is written for the pieces.
+            cc.splitting_ops = []
         cc.set_splitting_ops_for_v1(
             all2all_backend=parallel.all2all_backend, data_parallel_size=effective_dp)
         if graphs_before != CUDAGraphMode.NONE and cc.cudagraph_mode == CUDAGraphMode.NONE:
