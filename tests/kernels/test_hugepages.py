@@ -75,6 +75,28 @@ def test_runner_starts_the_move_after_its_first_step_not_during_start_up():
     assert router.huge_pages.pending_bytes() == 0
 
 
+def test_a_quantized_model_queues_its_packed_weights(tmp_path):
+    """A quantized model's layers call no ``forwardkit::linear``; its packed weights are
+    streamed every step all the same, so they are queued too."""
+    transformers = pytest.importorskip("transformers")
+    from forwardkit import LLM, SamplingParams
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path))
+    llm = LLM(str(tmp_path), enforce_eager=True, quantization="q8_0")
+    router = llm.runner.cpu_linear_router
+    assert router is not None
+    params = list(llm.runner.module.parameters())
+    assert any(p.dtype == torch.uint8 for p in params)  # the packed blocks
+    assert router.huge_pages.pending_bytes() == sum(p.untyped_storage().nbytes() for p in params)
+    llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=1),
+                 use_tqdm=False)
+    assert router.huge_pages.pending_bytes() == 0
+
+
 def test_a_plain_pytorch_model_queues_nothing():
     """``-cpu_linear`` (the benchmark's baselines): no layer calls the op, the loader makes no
     router, and no weight is queued for huge pages."""

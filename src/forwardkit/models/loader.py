@@ -280,8 +280,9 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
     """Build, load and return the model of ``engine_config`` in eval mode on the platform device.
 
     On the CPU, when layers call the ``forwardkit::linear`` op (``cpu_linear``, on unless
-    ``custom_ops`` has ``"-cpu_linear"``), the model gets a ``CpuLinearRouter`` for them
-    (``attached_router(model)``; module doc). A plain PyTorch baseline adds ``"-cpu_linear"``.
+    ``custom_ops`` has ``"-cpu_linear"``) or hold quantized weights, the model gets a
+    ``CpuLinearRouter`` (``attached_router(model)``; module doc): it routes the former and
+    queues every weight for huge pages. A plain PyTorch baseline adds ``"-cpu_linear"``.
     """
     from forwardkit.config.engine import set_current_engine_config
 
@@ -325,11 +326,14 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
         _finish_quantization(model, model_config.quantization, model_config.dtype)
     _finish_expert_quantization(model)
     routed = linear_op_weights(model)
-    if routed and device.type == "cpu":
+    packed_experts = any(isinstance(m, FusedMoE) and m.quant_format is not None
+                         for m in model.modules())
+    if (routed or quantized or packed_experts) and device.type == "cpu":
         router = CpuLinearRouter()
         # written weights move onto huge pages in the background once the runner has served
         # its first step (faulting them in as huge pages is slower: each 2 MiB fault zeroes and
-        # may compact synchronously; collapsing during start-up slows start-up by seconds)
+        # may compact synchronously; collapsing during start-up slows start-up by seconds).
+        # Quantized weights too: a decode step streams them just the same.
         router.huge_pages.defer(model.parameters())
         router.route_weights(routed)
         attach_router(model, router)
