@@ -541,7 +541,7 @@ FK_INLINE void fk_unpack_tile(const uint8_t* const* wr, long b, long bb, long qa
  * around it (the broadcasts, the conversion, the FMA with the scales) is spread over twice as
  * many. Every output is summed in the same order as the 256-bit tile's: the same floats. */
 FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
-                       const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
+                       const uint8_t* xa, const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
                        long nr, long N, long K, const int fmt) {
     const long nb = K / FK_QK, bb = fk_block_bytes(fmt), qat = fk_quants_at(fmt);
     const uint8_t* wr[FK_NR];
@@ -577,7 +577,7 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
                     d2 = _mm512_dpbusd_epi32(d2, _mm512_set1_epi32(fk_load4(xb + 4 * s8 + 16)), t[s8 + 4]);
                 }
             } else {
-                dot = _mm512_set1_epi32(fmt == FK_Q4_0 ? -8 * xi[r * nb + b] : 0);
+                dot = _mm512_set1_epi32(fmt == FK_Q4_0 ? xi[r * nb + b] : 0);
                 for (int s8 = 0; s8 < 4; s8++) {
                     dot = _mm512_dpbusd_epi32(dot, t[s8], _mm512_set1_epi32(fk_load4(xb + 4 * s8)));
                     d2 = _mm512_dpbusd_epi32(d2, t[s8 + 4], _mm512_set1_epi32(fk_load4(xb + 4 * s8 + 16)));
@@ -609,7 +609,7 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
  * rows. The unpacked block serves every row of the pass (up to FK_MR), whose accumulators
  * stay in L1. */
 FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
-                       const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
+                       const uint8_t* xa, const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
                        long nr, long N, long K, const int fmt) {
     const long nb = K / FK_QK, bb = fk_block_bytes(fmt), qat = fk_quants_at(fmt);
     const uint8_t* wr[FK_NR];
@@ -628,17 +628,20 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
             const long r = m0 + i;
             const int8_t* xb = xq + r * K + b * FK_QK;
             __m256i dot;
-            if (fmt == FK_Q8_0) { /* |q_x| against q_w with q_x's sign, one pair sum widened at a time
-                                   * (two of 127 * 127 would overflow 16 bits) */
+            if (fmt == FK_Q8_0) { /* |q_x| (xa, made once per call) against q_w with q_x's sign,
+                                   * one pair sum widened at a time (two of 127 * 127 would
+                                   * overflow 16 bits) */
+                const uint8_t* ab = xa + r * K + b * FK_QK;
                 dot = _mm256_setzero_si256();
                 for (int s8 = 0; s8 < 8; s8++) {
                     __m256i xv = _mm256_set1_epi32(fk_load4(xb + 4 * s8));
-                    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(t[s8], xv));
+                    __m256i av = _mm256_set1_epi32(fk_load4((const int8_t*)ab + 4 * s8));
+                    __m256i p = _mm256_maddubs_epi16(av, _mm256_sign_epi8(t[s8], xv));
                     dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
                 }
             } else {
-                /* q4_0's "- 8": -8 * sum(q_x), exact (xi: the sums, per row and block) */
-                dot = _mm256_set1_epi32(fmt == FK_Q4_0 ? -8 * xi[r * nb + b] : 0);
+                /* q4_0's "- 8": -8 * sum(q_x), exact (xi: per row and block) */
+                dot = _mm256_set1_epi32(fmt == FK_Q4_0 ? xi[r * nb + b] : 0);
                 /* nibbles (0..15) times int8 (-127..127): the 8 VPMADDUBSW pair sums of a block
                  * add up in 16 bits without overflow (8 * 2 * 15 * 127 = 30480), so they are
                  * widened to 32 bits once, not 8 times */
@@ -664,7 +667,7 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
 #endif /* FK_WIDE */
 #else
 FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
-                       const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
+                       const uint8_t* xa, const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
                        long nr, long N, long K, const int fmt) {
     const long nb = K / FK_QK, bb = fk_block_bytes(fmt);
     float acc[FK_MR][FK_NR];
@@ -689,9 +692,9 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
 
 #define FK_TILE_FN(NAME, FMT)                                                                  \
     static void NAME(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,   \
-                     const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0, \
-                     long nr, long N, long K) {                                                \
-        fk_tile(xq, xd, xs, xi, w, bias, y, m0, mr, n0, nr, N, K, FMT);                       \
+                     const uint8_t* xa, const uint8_t* w, const float* bias, float* y, long m0, \
+                     long mr, long n0, long nr, long N, long K) {                             \
+        fk_tile(xq, xd, xs, xi, xa, w, bias, y, m0, mr, n0, nr, N, K, FMT);                   \
     }
 FK_TILE_FN(fk_tile_q8_0, FK_Q8_0)
 FK_TILE_FN(fk_tile_q4_0, FK_Q4_0)
@@ -704,19 +707,29 @@ int fk_quant_tile_cols(void) { return FK_NR; }
 static int fk_tiles(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
                     const float* bias, float* y, long M, long N, long K, int fmt) {
     void (*tile)(const int8_t*, const float*, const float*, const int32_t*, const uint8_t*,
-                 const float*, float*, long, long, long, long, long, long) =
+                 const uint8_t*, const float*, float*, long, long, long, long, long, long) =
         fmt == FK_Q8_0 ? fk_tile_q8_0 : fmt == FK_Q4_0 ? fk_tile_q4_0 : fk_tile_q4_1;
     const long nb = K / FK_QK;
-    int32_t* xi = NULL; /* q4_0: sum(q_x) per row and block */
+    int32_t* xi = NULL; /* q4_0: -8 * sum(q_x) per row and block (a broadcast load in the tile) */
     if (fmt == FK_Q4_0) {
         xi = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * nb));
         if (!xi) return -1;
         for (long r = 0; r < M * nb; r++) {
             int32_t sum = 0;
             for (int e = 0; e < FK_QK; e++) sum += xq[r * FK_QK + e];
-            xi[r] = sum;
+            xi[r] = -8 * sum;
         }
     }
+#if !defined(FK_VNNI) && defined(__AVX2__)
+    uint8_t* xa = NULL; /* q8_0: |q_x|, VPMADDUBSW's unsigned operand (the sign goes to q_w) */
+    if (fmt == FK_Q8_0) {
+        xa = (uint8_t*)malloc((size_t)(M * K));
+        if (!xa) return -1;
+        for (long e = 0; e < M * K; e++) xa[e] = (uint8_t)(xq[e] < 0 ? -xq[e] : xq[e]);
+    }
+#else
+    const uint8_t* xa = NULL;
+#endif
 #if defined(FK_VNNI)
     int8_t* xu = NULL; /* q8_0: q_x + 128, VPDPBUSD's unsigned operand */
     if (fmt == FK_Q8_0) {
@@ -735,12 +748,14 @@ static int fk_tiles(const int8_t* xq, const float* xd, const float* xs, const ui
         for (long t = 0; t < ntiles; t++) {
             const long n0 = t * FK_NR, nr = N - n0 < FK_NR ? N - n0 : FK_NR;
             for (long m0 = c0; m0 < c1; m0 += FK_MR)
-                tile(xq, xd, xs, xi, w, bias, y, m0, c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
+                tile(xq, xd, xs, xi, xa, w, bias, y, m0, c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
         }
     }
     free(xi);
 #if defined(FK_VNNI)
     free(xu);
+#elif defined(__AVX2__)
+    free(xa);
 #endif
     return 0;
 }
