@@ -226,6 +226,36 @@ def test_disabling_cpu_linear_changes_the_cache_key(tmp_path):
     assert key_dir([]) == on  # the key is stable otherwise
 
 
+def test_the_cpu_vector_isa_inductor_writes_for_changes_the_cache_keys(tmp_path, monkeypatch):
+    """A saved piece holds its kernels' C++ source, compiled again where it is loaded for the
+    vector ISA Inductor picks there. ``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 CPU makes
+    Inductor write 8-lane code; built for 16 lanes that source wrote past its buffers (a
+    ``double free or corruption`` abort, seen on an AVX2 stand-in's artifact loaded by a plain
+    run). So PyTorch's CPU capability is a factor of the piece cache's key and of the AOT
+    entry's."""
+    import torch
+
+    from forwardkit.compilation.aot import AotEntry
+    from forwardkit.compilation.backend import ForwardkitBackend
+    from forwardkit.config.engine import EngineConfig
+
+    monkeypatch.setenv("FORWARDKIT_CACHE_ROOT", str(tmp_path))
+    config = EngineConfig(compilation_config={"mode": 3})
+
+    def keys() -> tuple[str, str]:
+        piece = CompileCache.key_dir(str(tmp_path), ForwardkitBackend(config)._cache_factors())
+        module = torch.nn.Linear(2, 2)
+        entry = AotEntry(module, module.forward, config, "backbone", "fingerprint")
+        return piece, entry.cache.local_dir
+
+    native = keys()
+    assert keys() == native  # stable otherwise
+    lowered = "AVX2" if torch.backends.cpu.get_cpu_capability() != "AVX2" else "DEFAULT"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: lowered)
+    other = keys()
+    assert other[0] != native[0] and other[1] != native[1]
+
+
 class _DiskFull:
     """A text file whose write stores the first half of the text, then fails (ENOSPC)."""
 

@@ -46,6 +46,7 @@ from torch._dynamo.aot_compile_types import SerializableCallable
 from forwardkit import envs
 from forwardkit.compilation.cache import CompileCache, cache_enabled, code_hash, compile_cache_root
 from forwardkit.compilation.counters import compilation_counter
+from forwardkit.compilation.vec_isa import cpu_codegen_key
 from forwardkit.distributed.parallel_state import rank_dir_name
 from forwardkit.logger import init_logger
 
@@ -286,6 +287,7 @@ class AotEntry:
             "prefix": self.prefix,
             "model": fingerprint,
             "format": 1,
+            "cpu_codegen": cpu_codegen_key(),
         }
         digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:10]
         pc = engine_config.parallel_config

@@ -30,6 +30,7 @@ from forwardkit.compilation.counters import compilation_counter, log_summary
 from forwardkit.compilation.passes import PostGradPassManager
 from forwardkit.compilation.piecewise import ArtifactStore, PiecewiseBackend
 from forwardkit.compilation.split import SplitItem, split_graph
+from forwardkit.compilation.vec_isa import cpu_codegen_key
 from forwardkit.config.compilation_methods import register_piecewise_backend
 from forwardkit.distributed.parallel_state import rank_dir_name
 from forwardkit.logger import init_logger
@@ -190,6 +191,7 @@ class ForwardkitBackend:
             "compiler": self.backend_name,
             "env": env,
             "prefix": self.prefix,
+            "cpu_codegen": cpu_codegen_key(),
         }
 
     def _init_cache(self) -> CompileCache | None:

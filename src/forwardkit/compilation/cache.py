@@ -7,13 +7,15 @@ Layout (``root`` = ``cache_dir`` or ``FORWARDKIT_CACHE_ROOT``, default ``~/.cach
         .lock                          # fcntl lock taken around every read-modify-write
         cache_key_factors.json         # what went into <hash10>, for humans
         <artifact name>                # binary: one file; unpacked: a directory
-    <root>/inductor_cache/             # Inductor's own cache (C++ kernels), kept with ours,
-                                       # checksummed too (see compilation/kernel_cache.py)
+    <root>/inductor_cache/cpu_<isa>/   # Inductor's own cache (C++ kernels), kept with ours,
+                                       # checksummed too (see compilation/kernel_cache.py); one
+                                       # per PyTorch CPU capability (inductor_cache_subdir)
     <root>/native/                     # the native CPU kernels' shared libraries
                                        # (kernels/cpu/native_linear.py), checksummed the same way
 
-``<hash10>`` covers the engine config hash, the torch version, the traced source files and the
-compiler identity. Unlike the reference, a user-supplied ``cache_dir`` is also keyed by that
+``<hash10>`` covers the engine config hash, the torch version, the traced source files, the
+compiler identity and what decides the vector ISA Inductor writes CPU kernels for
+(``vec_isa.cpu_codegen_key``). Unlike the reference, a user-supplied ``cache_dir`` is also keyed by that
 hash (a stale cache is never loaded after a code or config change), paths in the index are
 relative (a moved cache tree still loads), every entry is verified against its checksum, and
 any unreadable entry is logged once and recompiled instead of crashing.
@@ -181,6 +183,18 @@ def code_hash(files: Iterable[str]) -> str:
     return h.hexdigest()
 
 
+def inductor_cache_subdir() -> str:
+    """The directory under ``<root>/inductor_cache/`` for this process's PyTorch CPU capability
+    (``cpu_avx512``, ``cpu_avx2``, ...). Inductor writes a CPU kernel's C++ for the vector ISA
+    that capability picks, and its FX-graph cache keeps that source without the ISA in its key:
+    loaded under another capability (``ATEN_CPU_CAPABILITY=avx2`` in one run, not in the next)
+    the source is built for wider vectors than it was written for and writes past its buffers.
+    One directory per capability keeps them apart."""
+    import torch
+
+    return "cpu_" + str(torch.backends.cpu.get_cpu_capability()).lower()
+
+
 @contextlib.contextmanager
 def inductor_cache_dir(path: str | None) -> Iterator[None]:
     """Point Inductor's own cache (kernels, FX graphs) at ``path`` for the duration of the block."""
@@ -235,7 +249,7 @@ class CompileCache:
         self.root, self.local_dir = root, local_dir
         self.save_format: SaveFormat = "unpacked" if save_format == "unpacked" else "binary"
         _make_private_dirs(root, local_dir, source)
-        self.inductor_dir = os.path.join(root, "inductor_cache")
+        self.inductor_dir = os.path.join(root, "inductor_cache", inductor_cache_subdir())
         _make_private_dirs(root, self.inductor_dir, source)
         verify_kernel_cache(self.inductor_dir)  # Inductor's kernels get the same checksum rule
         self._lock_path = os.path.join(local_dir, ".lock")

@@ -37,7 +37,7 @@ from forwardkit.logger import init_logger
 if TYPE_CHECKING:
     from torch._inductor.cpu_vec_isa import VecISA
 
-__all__ = ["prime_vec_isa_list", "record_vec_isa_list", "vec_isa_record_path"]
+__all__ = ["cpu_codegen_key", "prime_vec_isa_list", "record_vec_isa_list", "vec_isa_record_path"]
 
 logger = init_logger(__name__)
 
@@ -82,6 +82,19 @@ def _host_key() -> dict[str, object]:
         "cxx_version": get_compiler_version_info(cxx),
         "ld_library_path": os.environ.get("LD_LIBRARY_PATH", ""),
     }
+
+
+def cpu_codegen_key() -> dict[str, object]:
+    """What decides the vector ISA Inductor writes a CPU kernel's C++ for, for the compile
+    caches' keys: the host and toolchain (:func:`_host_key`), PyTorch's CPU capability (which
+    ``ATEN_CPU_CAPABILITY`` can lower: Inductor then picks AVX2 on an AVX-512 CPU) and
+    ``cpp.simdlen``. A saved artifact holds the kernels' C++ source, which is compiled again
+    where it is loaded for the ISA picked there; source written for 8-lane vectors and built for
+    16 reads and writes past its buffers, so an artifact is never shared across these."""
+    from torch._inductor import config
+
+    return {**_host_key(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "simdlen": config.cpp.simdlen}
 
 
 def _probe_id(isa: VecISA, code: str) -> str:
