@@ -97,6 +97,20 @@ def test_a_quantized_model_queues_its_packed_weights(tmp_path):
     assert router.huge_pages.pending_bytes() == 0
 
 
+def test_wait_for_moves_returns_when_the_moves_are_done(monkeypatch):
+    """What the benchmarks call before timing: it waits for a running move and reports whether
+    one is still running after the timeout."""
+    import threading
+
+    gate = threading.Event()
+    worker = threading.Thread(target=gate.wait, daemon=True)
+    monkeypatch.setattr(hugepages, "_workers", [worker])
+    worker.start()
+    assert hugepages.wait_for_moves(timeout=0.05) is False  # still running
+    gate.set()
+    assert hugepages.wait_for_moves(timeout=5) is True and hugepages._workers == []
+
+
 def test_a_plain_pytorch_model_queues_nothing():
     """``-cpu_linear`` (the benchmark's baselines): no layer calls the op, the loader makes no
     router, and no weight is queued for huge pages."""

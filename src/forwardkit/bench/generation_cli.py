@@ -330,6 +330,13 @@ def run_generation(args: argparse.Namespace) -> int:
         for b in s["batch_sizes"]:  # untimed: every compile and first-shape cost paid here
             fns[name]([[rng.randrange(vocab) for _ in range(s["prompt_len"])]] * b, 2)
     runner_cfg = _fk_model_info(keep)
+    # the weights' move onto huge pages (each engine starts one after its first step) ends
+    # before anything is timed: while it runs it takes a core and memory bandwidth
+    from forwardkit.kernels.cpu import hugepages
+
+    if not hugepages.wait_for_moves(timeout=300):
+        print("forwardkit bench --generation: the move of the weights onto huge pages still "
+              "runs after 300 s; timing beside it", file=sys.stderr)
     probe_mode = args.bandwidth_probe or "once"
     stream: float | None = None
     roof_fn: Callable[[], float] | None = None

@@ -19,6 +19,7 @@ from forwardkit.bench.contenders import Contender, build_contender
 from forwardkit.bench.report import BenchReport, ContenderResult
 from forwardkit.bench.trace import Step
 from forwardkit.distributed.parallel_state import comm_wait_stats
+from forwardkit.kernels.cpu import hugepages
 from forwardkit.runner.batch import StepBatch
 
 __all__ = ["blocks_for_trace", "make_batches", "run_bench"]
@@ -105,6 +106,9 @@ def run_bench(args: argparse.Namespace, names: list[str], steps: list[Step], *, 
         results[name] = ContenderResult(name, startup_s=contender.build_s + first_ms / 1e3)
         stores[name] = defaultdict(list)
     traces_after_first = {name: c.traces() for name, c in contenders.items()}
+    # the weights' move onto huge pages (started after a runner's first step) ends before
+    # anything is timed: while it runs it takes a core and memory bandwidth
+    hugepages.wait_for_moves(timeout=300)
 
     order = list(contenders)
     warm = [batches[i % len(batches)] for i in range(warmup_steps)]

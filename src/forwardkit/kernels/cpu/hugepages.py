@@ -33,12 +33,14 @@ import functools
 import mmap
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["HUGE_PAGE", "DeferredCollapse", "advise", "collapse", "collapse_in_background", "zero_"]
+__all__ = ["HUGE_PAGE", "DeferredCollapse", "advise", "collapse", "collapse_in_background",
+           "wait_for_moves", "zero_"]
 
 HUGE_PAGE = 2 << 20
 _PAGE = mmap.PAGESIZE
@@ -118,6 +120,17 @@ def _stop_workers() -> None:
 
 
 atexit.register(_stop_workers)
+
+
+def wait_for_moves(timeout: float | None = None) -> bool:
+    """Wait until every background move started so far is done (at most ``timeout`` seconds in
+    all); True when none is left running. A benchmark calls it before timing: a move still
+    running takes a core and memory bandwidth from what is timed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for thread in list(_workers):
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    _workers[:] = [t for t in _workers if t.is_alive()]
+    return not _workers
 
 
 def collapse_in_background(tensors: Iterable[torch.Tensor]) -> threading.Thread | None:
