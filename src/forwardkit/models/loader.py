@@ -264,9 +264,10 @@ def _finish_quantization(model: nn.Module, fmt: str | None, dtype: torch.dtype) 
                 str(dtype).removeprefix("torch."))
 
 
-def _finish_expert_quantization(model: nn.Module) -> None:
+def _finish_expert_quantization(model: nn.Module) -> list[FusedMoE]:
     """Pack the quantized MoE layers' experts still at full precision (a checkpoint's were
-    packed as each layer's last expert tensor arrived; seeded random ones are packed here)."""
+    packed as each layer's last expert tensor arrived; seeded random ones are packed here);
+    returns those layers."""
     layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.quant_format is not None]
     for layer in layers:
         layer.quantize_weights()
@@ -274,6 +275,7 @@ def _finish_expert_quantization(model: nn.Module) -> None:
         packed = sum(p.numel() for m in layers for p in (m.w13_weight, m.w2_weight))
         logger.info("MoE experts of %d layers packed in %s: %.1f MB", len(layers),
                     layers[0].quant_format, packed / 1e6)
+    return layers
 
 
 def load_model(engine_config: EngineConfig) -> nn.Module:
@@ -324,10 +326,8 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
         logger.info("Loaded %s from %s (%d files)", model_cls.__name__, model_dir, len(files))
     if quantized:
         _finish_quantization(model, model_config.quantization, model_config.dtype)
-    _finish_expert_quantization(model)
+    packed_experts = _finish_expert_quantization(model)
     routed = linear_op_weights(model)
-    packed_experts = any(isinstance(m, FusedMoE) and m.quant_format is not None
-                         for m in model.modules())
     if (routed or quantized or packed_experts) and device.type == "cpu":
         router = CpuLinearRouter()
         # written weights move onto huge pages in the background once the runner has served
