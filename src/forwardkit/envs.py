@@ -100,9 +100,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # deprecated: "=0" is read as "-cpu_attention" (the native decode attention's one switch)
     "FORWARDKIT_CPU_NATIVE_ATTENTION": _bool("FORWARDKIT_CPU_NATIVE_ATTENTION", True),
     # the CPU as forwardkit sees it, capped at an instruction set (platforms.cpu_capabilities):
-    # "avx2" hides AVX-512 / AMX and native bf16 matmuls (an AVX2 server stand-in; pair it
+    # "avx512" hides AMX (an AVX-512 server without it; ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 for
+    # oneDNN), "avx2" AVX-512 / AMX and native bf16 matmuls (an AVX2 server stand-in; pair it
     # with ONEDNN_MAX_CPU_ISA=AVX2 for oneDNN), "generic" every vector extension
-    "FORWARDKIT_CPU_MAX_ISA": _choice("FORWARDKIT_CPU_MAX_ISA", "native", ("native", "avx2", "generic")),
+    "FORWARDKIT_CPU_MAX_ISA": _choice("FORWARDKIT_CPU_MAX_ISA", "native",
+                                      ("native", "avx512", "avx2", "generic")),
     # with AOT compile on: a missing or unusable saved entry is a FileNotFoundError instead of
     # a trace (vLLM: VLLM_FORCE_AOT_LOAD), for deployments that must never compile
     "FORWARDKIT_FORCE_AOT_LOAD": _bool("FORWARDKIT_FORCE_AOT_LOAD", False),

@@ -85,20 +85,27 @@ def _cpuinfo_fields() -> dict[str, str]:
     return out
 
 
-# flags a CPU capped at AVX2 does not report (FORWARDKIT_CPU_MAX_ISA=avx2), and the vector
-# extensions "generic" drops on top of them
+# flags a CPU capped at AVX-512 does not report (FORWARDKIT_CPU_MAX_ISA=avx512), those a CPU
+# capped at AVX2 does not report, and the vector extensions "generic" drops on top of them
+_AMX = ("amx_",)
 _ABOVE_AVX2 = ("avx512", "amx_", "avx10")
 _VECTOR = ("avx", "fma", "f16c", "sse4", "ssse3")
 
 
 def cap_capabilities(caps: CpuCapabilities, max_isa: str) -> CpuCapabilities:
-    """``caps`` as a CPU capped at ``max_isa`` reports them: ``"native"`` unchanged; ``"avx2"``
-    without AVX-512 / AMX flags and without native bf16 matmuls; ``"generic"`` without any
-    vector extension either."""
+    """``caps`` as a CPU capped at ``max_isa`` reports them: ``"native"`` unchanged;
+    ``"avx512"`` without AMX flags (native bf16 matmuls stay where AVX-512-BF16 gives them;
+    oneDNN's own choice follows ``ONEDNN_MAX_CPU_ISA``); ``"avx2"`` without AVX-512 / AMX flags
+    and without native bf16 matmuls; ``"generic"`` without any vector extension either."""
     if max_isa == "native":
         return caps
-    if max_isa not in ("avx2", "generic"):
-        raise ValueError(f"FORWARDKIT_CPU_MAX_ISA={max_isa!r}; accepted: native, avx2, generic")
+    if max_isa not in ("avx512", "avx2", "generic"):
+        raise ValueError(
+            f"FORWARDKIT_CPU_MAX_ISA={max_isa!r}; accepted: native, avx512, avx2, generic")
+    if max_isa == "avx512":
+        flags = frozenset(f for f in caps.flags if not f.startswith(_AMX))
+        return CpuCapabilities(flags, caps.model_name,
+                               caps.native_bf16 and "avx512_bf16" in flags)
     dropped = _ABOVE_AVX2 + (_VECTOR if max_isa == "generic" else ())
     flags = frozenset(f for f in caps.flags if not f.startswith(dropped))
     return CpuCapabilities(flags, caps.model_name, False)

@@ -23,6 +23,14 @@ def test_avx2_cap_hides_avx512_amx_and_native_bf16():
     assert cap_capabilities(FULL, "native") is FULL
 
 
+def test_avx512_cap_hides_only_amx():
+    capped = cap_capabilities(FULL, "avx512")
+    assert capped.flags == FULL.flags - {"amx_tile", "amx_bf16"}
+    assert not capped.amx and capped.avx512_bf16 and capped.native_bf16  # AVX-512-BF16 stays
+    no_bf16 = CpuCapabilities(FULL.flags - {"avx512_bf16"}, "a CPU", True)
+    assert not cap_capabilities(no_bf16, "avx512").native_bf16  # it came from AMX
+
+
 def test_generic_cap_hides_every_vector_extension():
     assert cap_capabilities(FULL, "generic").flags == {"bmi2"}
 
@@ -50,6 +58,8 @@ def test_the_kernels_choose_builds_within_the_cap(capped):
     for isa in (native_quant.kernel_isa(), native_attention.kernel_isa(),
                 native_linear.kernel_isa(torch.float32)):
         assert isa in ("avx2", "generic", None), isa  # never an AVX-512 build
+    capped("avx512")
+    assert native_quant.kernel_isa() != "amx"  # the AMX build needs the flags the cap hides
     capped("generic")
     assert native_quant.kernel_isa() in ("generic", None)
     assert native_attention.kernel_isa() in ("generic", None)
@@ -57,5 +67,5 @@ def test_the_kernels_choose_builds_within_the_cap(capped):
 
 def test_a_bad_cap_is_named(capped):
     capped("avx9")
-    with pytest.raises(ValueError, match=r"'avx9' for FORWARDKIT_CPU_MAX_ISA.*'native', 'avx2', 'generic'"):
+    with pytest.raises(ValueError, match=r"'avx9' for FORWARDKIT_CPU_MAX_ISA.*'native', 'avx512', 'avx2', 'generic'"):
         platforms.cpu_capabilities()

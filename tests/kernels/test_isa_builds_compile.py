@@ -30,9 +30,9 @@ KERNELS = {
                   ["fk_attention_abi_version", "fk_attention_layer_args",
                    "fk_attention_step_args", "fk_decode_attention_bf16",
                    "fk_decode_attention_f32"]),
-    "quant": (native_quant, ["avx512_vnni", "avx512", "avx2", "generic"],
+    "quant": (native_quant, ["amx", "avx512_vnni", "avx512", "avx2", "generic"],
               ["fk_quant_abi_version", "fk_quant_max_rows", "fk_quant_linear",
-               "fk_quant_linear_tiles", "fk_quant_dequantize"]),
+               "fk_quant_linear_tiles", "fk_quant_dequantize", "fk_quant_amx"]),
 }
 BUILDS = [(kernel, isa) for kernel, (_, isas, _) in KERNELS.items() for isa in isas]
 

@@ -13,7 +13,7 @@ from forwardkit.kernels.cpu import native_quant
 from forwardkit.quantization import ops
 from forwardkit.quantization.formats import dequantize, quantize
 
-ISAS = ["avx512_vnni", "avx512", "avx2", "generic"]
+ISAS = ["amx", "avx512_vnni", "avx512", "avx2", "generic"]
 FORMATS = ["q8_0", "q4_0", "q4_1"]
 SHAPES = [(1, 32), (3, 96), (13, 64), (33, 2080), (257, 160)]  # (out, in)
 
@@ -184,6 +184,38 @@ def test_op_without_a_native_build_takes_the_reference_path(monkeypatch):
                                    ops.reference_linear(x, packed, None, fmt))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_amx_tiles_equal_the_vnni_tiles_bit_for_bit(fmt):
+    """The amx build runs tiles of AMX_MIN_ROWS rows and more on the tile unit with the integer
+    sums and the finishing order of the avx512_vnni build's 512-bit tiles, so their outputs are
+    equal bit for bit: row counts that are and are not whole tiles of 16 (padded), below and
+    above the threshold, an output count with a short weight tile, an input long enough for
+    several chunks of rows (8192: 128 rows a chunk), a zero block on each side. Fails if the tile
+    unit's operand layout, q4_0's signed nibbles, the scales or the padding are wrong, and if
+    the tile unit did not serve (the build reports the threshold it runs from)."""
+    for isa in ("amx", "avx512_vnni"):
+        if not native_quant.isa_supported(isa):
+            pytest.skip(f"the CPU lacks the instructions of the {isa} build")
+    native_quant.cache_clear()
+    amx = native_quant._function("amx")
+    assert amx is not None, "amx build failed, its self-check failed or the OS refused AMX"
+    gen = torch.Generator().manual_seed(23)
+    for n, k, row_counts in ((37, 160, (16, 23, 24, 31, 32, 47, 64, 75)), (18, 8192, (150,))):
+        w = torch.randn(n, k, generator=gen)
+        w[-1, -32:] = 0.0
+        packed = quantize(w, fmt)
+        bias = torch.randn(n, generator=gen)
+        x = (torch.randn(max(row_counts), k, generator=gen) * 2).bfloat16()
+        x[5, 32:64] = 0.0
+        for rows in row_counts:
+            got = native_quant.quant_linear_rows(x[:rows], packed, bias, fmt, isa="amx", path="tiles")
+            want = native_quant.quant_linear_rows(x[:rows], packed, bias, fmt, isa="avx512_vnni",
+                                                  path="tiles")
+            assert got is not None and want is not None
+            assert torch.equal(got, want), f"{rows} rows, {n} x {k}"
+            _close(got, _expected(x[:rows], packed, bias, fmt, "int8"), rtol=1e-2)
+
+
 @pytest.mark.parametrize("name", ISAS)
 def test_every_build_compiles(tmp_path, name):
     """Each ISA build compiles here, also one this CPU cannot run (compile only)."""
@@ -196,7 +228,7 @@ def test_every_build_compiles(tmp_path, name):
     data = path.read_bytes()
     assert data[:4] == b"\x7fELF"
     for symbol in ("fk_quant_abi_version", "fk_quant_max_rows", "fk_quant_linear",
-                   "fk_quant_linear_tiles", "fk_quant_dequantize"):
+                   "fk_quant_linear_tiles", "fk_quant_dequantize", "fk_quant_amx"):
         assert symbol.encode() + b"\0" in data, (name, symbol)
 
 

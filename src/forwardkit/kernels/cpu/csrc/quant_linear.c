@@ -4,9 +4,9 @@
  *
  *   y[r, j] = sum_k x[r, k] * W[j, k] (+ bias[j])   for r < M, j < N
  *
- * Portable C plus AVX2 intrinsics, compiled per ISA (AVX-512 with VNNI, AVX-512, AVX2 + FMA +
- * F16C, or the compiler's baseline) by forwardkit.kernels.cpu.native_quant. Built with
- * -ffp-contract=off, so the dequantization (q4_1: d * q + m, two roundings) gives ggml's float32
+ * Portable C plus AVX2 intrinsics, compiled per ISA (AVX-512 with VNNI and AMX-INT8, AVX-512
+ * with VNNI, AVX-512, AVX2 + FMA + F16C, or the compiler's baseline) by
+ * forwardkit.kernels.cpu.native_quant. Built with -ffp-contract=off, so the dequantization (q4_1: d * q + m, two roundings) gives ggml's float32
  * values bit for bit.
  *
  * Two entry points (activations and results in float32 or bfloat16: argument `io`, below):
@@ -53,6 +53,8 @@
  * one), instead of two 8 x 8 transposes of the unpacked bytes: 16 shuffles a block, not 64
  * (the 1B shape's qkv, gate_up and down products with 2 threads on an AVX-512 Xeon: 2.75 ->
  * 2.0-2.2 ms at 8 rows, 4.2 -> 3.6-3.75 at 16; the same bits).
+ * The amx build runs the tiles of 24 rows and more on the tile unit (the AMX section below);
+ * its outputs are the 512-bit tiles' bit for bit.
  *
  * fk_quant_linear_q8 / fk_quant_linear_tiles_q8: the same two kernels (the few-row one with the
  * int8 strategy) on activations already quantized by the caller (xq int8 [M, K], xd the
@@ -754,12 +756,244 @@ FK_TILE_FN(fk_tile_q4_1, FK_Q4_1)
 int fk_quant_tile_rows(void) { return FK_MR; }
 int fk_quant_tile_cols(void) { return FK_NR; }
 
+#if defined(__AMX_INT8__) && defined(FK_WIDE)
+/* ------------------------------------------------------------------ AMX int8 tiles */
+/* With AMX (the `amx` build) the tiles' integer dot products run on the tile unit: for a
+ * 16-row weight tile and a block, the 8 vectors t[0..7] of the 512-bit tile above are exactly
+ * an AMX B operand in its 4-byte-group layout (8 rows of 64 bytes: row s, lane c = bytes
+ * 4s..4s+3 of weight row c), so each weight tile is unpacked once per call into such a panel
+ * (all blocks, 512 bytes each, with its 16 scales as floats) and every 16 activation rows take
+ * one TDPBSSD (q8_0, and q4_0 with its nibbles less 8: both signed) or TDPBSUD (q4_1: the
+ * nibbles unsigned) per block: 16 x 16 x 32 products. The int32 results are stored and finished
+ * as the 512-bit tile does (one conversion, one FMA with d_w * d_x, q4_1's minimum), in the
+ * same order: the integer sums are exact, so the outputs are the VNNI tiles' bit for bit.
+ * Two result tiles alternate between blocks and four stored copies rotate, so the tile unit
+ * works on the next blocks while the vector unit finishes an earlier one. The kernel asks
+ * Linux once for the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM)); where that is refused the
+ * VNNI tiles serve (and the Python loader declines the amx build). */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define FK_AMX_MIN_ROWS 24 /* fewer rows take the VNNI tiles (as fast at 16 rows, slower below) */
+#define FK_AMX_CHUNK_BYTES (1L << 20) /* int8 activations per chunk of rows (L2: 2 MB a core) */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} fk_tilecfg;
+
+static int fk_amx_state = -1; /* -1 unknown, 0 refused, 1 granted */
+
+static int fk_amx_ok(void) {
+    int s = __atomic_load_n(&fk_amx_state, __ATOMIC_ACQUIRE);
+    if (s < 0) {
+        /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18); asking twice is harmless */
+        s = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        __atomic_store_n(&fk_amx_state, s, __ATOMIC_RELEASE);
+    }
+    return s;
+}
+
+/* The row count from which the AMX tiles serve (this build, Linux granted the tile state), or 0. */
+int fk_quant_amx(void) { return fk_amx_ok() ? FK_AMX_MIN_ROWS : 0; }
+
+/* tmm0, tmm1: int32 results (16 x 16); tmm2, tmm4: activations (16 rows x 32 bytes); tmm3,
+ * tmm5: weights (8 rows x 64 bytes). Even blocks use 0, 2, 3; odd ones 1, 4, 5. */
+static void fk_amx_config(void) {
+    fk_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = c.rows[1] = 16;
+    c.colsb[0] = c.colsb[1] = 64;
+    c.rows[2] = c.rows[4] = 16;
+    c.colsb[2] = c.colsb[4] = 32;
+    c.rows[3] = c.rows[5] = 8;
+    c.colsb[3] = c.colsb[5] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* Weight rows n0..n0 + nr (nr <= 16; a short tile repeats its last row) unpacked into the
+ * panel: per block 512 bytes of B operand (q4_0's nibbles less 8: signed, so its product needs
+ * no -8 * sum(q_x) term), 16 scales and (q4_1) 16 minimums as floats. */
+static void fk_amx_panel(const uint8_t* w, long n0, long nr, long nb, int fmt, uint8_t* pb,
+                         float* pd, float* pm) {
+    const long bb = fk_block_bytes(fmt), qat = fk_quants_at(fmt);
+    const uint8_t* wr[16];
+    for (int j = 0; j < 16; j++) wr[j] = w + (n0 + (j < nr ? j : nr - 1)) * nb * bb;
+    for (long b = 0; b < nb; b++) {
+        __m512i t[8];
+        uint16_t halves[16], mins[16];
+        fk_unpack16(wr, b, bb, qat, fmt, t, halves, mins);
+        for (int s8 = 0; s8 < 8; s8++) {
+            if (fmt == FK_Q4_0) t[s8] = _mm512_sub_epi8(t[s8], _mm512_set1_epi8(8));
+            _mm512_storeu_si512((void*)(pb + b * 512 + s8 * 64), t[s8]);
+        }
+        _mm512_storeu_ps(pd + b * 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)halves)));
+        if (fmt == FK_Q4_1)
+            _mm512_storeu_ps(pm + b * 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)mins)));
+    }
+}
+
+/* Block b's int32 results (c: 16 x 16, row i = activation row m0 + i) into acc. */
+FK_INLINE void fk_amx_finish(const int32_t* c, __m512* acc, const float* xd, const float* xs,
+                             long b, const float* pd, const float* pm, const int fmt) {
+    const __m512 wd = _mm512_loadu_ps(pd + b * 16);
+    const float* d = xd + b * 16; /* the 16 rows' scales of block b (packed: fk_amx_tiles) */
+    for (int i = 0; i < 16; i++) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void*)(c + 16 * i)));
+        __m512 a = _mm512_fmadd_ps(dot, _mm512_mul_ps(wd, _mm512_set1_ps(d[i])), acc[i]);
+        if (fmt == FK_Q4_1)
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(pm + b * 16), _mm512_set1_ps(xs[b * 16 + i]), a);
+        acc[i] = a;
+    }
+}
+
+/* Block b's product into result tile C from activation tile A and weight tile B (register
+ * numbers are immediates): q8_0 and q4_0 signed by signed, q4_1's nibbles unsigned. */
+#define FK_AMX_BLOCK(C, A, B, b)                                  \
+    do {                                                          \
+        _tile_zero(C);                                            \
+        _tile_loadd(A, xa + (b) * 512, 32);                       \
+        _tile_loadd(B, pb + (b) * 512, 64);                       \
+        if (fmt == FK_Q4_1)                                       \
+            _tile_dpbsud(C, A, B);                                \
+        else                                                      \
+            _tile_dpbssd(C, A, B);                                \
+    } while (0)
+
+/* One tile of 16 activation rows (xa: per block 16 rows of 32 bytes; xd, xs: per block the 16
+ * rows' scales; packed by fk_amx_tiles) against one panel, into y rows m0..m0 + mr. Block b
+ * runs in result tile b % 2 and is stored into cbuf slot b % 4; it is finished (read back)
+ * after block b + 2's product is issued, so the loads never wait on a store just made (two
+ * slots instead of four measured 57 against 51 cycles a block). */
+FK_INLINE void fk_amx_tile(const int8_t* xa, const float* xd, const float* xs, const uint8_t* pb,
+                           const float* pd, const float* pm, const float* bias, float* y, long m0,
+                           long mr, long n0, long nr, long N, long K, int32_t* cbuf, const int fmt) {
+    const long nb = K / FK_QK;
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    long f = 0; /* the next block to finish */
+    for (long b = 0; b < nb; b += 2) { /* b even: tile 0; b + 1 odd: tile 1 */
+        FK_AMX_BLOCK(0, 2, 3, b);
+        if (f + 2 <= b) {
+            fk_amx_finish(cbuf + 256 * (f & 3), acc, xd, xs, f, pd, pm, fmt);
+            f++;
+        }
+        _tile_stored(0, cbuf + 256 * (b & 3), 64);
+        if (b + 1 < nb) {
+            FK_AMX_BLOCK(1, 4, 5, b + 1);
+            if (f + 2 <= b + 1) {
+                fk_amx_finish(cbuf + 256 * (f & 3), acc, xd, xs, f, pd, pm, fmt);
+                f++;
+            }
+            _tile_stored(1, cbuf + 256 * ((b + 1) & 3), 64);
+        }
+    }
+    for (; f < nb; f++) fk_amx_finish(cbuf + 256 * (f & 3), acc, xd, xs, f, pd, pm, fmt);
+    for (long i = 0; i < mr; i++) {
+        float out[16];
+        _mm512_storeu_ps(out, acc[i]);
+        for (int j = 0; j < nr; j++) y[(m0 + i) * N + n0 + j] = out[j] + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+
+#define FK_AMX_TILE_FN(NAME, FMT)                                                               \
+    static void NAME(const int8_t* xq, const float* xd, const float* xs, const uint8_t* pb,    \
+                     const float* pd, const float* pm, const float* bias, float* y, long m0,   \
+                     long mr, long n0, long nr, long N, long K, int32_t* cbuf) {               \
+        fk_amx_tile(xq, xd, xs, pb, pd, pm, bias, y, m0, mr, n0, nr, N, K, cbuf, FMT);         \
+    }
+FK_AMX_TILE_FN(fk_amx_tile_q8_0, FK_Q8_0)
+FK_AMX_TILE_FN(fk_amx_tile_q4_0, FK_Q4_0)
+FK_AMX_TILE_FN(fk_amx_tile_q4_1, FK_Q4_1)
+
+/* fk_tiles on the tile unit (M >= FK_AMX_MIN_ROWS). xq, xd, xs as fk_tiles takes them (q_x
+ * signed for every format). Returns 0, or -1 when out of memory (nothing written). */
+static int fk_amx_tiles(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
+                        const float* bias, float* y, long M, long N, long K, int fmt) {
+    void (*tile)(const int8_t*, const float*, const float*, const uint8_t*, const float*,
+                 const float*, const float*, float*, long, long, long, long, long, long,
+                 int32_t*) =
+        fmt == FK_Q8_0 ? fk_amx_tile_q8_0 : fmt == FK_Q4_0 ? fk_amx_tile_q4_0 : fk_amx_tile_q4_1;
+    const long nb = K / FK_QK, Mp = (M + 15) / 16 * 16;
+    /* The activations packed for the tile loads: per tile of 16 rows and block, the 16 rows'
+     * 32 bytes together (512 contiguous bytes, where rows K bytes apart would share L1 sets)
+     * and their 16 scales; rows past M are zeros. */
+    int8_t* xp = (int8_t*)malloc((size_t)(Mp * K));
+    float* sp = (float*)malloc(sizeof(float) * (size_t)(2 * Mp * nb));
+    if (!xp || !sp) {
+        free(xp);
+        free(sp);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) if (M * K >= FK_PARALLEL_MIN)
+    for (long mt = 0; mt < Mp / 16; mt++)
+        for (long b = 0; b < nb; b++) {
+            int8_t* dst = xp + (mt * nb + b) * 512;
+            float* dd = sp + (mt * nb + b) * 16;
+            for (int i = 0; i < 16; i++) {
+                const long r = mt * 16 + i;
+                if (r < M) {
+                    memcpy(dst + i * 32, xq + r * K + b * FK_QK, 32);
+                    dd[i] = xd[r * nb + b];
+                    dd[Mp * nb + i] = xs[r * nb + b];
+                } else {
+                    memset(dst + i * 32, 0, 32);
+                    dd[i] = dd[Mp * nb + i] = 0.0f;
+                }
+            }
+        }
+    long chunk = FK_AMX_CHUNK_BYTES / K / 16 * 16;
+    if (chunk < 16) chunk = 16;
+    const long ntiles = (N + 15) / 16;
+    /* per thread: the panel (512 + 2 * 64 bytes a block) and four stored result tiles */
+    const size_t panel_bytes = (size_t)(nb * 640 + 4096);
+    int failed = 0;
+#pragma omp parallel if (N * K * M >= FK_PARALLEL_MIN)
+    {
+        uint8_t* pb = (uint8_t*)aligned_alloc(64, panel_bytes);
+        if (!pb) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            float* pd = (float*)(pb + nb * 512);
+            float* pm = pd + nb * 16;
+            int32_t* cbuf = (int32_t*)(pm + nb * 16);
+            fk_amx_config();
+            for (long c0 = 0; c0 < Mp; c0 += chunk) {
+                const long c1 = c0 + chunk < Mp ? c0 + chunk : Mp;
+#pragma omp for schedule(static)
+                for (long t = 0; t < ntiles; t++) {
+                    const long n0 = t * 16, nr = N - n0 < 16 ? N - n0 : 16;
+                    fk_amx_panel(w, n0, nr, nb, fmt, pb, pd, pm);
+                    for (long m0 = c0; m0 < c1; m0 += 16)
+                        tile(xp + m0 * K, sp + m0 * nb, sp + Mp * nb + m0 * nb, pb, pd, pm, bias,
+                             y, m0, M - m0 < 16 ? M - m0 : 16, n0, nr, N, K, cbuf);
+                }
+            }
+            _tile_release();
+        }
+        free(pb);
+    }
+    free(xp);
+    free(sp);
+    return failed ? -1 : 0;
+}
+#else
+int fk_quant_amx(void) { return 0; }
+#endif
+
 /* Returns 0, or -1 when out of memory (nothing written). */
 static int fk_tiles(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
                     const float* bias, float* y, long M, long N, long K, int fmt) {
     void (*tile)(const int8_t*, const float*, const float*, const int32_t*, const uint8_t*,
                  const uint8_t*, const float*, float*, long, long, long, long, long, long) =
         fmt == FK_Q8_0 ? fk_tile_q8_0 : fmt == FK_Q4_0 ? fk_tile_q4_0 : fk_tile_q4_1;
+#if defined(__AMX_INT8__) && defined(FK_WIDE)
+    if (M >= FK_AMX_MIN_ROWS && fk_amx_ok()) return fk_amx_tiles(xq, xd, xs, w, bias, y, M, N, K, fmt);
+#endif
     const long nb = K / FK_QK;
     int32_t* xi = NULL; /* q4_0: -8 * sum(q_x) per row and block (a broadcast load in the tile) */
     if (fmt == FK_Q4_0) {
