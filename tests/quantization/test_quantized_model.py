@@ -227,3 +227,25 @@ def test_bench_generation_refuses_weight_borrowers_with_quantization(capsys):
     assert main(["bench", "--generation", "--quick", "--quantization", "q8_0",
                  "--contenders", "forwardkit,transformers"]) != 0
     assert "--contenders transformers cannot run with --quantization" in capsys.readouterr().err
+
+
+def test_decode_profile_names_the_quantized_projections(llama_dir):
+    """``forwardkit bench --generation --profile`` on a quantized model: its projections run as
+    ``forwardkit::quant_linear`` (packed weights, another width than the input), and each weight
+    shape is a linear row with the input width, the LM head its own row, not folded into the
+    rest of the forward."""
+    from forwardkit.bench.decode_profile import profile_decode
+    from forwardkit.engine.llm import LLM
+
+    from .conftest import TINY  # noqa: TID252
+
+    hidden, vocab, layers = TINY["hidden_size"], TINY["vocab_size"], TINY["num_hidden_layers"]
+    llm = LLM(model=llama_dir, quantization="q4_0", enforce_eager=True, max_num_seqs=2)
+    profile = profile_decode(llm, 1, prompt_len=5, steps=2, warmup=1)
+    linear = {r.label: r for r in profile.by_kind("linear")}
+    assert set(linear) == {"linear self_attn.qkv_proj", "linear self_attn.o_proj",
+                           "linear mlp.gate_up_proj", "linear mlp.down_proj"}
+    assert all(row.calls == layers for row in linear.values())
+    assert linear["linear self_attn.o_proj"].detail == f"1x{hidden} -> {hidden}"
+    (head,) = profile.by_kind("lm_head")
+    assert head.detail == f"1x{hidden} -> {vocab}" and head.calls == 1

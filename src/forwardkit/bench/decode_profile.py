@@ -54,7 +54,8 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _Shape = tuple[int, int, int]  # (rows, out, in) of a linear product
 
-_LINEAR_OPS = {"forwardkit::linear", "aten::linear", "aten::mm", "aten::addmm", "aten::matmul"}
+_LINEAR_OPS = {"forwardkit::linear", "forwardkit::quant_linear", "forwardkit::quant_linear_q8",
+               "aten::linear", "aten::mm", "aten::addmm", "aten::matmul"}
 
 
 @dataclasses.dataclass
@@ -167,7 +168,12 @@ def _weight_names(model: torch.nn.Module) -> dict[tuple[int, int], list[str]]:
         short = ".".join(p for i, p in enumerate(parts)
                          if not (p.isdigit() or (i + 1 < len(parts) and parts[i + 1].isdigit())))
         short = short.removeprefix("model.")
-        key = (int(weight.shape[0]), int(weight.shape[1]))
+        # a packed (quantized) weight is [out, bytes]: the layer's own sizes name its shape
+        out_in = (getattr(module, "output_size", None), getattr(module, "input_size", None))
+        if weight.dtype == torch.uint8 and all(isinstance(v, int) for v in out_in):
+            key = (int(out_in[0]), int(out_in[1]))  # type: ignore[arg-type]
+        else:
+            key = (int(weight.shape[0]), int(weight.shape[1]))
         if short not in names[key]:
             names[key].append(short)
     return dict(names)
@@ -179,6 +185,10 @@ def _linear_shape(name: str, shapes: Sequence[Sequence[int]]) -> _Shape | None:
         if name in ("forwardkit::linear", "aten::linear"):
             x, w = shapes[0], shapes[1]
             return int(torch.Size(x[:-1]).numel()), int(w[0]), int(w[1])
+        if name in ("forwardkit::quant_linear", "forwardkit::quant_linear_q8"):
+            # (x or its int8 blocks, ..., packed [out, blocks * block bytes] at 1 or 3, ...)
+            x, w = shapes[0], shapes[1 if name == "forwardkit::quant_linear" else 3]
+            return int(torch.Size(x[:-1]).numel()), int(w[0]), int(x[-1])
         if name == "aten::mm":
             x, w = shapes[0], shapes[1]
             return int(x[0]), int(w[1]), int(w[0])
