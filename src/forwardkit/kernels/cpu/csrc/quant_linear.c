@@ -299,6 +299,20 @@ FK_INLINE void fk_block1_int8(const int8_t* xq, const float* xd, const float* xs
     const uint8_t* blk0 = w + b * bb;
     if (fmt == FK_Q8_0) {
         __m256i ax = _mm256_sign_epi8(x, x);
+        /* 4 rows: their fp16 scales converted together and times d_x in one product (the same
+         * floats as one at a time), each then spread by one permute instead of a scalar
+         * conversion, product and broadcast per row: over the 1B shape's q8_0 projections
+         * (1034 MB, 2 threads, AVX-512 Xeon) 23.8-24.0 -> 24.8-25.4 GB/s (AVX2 build),
+         * 24.2-24.6 -> 25.0-25.4 (VNNI), two runs; the streams are near the memory's pace */
+        __m256 s4 = _mm256_setzero_ps();
+        if (R == 4) {
+            uint16_t h[4];
+            for (int r = 0; r < 4; r++) memcpy(&h[r], blk0 + r * row_bytes, 2);
+            uint64_t h4;
+            memcpy(&h4, h, 8);
+            s4 = _mm256_castps128_ps256(
+                _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)h4)), _mm_set1_ps(dx)));
+        }
         for (int r = 0; r < R; r++) {
             const uint8_t* blk = blk0 + r * row_bytes;
             __m256i sw = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(blk + 2)), x);
@@ -307,7 +321,9 @@ FK_INLINE void fk_block1_int8(const int8_t* xq, const float* xd, const float* xs
 #else
             __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sw), _mm256_set1_epi16(1));
 #endif
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(fk_half(blk) * dx), _mm256_cvtepi32_ps(dot), acc[r]);
+            const __m256 sc = R == 4 ? _mm256_permutevar8x32_ps(s4, _mm256_set1_epi32(r))
+                                     : _mm256_set1_ps(fk_half(blk) * dx);
+            acc[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(dot), acc[r]);
         }
         return;
     }
