@@ -108,7 +108,7 @@ def run_bench(args: argparse.Namespace, names: list[str], steps: list[Step], *, 
     traces_after_first = {name: c.traces() for name, c in contenders.items()}
     # the weights' move onto huge pages (started after a runner's first step) ends before
     # anything is timed: while it runs it takes a core and memory bandwidth
-    hugepages.wait_for_moves(timeout=300)
+    hugepages.wait_for_moves(timeout=300)  # warns when time runs out
 
     order = list(contenders)
     warm = [batches[i % len(batches)] for i in range(warmup_steps)]

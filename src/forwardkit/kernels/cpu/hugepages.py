@@ -39,8 +39,12 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from forwardkit.logger import init_logger
+
 __all__ = ["HUGE_PAGE", "DeferredCollapse", "advise", "collapse", "collapse_in_background",
            "wait_for_moves", "zero_"]
+
+logger = init_logger(__name__)
 
 HUGE_PAGE = 2 << 20
 _PAGE = mmap.PAGESIZE
@@ -124,12 +128,16 @@ atexit.register(_stop_workers)
 
 def wait_for_moves(timeout: float | None = None) -> bool:
     """Wait until every background move started so far is done (at most ``timeout`` seconds in
-    all); True when none is left running. A benchmark calls it before timing: a move still
-    running takes a core and memory bandwidth from what is timed."""
+    all); True when none is left running, else False with a warning that what follows runs
+    beside them. A benchmark calls it before timing: a move still running takes a core and
+    memory bandwidth from what is timed."""
     deadline = None if timeout is None else time.monotonic() + timeout
     for thread in list(_workers):
         thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
     _workers[:] = [t for t in _workers if t.is_alive()]
+    if _workers:
+        logger.warning("the move of the weights onto huge pages still runs after %s s; what "
+                       "follows runs beside it", timeout)
     return not _workers
 
 

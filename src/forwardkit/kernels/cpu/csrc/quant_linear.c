@@ -6,8 +6,8 @@
  *
  * Portable C plus AVX2 intrinsics, compiled per ISA (AVX-512 with VNNI and AMX-INT8, AVX-512
  * with VNNI, AVX-512, AVX2 + FMA + F16C, or the compiler's baseline) by
- * forwardkit.kernels.cpu.native_quant. Built with -ffp-contract=off, so the dequantization (q4_1: d * q + m, two roundings) gives ggml's float32
- * values bit for bit.
+ * forwardkit.kernels.cpu.native_quant. Built with -ffp-contract=off, so the dequantization
+ * (q4_1: d * q + m, two roundings) gives ggml's float32 values bit for bit.
  *
  * Two entry points (activations and results in float32 or bfloat16: argument `io`, below):
  *
@@ -289,6 +289,18 @@ FK_INLINE void fk_row_int8(const int8_t* xq, const float* xd, const float* xs, l
     for (int r = 0; r < G; r++) sums[r] = fk_hsum(acc[r]) + macc[r];
 }
 
+/* The fp16 scales of 4 weight rows' block (at blk, blk + row_bytes, ...) converted together
+ * and times d_x (one product each: the same floats as converting and multiplying one at a
+ * time), in lanes 0..3 of a 256-bit vector for permutes to spread. */
+static inline __m256 fk_scales4(const uint8_t* blk, long row_bytes, float dx) {
+    uint16_t h[4];
+    for (int r = 0; r < 4; r++) memcpy(&h[r], blk + r * row_bytes, 2);
+    uint64_t h4;
+    memcpy(&h4, h, 8);
+    return _mm256_castps128_ps256(
+        _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)h4)), _mm_set1_ps(dx)));
+}
+
 /* Block b of R weight rows into acc[0..R). */
 FK_INLINE void fk_block1_int8(const int8_t* xq, const float* xd, const float* xs, long b,
                               const uint8_t* w, long row_bytes, int fmt, const int R,
@@ -304,15 +316,7 @@ FK_INLINE void fk_block1_int8(const int8_t* xq, const float* xd, const float* xs
          * conversion, product and broadcast per row: over the 1B shape's q8_0 projections
          * (1034 MB, 2 threads, AVX-512 Xeon) 23.8-24.0 -> 24.8-25.4 GB/s (AVX2 build),
          * 24.2-24.6 -> 25.0-25.4 (VNNI), two runs; the streams are near the memory's pace */
-        __m256 s4 = _mm256_setzero_ps();
-        if (R == 4) {
-            uint16_t h[4];
-            for (int r = 0; r < 4; r++) memcpy(&h[r], blk0 + r * row_bytes, 2);
-            uint64_t h4;
-            memcpy(&h4, h, 8);
-            s4 = _mm256_castps128_ps256(
-                _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)h4)), _mm_set1_ps(dx)));
-        }
+        const __m256 s4 = R == 4 ? fk_scales4(blk0, row_bytes, dx) : _mm256_setzero_ps();
         for (int r = 0; r < R; r++) {
             const uint8_t* blk = blk0 + r * row_bytes;
             __m256i sw = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(blk + 2)), x);
@@ -396,12 +400,7 @@ FK_INLINE void fk_rows4_q4_pairs(const int8_t* xq, const float* xd, const float*
 #endif
         }
         const uint8_t* blk = w + b * bb;
-        uint16_t h[4];
-        for (int r = 0; r < 4; r++) memcpy(&h[r], blk + r * row_bytes, 2);
-        uint64_t h4;
-        memcpy(&h4, h, 8);
-        const __m128 s4 = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)h4)), _mm_set1_ps(xd[b]));
-        const __m256 s = _mm256_castps128_ps256(s4);
+        const __m256 s = fk_scales4(blk, row_bytes, xd[b]);
         __m256i dots[2];
         for (int p = 0; p < 2; p++) {
             const uint8_t* q0 = blk + 2 * p * row_bytes + qat;
@@ -430,7 +429,7 @@ FK_INLINE void fk_rows4_q4_pairs(const int8_t* xq, const float* xd, const float*
     }
 }
 
-/* R (1..FK_R, a constant after inlining) weight rows, row_bytes apart, against ONE int8/* R (1..FK_R, a constant after inlining) weight rows, row_bytes apart, against ONE int8
+/* R (1..FK_R, a constant after inlining) weight rows, row_bytes apart, against ONE int8
  * activation row (decode of one sequence): R independent accumulators, so no chain of FMAs
  * waits on another, and the activation block is loaded once for all R. The caller passes rows
  * far apart (one from each of R parts of a thread's range), so each is the continuation of a
@@ -442,15 +441,15 @@ FK_INLINE void fk_rows4_q4_pairs(const int8_t* xq, const float* xd, const float*
  * instead of two. */
 FK_INLINE void fk_rows1_int8(const int8_t* xq, const float* xd, const float* xs, long K,
                              const uint8_t* w, long row_bytes, int fmt, const int R, float* sums) {
+    if (R == 4 && fmt != FK_Q8_0) {
+        fk_rows4_q4_pairs(xq, xd, xs, K, w, row_bytes, fmt, sums);
+        return;
+    }
     __m256 acc[FK_R];
     float macc[FK_R];
     for (int r = 0; r < R; r++) {
         acc[r] = _mm256_setzero_ps();
         macc[r] = 0.0f;
-    }
-    if (R == 4 && fmt != FK_Q8_0) {
-        fk_rows4_q4_pairs(xq, xd, xs, K, w, row_bytes, fmt, sums);
-        return;
     }
     for (long b = 0; b < K / FK_QK; b++) fk_block1_int8(xq, xd, xs, b, w, row_bytes, fmt, R, acc, macc);
     for (int r = 0; r < R; r++) sums[r] = fk_hsum(acc[r]) + macc[r];
