@@ -169,7 +169,7 @@ def test_bench_generation_quick_json(tmp_path, capsys):
     assert "BW use" in printed and "vs transformers" in printed and "streaming bandwidth" in printed
 
 
-def test_generation_figures_from_timings(tmp_path, monkeypatch):
+def test_generation_figures_from_timings(tmp_path, monkeypatch, capsys):
     """The report's figures from injected timings and bandwidths (no real timing, so the
     check holds on any machine): decode tokens/s, time to first token, prefill tokens/s and
     bandwidth use = weight bytes per step * new tokens / decode time / bandwidth."""
@@ -193,10 +193,24 @@ def test_generation_figures_from_timings(tmp_path, monkeypatch):
     monkeypatch.setattr(gen, "measure_stream_bandwidth", lambda *a, **k: stream)
     monkeypatch.setattr(gen, "StreamProbe", FixedProbe)
     monkeypatch.setattr(gen, "time_generation", fixed_timing)
+    from forwardkit.bench import generation_cli
+
+    build = generation_cli._build
+
+    def fell_back(*args, **kwargs):  # as the llama.cpp contender after a probe crash
+        fn, obj = build(*args, **kwargs)
+        obj.extra_buffers_off = "a child process running it with them died by SIGSEGV"
+        return fn, obj
+
+    monkeypatch.setattr(generation_cli, "_build", fell_back)
     out = tmp_path / "gen.json"
     assert main(["bench", "--generation", "--quick", "--no-progress", "--new-tokens", "3",
                  "--contenders", "eager", "--bandwidth-probe", "per-run", "--json", str(out)]) == 0
+    note = ("without its extra buffer types (AMX tiles, repacked rows): a child process running "
+            "it with them died by SIGSEGV")
+    assert f"eager: {note}" in capsys.readouterr().out  # the fallback shows under the table
     data = json.loads(out.read_text())
+    assert data["contenders"]["eager"]["note"] == note
     assert data["stream_gb_s"] == pytest.approx(25.0)
     assert data["stream_gb_s_per_run"] == pytest.approx({"min": 20.0, "median": 20.0, "max": 20.0})
     c = data["contenders"]["eager"]

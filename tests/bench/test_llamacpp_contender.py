@@ -272,6 +272,39 @@ def test_quantized_weights_go_over_as_the_same_blocks(quant_llm, tmp_path):
             assert torch.equal(theirs.reshape(rows.shape[0], -1).float(), dequantize(rows, fmt))
 
 
+def test_a_crash_of_the_extra_buffers_probe_is_named_and_a_clean_run_is_not(tmp_path):
+    """The child that tries llama.cpp's extra buffer types: its death by a signal is reported by
+    the signal's name; a run that exits (even with an error status) is not a crash."""
+    from forwardkit.bench.llamacpp import extra_buffers_crash
+
+    dies = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    assert extra_buffers_crash(str(tmp_path / "a.gguf"), 2, dies) == (
+        "a child process running it with them died by SIGSEGV")
+    assert extra_buffers_crash(str(tmp_path / "a.gguf"), 2, "import sys; sys.exit(5)") is None
+    assert extra_buffers_crash(str(tmp_path / "a.gguf"), 2, "pass") is None
+
+
+@pytest.mark.skipif(not llamacpp_available(), reason=NO_BINDING)
+def test_after_a_probe_crash_llamacpp_runs_without_extra_buffers(quant_llm, monkeypatch, capsys):
+    """Where the probe child crashed, the generator loads with llama.cpp's extra buffer types
+    off, says why on stderr, and still generates."""
+    from forwardkit.bench import llamacpp
+    from forwardkit.bench.generation import hf_quant_formats
+
+    monkeypatch.setattr(llamacpp, "extra_buffers_crash",
+                        lambda path, threads: "a child process running it with them died by X")
+    model = quant_llm.runner.model
+    cpp = llamacpp.LlamaCppGenerator(quant_llm.runner.model_config.hf_config,
+                                     hf_state_dict(model), max_seqs=1, max_len=12, threads=1,
+                                     formats=hf_quant_formats(model))
+    try:
+        assert cpp.extra_buffers_off == "a child process running it with them died by X"
+        assert len(cpp.generate([[5, 17, 300, 42]], 3)[0]) == 3
+    finally:
+        cpp.close()
+    assert "runs without its extra buffer types" in capsys.readouterr().err
+
+
 def test_a_format_gguf_lacks_is_refused_by_name(llm, tmp_path):
     hf = llm.runner.model_config.hf_config
     state = hf_state_dict(llm.runner.model)

@@ -48,6 +48,7 @@ class GenerationResult:
     decode_tok_s: dict[int, float] = field(default_factory=dict)
     bandwidth_use: dict[int, float] = field(default_factory=dict)
     weight_bytes_per_rank: list[int] = field(default_factory=list)
+    note: str | None = None  # how the contender ran, where it differs from its default
     samples: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
 

@@ -327,6 +327,10 @@ def run_generation(args: argparse.Namespace) -> int:
         fns[name]([[rng.randrange(vocab) for _ in range(s["prompt_len"])]], 1)
         results[name].startup_s = time.perf_counter() - start
         results[name].weight_bytes_per_rank = _weight_bytes_per_rank(keep[name])
+        off = getattr(keep[name], "extra_buffers_off", None)
+        if off is not None:  # llama.cpp fell back from a crash of its extra buffer types
+            results[name].note = (f"without its extra buffer types (AMX tiles, repacked "
+                                  f"rows): {off}")
         for b in s["batch_sizes"]:  # untimed: every compile and first-shape cost paid here
             fns[name]([[rng.randrange(vocab) for _ in range(s["prompt_len"])]] * b, 2)
     runner_cfg = _fk_model_info(keep)
@@ -545,6 +549,8 @@ def _report(results: dict[str, GenerationResult], s: Settings, stream: float | N
             "bandwidth_use": {str(b): v for b, v in r.bandwidth_use.items()},
             "weight_bytes_per_rank": list(r.weight_bytes_per_rank),
         }
+        if r.note is not None:
+            entry["note"] = r.note
         if ref is not None:
             entry["decode_speedup_vs_transformers"] = {
                 str(b): v / ref.decode_tok_s[b] for b, v in r.decode_tok_s.items()}
@@ -596,6 +602,8 @@ def _format(report: dict[str, Any]) -> str:
             ratio = c.get("decode_speedup_vs_transformers", {})
             row += f"  {' / '.join(f'{ratio[b]:.2f}x' for b in sizes):>15}"
         lines.append(row)
+    lines.extend(f"{name}: {c['note']}" for name, c in report["contenders"].items()
+                 if "note" in c)
     lines.extend(_tp_lines(report))
     lines.extend(_spec_lines(report))
     if bw:

@@ -10,12 +10,24 @@ sampler takes it.
 
 llama.cpp is not a dependency: ``pip install llama-cpp-python`` builds it from source (about
 6 minutes on 2 cores; ``CMAKE_ARGS="-DGGML_NATIVE=ON"`` for this CPU's instructions).
+
+llama.cpp's CPU backend moves quantized weights into "extra buffer types" at load (AMX tiles,
+or rows repacked for its AVX2 / AVX-512 kernels). Its AMX path crashes the whole process with
+a segmentation fault on some AMX Xeons (a ``GGML_NATIVE`` build there). Before the first load
+of a GGUF in a process, a child process loads it and runs a 32-token prompt with those buffers;
+if the child dies by a signal (or hangs), llama.cpp runs here without them, and a note on
+stderr says so (a build without AMX, ``-DGGML_AMX=OFF`` style flags or ``GGML_NATIVE=OFF``
+with the AVX-512 flags, keeps its repacked rows).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -41,6 +53,53 @@ def llamacpp_missing_note() -> str:
     return ("llama.cpp contender skipped: its Python binding is not installed "
             "(CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install llama-cpp-python gguf; a source build, "
             "about 6 minutes on 2 cores)")
+
+
+# Run in a child: load argv[1] with llama.cpp's extra buffer types on (the default) and run
+# one 32-token prompt through it. Exit status 0 when it survives.
+_PROBE = """
+import sys
+import llama_cpp as lc
+lc.llama_backend_init()
+model = lc.llama_model_load_from_file(sys.argv[1].encode(), lc.llama_model_default_params())
+if not model:
+    sys.exit(3)
+cparams = lc.llama_context_default_params()
+cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 64
+cparams.n_threads = cparams.n_threads_batch = int(sys.argv[2])
+ctx = lc.llama_init_from_model(model, cparams)
+if not ctx:
+    sys.exit(4)
+n = min(32, lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model)))
+batch = lc.llama_batch_init(64, 0, 1)
+for i in range(32):
+    batch.token[i], batch.pos[i], batch.n_seq_id[i] = i % n, i, 1
+    batch.seq_id[i][0], batch.logits[i] = 0, 1
+batch.n_tokens = 32
+sys.exit(0 if lc.llama_decode(ctx, batch) == 0 else 5)
+"""
+PROBE_TIMEOUT_S = 600.0
+
+
+@functools.cache
+def extra_buffers_crash(path: str, threads: int, script: str = _PROBE) -> str | None:
+    """Why llama.cpp's extra buffer types cannot run the GGUF at ``path`` here (the child
+    process that tried died by a signal, or hung), or None when they ran it. One child per
+    file and thread count in a process; ``script`` is the child's code (tests replace it)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", script, path, str(threads)],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=PROBE_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return (f"a child process running it with them had not finished a 32-token prompt "
+                f"after {PROBE_TIMEOUT_S:.0f} s")
+    if done.returncode < 0:
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:
+            name = f"signal {-done.returncode}"
+        return f"a child process running it with them died by {name}"
+    return None  # survived (a load or decode error shows again, clearly, in this process)
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
@@ -92,7 +151,22 @@ class LlamaCppGenerator:
         lc.llama_log_set(_quiet, ctypes.c_void_p())
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
-        mparams.use_mmap = False  # resident like forwardkit's weights, no page faults mid-run
+        # resident like forwardkit's weights, no page faults mid-run (``load_mode`` replaced
+        # ``use_mmap`` in newer bindings; 0 = LLAMA_LOAD_MODE_NONE, read into memory)
+        fields = {name for name, *_ in type(mparams)._fields_}
+        if "use_mmap" in fields:
+            mparams.use_mmap = False
+        elif "load_mode" in fields:
+            mparams.load_mode = 0
+        self.extra_buffers_off: str | None = None  # why llama.cpp runs without them, if it does
+        if "use_extra_bufts" in fields and mparams.use_extra_bufts:
+            crash = extra_buffers_crash(os.path.abspath(path), threads)
+            if crash is not None:
+                mparams.use_extra_bufts = False
+                self.extra_buffers_off = crash
+                print(f"forwardkit: llama.cpp runs without its extra buffer types (AMX tiles, "
+                      f"repacked rows): {crash}. A llama.cpp build without AMX keeps its "
+                      f"repacked rows.", file=sys.stderr)
         self._model = lc.llama_model_load_from_file(path.encode(), mparams)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load the GGUF at {path}")
