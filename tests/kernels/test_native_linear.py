@@ -57,12 +57,14 @@ def test_matches_a_float64_linear(isa, rows, n, k, with_bias, dtype):
     assert torch.equal(out, native_linear.linear_rows(x, w, b, isa=isa))  # deterministic
 
 
-@pytest.mark.parametrize("rows", [3, 4, 5, 7, 8, 9, 16])
+@pytest.mark.parametrize("rows", [3, 4, 5, 6, 7, 8, 9, 12, 16])
 @pytest.mark.parametrize(("n", "k"), [(13, 70), (3072, 2048), (257, 1000), (9, 47)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_avx2_bf16_serves_batched_decode_rows(rows, n, k, with_bias):
-    """The AVX2 build in bf16 takes 3-16 rows too (groups of up to 4 activation rows through
-    each block of weight rows, odd group sizes and partial blocks included)."""
+    """The AVX2 build in bf16 takes 3-16 rows too: 3-5 in groups of up to 4 activation rows
+    through each block of weight rows, 6-16 by the broadcast kernel (8 or 16 activation rows
+    a vector, 8 or 6 weight rows at a time and a tail of single rows), whose sums are the
+    blocked prompt kernel's bit for bit (each output summed over k in order)."""
     _require("avx2", BF16)
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).to(BF16)
@@ -77,6 +79,8 @@ def test_avx2_bf16_serves_batched_decode_rows(rows, n, k, with_bias):
         alone = native_linear.linear_rows(x[r:r + 1], w, b, isa="avx2")
         assert alone is not None
         torch.testing.assert_close(out[r:r + 1].double(), alone.double(), rtol=8e-3, atol=1e-3 * ref.abs().max().item())
+    if rows >= 6:
+        assert torch.equal(out, native_linear.linear_bf16_rows(x, w, b))
 
 
 def test_row_limits_per_build():

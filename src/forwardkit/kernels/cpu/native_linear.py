@@ -12,9 +12,12 @@ AVX-512, 30-31 -> 35-36 with AVX2, against blocks of adjacent rows).
 For float32 it saves MKL's per-call overhead on the small matrices of small models. For more
 rows oneDNN's packed matmul is faster (it is compute-bound there) and stays in use, except on a
 CPU without native bf16 arithmetic: there oneDNN widens the whole bf16 weight on every call, so
-the AVX2 build also serves bf16 products of 3-16 rows (batched decode, short prompts): 3-7 rows
-run in groups through each block of weight rows (2.5-3.9x ``F.linear`` on the 2-core EPYC), 8
-and more go to the blocked kernel below; :func:`max_rows` says how many rows a build takes.
+the AVX2 build also serves bf16 products of 3-16 rows (batched decode, short prompts): 3-5 rows
+run in groups through each block of weight rows (2.5-3.9x ``F.linear`` on the 2-core EPYC), 6-16
+rows take a kernel that broadcasts each bf16 weight (one 4-byte load and an AND widen it
+exactly) against 8 or 16 activation rows held as float32 vectors, 12 accumulators in registers
+across all of k and no packing (16 rows: 1.2-1.4x the blocked kernel below, with its bits; see
+the source); :func:`max_rows` says how many rows a build takes.
 Products of more rows on such a CPU (prompts) take the AVX2 build's blocked kernel
 (:func:`linear_bf16_rows`, ``fk_linear_bf16_rows``): a packed outer-product GEMM whose threads
 each own 16-column panels of the output; a panel's 16 weight rows are widened to float32 into a

@@ -1,6 +1,7 @@
 /* Linear on AVX2 + FMA CPUs: y[M,N] = x[M,K] @ w[N,K]^T (+ bias). fk_linear_bf16 serves 1..16
- * bf16 rows (decode), fk_linear_f32 1..2 float32 rows, fk_linear_bf16_rows any number of bf16
- * rows (prompts; fk_linear_bf16 hands it batches of 8 rows and more). The AVX-512 twin is
+ * bf16 rows (decode: 1..5 rows by the dot-product tiles, 6..16 by the broadcast kernel),
+ * fk_linear_f32 1..2 float32 rows, fk_linear_bf16_rows any number of bf16 rows (prompts).
+ * The AVX-512 twin is
  * linear_few_rows.c; this file serves CPUs without it (AMD Zen 1-3, older Intel), where decode
  * is bound by streaming the weights just the same and prompts by the float32 FMAs.
  *
@@ -104,9 +105,9 @@ FK_BLOCK_BF16(2, 4)
 FK_BLOCK_BF16(3, 2)
 FK_BLOCK_BF16(4, 2)
 
-/* bf16 rows beyond 2 (batched decode, 3..FK_GEMM_MIN_ROWS - 1): without native bf16 arithmetic
+/* bf16 rows beyond 2 (batched decode, 3..FK_BC_MIN_ROWS - 1): without native bf16 arithmetic
  * oneDNN widens the whole weight on every call, so streaming it here wins as long as the FMAs
- * keep up (from 8 rows the packed GEMM below is faster: 1.1-1.2x at 8 rows, 1.5-1.7x at 16).
+ * keep up (from 6 rows the broadcast kernel below is faster).
  * A block of 8 weight rows is taken by one thread; the activation rows go through it
  * in groups of up to 4 (the block stays in L1/L2 between groups), each group against
  * sub-blocks of 2 weight rows (4 x 2 accumulators plus the widened weights fit the 16
@@ -137,16 +138,105 @@ static void fkb_group(const float* xe, const float* xo, long H, const uint16_t* 
 
 int fk_max_rows_bf16(void) { return FK_MAX_ROWS_BF16; }
 
-int fk_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
-                        long M, long N, long K);
-#define FK_GEMM_MIN_ROWS 8 /* from here fk_linear_bf16 hands its rows to the packed GEMM below */
+/* bf16, 6..16 rows (batched decode): the weights broadcast, the activations as vectors.
+ *
+ * The activation rows are widened once per call into a float32 panel laid out [k][V] (V = 8
+ * or 16 rows, short rows zero), one or two vectors per k. NF weight rows are streamed in
+ * their plain layout, one bf16 value each per k: a 4-byte broadcast load from one element
+ * before it puts the value in the upper half of every 32-bit lane, the element before it in
+ * the lower half, and an AND with 0xffff0000 leaves exactly the float32 of the bf16 value.
+ * So each weight costs one load (a load-port uop), one AND (on any vector ALU port) and one
+ * FMA per activation vector, with no packing and no horizontal sums: NF rows x (V / 8)
+ * accumulators stay in registers across the whole of k (16 rows: 6 weight rows, 12
+ * accumulators, 2 activation vectors, the mask and the broadcast fill the 16 registers).
+ *
+ * Each output sums its k-values in order in one float32 accumulator, as the packed GEMM below
+ * does: the same bits as fk_linear_bf16_rows. 1B-shape products on the AMX Xeon built for
+ * AVX2, 2 threads, medians of 7 (GFLOPS, packed GEMM -> this): 16 rows 120-141 -> 160-186,
+ * 12 rows 109-125 -> 125-134, 8 rows 84-98 -> 126-140, 6 rows 76-89 -> 92-100; at 4 rows the
+ * dot-product tiles stay ahead (about 110 against 65). The kernels are kept out of line: inlined
+ * into the OpenMP loop, GCC spilled two of the 12 accumulators (117 instead of 177 GFLOPS). */
+#define FK_BC_MIN_ROWS 6
+
+static inline __m256 fkc_w(const uint16_t* p, __m256 mask) {
+  int v;
+  memcpy(&v, p - 1, 4); /* (p[-1], p[0]): p[0] in the upper half of the dword */
+  return _mm256_and_ps(_mm256_castsi256_ps(_mm256_set1_epi32(v)), mask);
+}
+
+/* NF weight rows w + n0 * K ... against the panel xp[k][8 * V]; out[j][8 * V] the sums */
+#define FK_BCAST(V, NF)                                                                        \
+  static __attribute__((noinline)) void fkc_##V##_##NF(const float* xp, const uint16_t* w,      \
+                                                        long K, long n0, float* out) {         \
+    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u));             \
+    const uint16_t* wr[NF];                                                                    \
+    __m256 a[NF][V];                                                                           \
+    for (int j = 0; j < NF; j++) {                                                             \
+      wr[j] = w + (n0 + j) * K;                                                                \
+      const __m256 w0 = _mm256_set1_ps(fk_bf16_to_f32(wr[j][0]));                              \
+      for (int v = 0; v < V; v++) a[j][v] = _mm256_mul_ps(w0, _mm256_loadu_ps(xp + 8 * v));    \
+    }                                                                                          \
+    for (long k = 1; k < K; k++) {                                                             \
+      __m256 xv[V];                                                                            \
+      for (int v = 0; v < V; v++) xv[v] = _mm256_loadu_ps(xp + (8 * V) * k + 8 * v);          \
+      for (int j = 0; j < NF; j++) {                                                           \
+        const __m256 wv = fkc_w(wr[j] + k, mask);                                              \
+        for (int v = 0; v < V; v++) a[j][v] = _mm256_fmadd_ps(wv, xv[v], a[j][v]);             \
+      }                                                                                        \
+    }                                                                                          \
+    for (int j = 0; j < NF; j++)                                                               \
+      for (int v = 0; v < V; v++) _mm256_storeu_ps(out + (8 * V) * j + 8 * v, a[j][v]);        \
+  }
+FK_BCAST(1, 1)
+FK_BCAST(1, 8)
+FK_BCAST(2, 1)
+FK_BCAST(2, 6)
+
+static int fk_linear_bf16_bcast(const uint16_t* x, const uint16_t* w, const uint16_t* bias,
+                                uint16_t* y, long M, long N, long K) {
+  const int V = M > 8 ? 2 : 1;
+  const long NF = V == 2 ? 6 : 8, W = 8 * V;
+  float* xp = (float*)aligned_alloc(64, sizeof(float) * (size_t)(W * K));
+  if (!xp) return -1;
+  for (long k = 0; k < K; k++)
+    for (long m = 0; m < W; m++) xp[k * W + m] = m < M ? fk_bf16_to_f32(x[m * K + k]) : 0.0f;
+  const long ng = (N + NF - 1) / NF;
+#pragma omp parallel if (N * K * M >= FK_PARALLEL_MIN)
+  {
+    float out[8 * 16];
+#pragma omp for schedule(static)
+    for (long g = 0; g < ng; g++) {
+      const long n0 = g * NF, nf = N - n0 < NF ? N - n0 : NF;
+      for (long j = 0; j < nf; j += nf == NF ? NF : 1) {
+        const long cnt = nf == NF ? NF : 1;
+        if (V == 2) {
+          if (cnt == NF) fkc_2_6(xp, w, K, n0, out);
+          else fkc_2_1(xp, w, K, n0 + j, out);
+        } else {
+          if (cnt == NF) fkc_1_8(xp, w, K, n0, out);
+          else fkc_1_1(xp, w, K, n0 + j, out);
+        }
+        for (long jj = 0; jj < cnt; jj++) {
+          const long n = n0 + j + jj;
+          for (long m = 0; m < M; m++) {
+            float s = out[W * jj + m];
+            if (bias) s += fk_bf16_to_f32(bias[n]);
+            y[m * N + n] = fk_f32_to_bf16(s);
+          }
+        }
+      }
+    }
+  }
+  free(xp);
+  return 0;
+}
 
 /* Returns 0 on success, -1 when M is outside 1..FK_MAX_ROWS_BF16 or memory is short (the
  * caller then uses another path). */
 int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
                    long M, long N, long K) {
   if (M < 1 || M > FK_MAX_ROWS_BF16 || N < 1 || K < 1) return -1;
-  if (M >= FK_GEMM_MIN_ROWS) return fk_linear_bf16_rows(x, w, bias, y, M, N, K);
+  if (M >= FK_BC_MIN_ROWS) return fk_linear_bf16_bcast(x, w, bias, y, M, N, K);
   const long H = K / 32 * 16; /* the even/odd halves of the part the vector loop covers */
   float* buf = (float*)malloc(sizeof(float) * (size_t)(2 * M * H + 1));
   if (!buf) return -1;
@@ -187,7 +277,7 @@ int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
   return 0;
 }
 
-/* bf16, any number of rows (prompts, and batches from FK_GEMM_MIN_ROWS rows). Without native
+/* bf16, any number of rows (prompts; batches of up to 16 rows take the broadcast kernel). Without native
  * bf16 arithmetic the products of many rows are compute-bound float32 FMAs, and the dot-product
  * tiles above (two weight rows against four activation rows, each FMA loading its operands)
  * reach about 45 % of the FMA units' peak. This kernel is a packed outer-product GEMM instead:
