@@ -609,7 +609,8 @@ def _format(report: dict[str, Any]) -> str:
     if bw:
         lines.append("\nBW use = weight bytes one decode step reads / step time / the streaming "
                      "bandwidth measured for that run (median over runs)")
-    lines.append("vs transformers = decode tokens/s ratio per batch size")
+    if has_ref:
+        lines.append("vs transformers = decode tokens/s ratio per batch size")
     return "\n".join(lines)
 
 
