@@ -16,8 +16,8 @@ or rows repacked for its AVX2 / AVX-512 kernels). Its AMX path crashes the whole
 a segmentation fault on some AMX Xeons (a ``GGML_NATIVE`` build there). Before the first load
 of a GGUF in a process, a child process loads it and runs a 32-token prompt with those buffers;
 if the child dies by a signal (or hangs), llama.cpp runs here without them, and a note on
-stderr says so (a build without AMX, ``-DGGML_AMX=OFF`` style flags or ``GGML_NATIVE=OFF``
-with the AVX-512 flags, keeps its repacked rows).
+stderr says so (a build without AMX keeps its repacked rows: ``-DGGML_NATIVE=OFF`` with
+``GGML_AVX512`` and its siblings on and ``GGML_AMX_TILE`` / ``GGML_AMX_INT8`` off).
 """
 
 from __future__ import annotations
