@@ -205,13 +205,15 @@ def test_generation_figures_from_timings(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(generation_cli, "_build", fell_back)
     out = tmp_path / "gen.json"
     assert main(["bench", "--generation", "--quick", "--no-progress", "--new-tokens", "3",
-                 "--contenders", "eager", "--bandwidth-probe", "per-run", "--json", str(out)]) == 0
+                 "--contenders", "eager", "--bandwidth-probe", "per-run", "--dtype", "bfloat16",
+                 "--json", str(out)]) == 0
     note = ("without its extra buffer types (AMX tiles, repacked rows): a child process running "
             "it with them died by SIGSEGV")
     printed = capsys.readouterr().out
     assert f"eager: {note}" in printed  # the fallback shows under the table
     assert "vs transformers" not in printed  # no such column without that contender
     data = json.loads(out.read_text())
+    assert data["dtype"] == "bfloat16"  # named, not "bfloat16/float16" by its width
     assert data["contenders"]["eager"]["note"] == note
     assert data["stream_gb_s"] == pytest.approx(25.0)
     assert data["stream_gb_s_per_run"] == pytest.approx({"min": 20.0, "median": 20.0, "max": 20.0})

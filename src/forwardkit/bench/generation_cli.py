@@ -348,8 +348,8 @@ def run_generation(args: argparse.Namespace) -> int:
         roof_fn = (lambda: measured) if probe_mode == "once" else gen.StreamProbe().probe
     roofs = _timed_runs(fns, names, results, s, roof_fn, rng, vocab, progress)
     del roof_fn  # the per-run probe's 3 GiB go before the report
-    hf, itemsize, model_name = runner_cfg
-    bytes_per_step = {b: weight_bytes_per_token(hf, itemsize, b) for b in s["batch_sizes"]}
+    hf, dtype, model_name = runner_cfg
+    bytes_per_step = {b: weight_bytes_per_token(hf, dtype.itemsize, b) for b in s["batch_sizes"]}
     packed = _packed_step_bytes(keep, hf)
     if packed is not None:  # quantized projections: what the model holds, not the shape's dtype
         bytes_per_step = dict.fromkeys(s["batch_sizes"], packed)
@@ -370,7 +370,7 @@ def run_generation(args: argparse.Namespace) -> int:
     for obj in keep.values():  # TP workers end before the report (their cores come back)
         if not isinstance(obj, torch.nn.Module):  # LLM, llama.cpp
             obj.shutdown()
-    report = _report(results, s, stream, bytes_per_step, model_name, itemsize, roofs)
+    report = _report(results, s, stream, bytes_per_step, model_name, dtype, roofs)
     if spec_figures is not None:
         report["contenders"][spec_figures.pop("contender")]["spec_decode"] = spec_figures
     print(_format(report), file=sys.stdout)
@@ -478,14 +478,14 @@ def _vocab(keep: dict[str, Contender]) -> int:
     return 1000
 
 
-def _fk_model_info(keep: dict[str, Contender]) -> tuple[dict[str, Any], int, str]:
+def _fk_model_info(keep: dict[str, Contender]) -> tuple[dict[str, Any], torch.dtype, str]:
     for obj in keep.values():
         llm = _llm_of(obj)
         if llm is not None:
             runner = llm.runner
             mc = runner.model_config
             name = mc.model or "random weights"
-            return mc.hf_config, runner.dtype.itemsize, name
+            return mc.hf_config, runner.dtype, name
     raise ValueError("the generation benchmark needs at least one forwardkit LLM contender")
 
 
@@ -534,7 +534,7 @@ def _spec_figures(keep: dict[str, Contender]) -> dict[str, Any] | None:
 
 
 def _report(results: dict[str, GenerationResult], s: Settings, stream: float | None,
-            bytes_per_step: dict[int, int], model_name: str, itemsize: int,
+            bytes_per_step: dict[int, int], model_name: str, dtype: torch.dtype,
             roofs: list[float]) -> dict[str, Any]:
     import torch
 
@@ -557,7 +557,7 @@ def _report(results: dict[str, GenerationResult], s: Settings, stream: float | N
         contenders[name] = entry
     return {
         "model": model_name,
-        "dtype": {2: "bfloat16/float16", 4: "float32"}.get(itemsize, str(itemsize)),
+        "dtype": str(dtype).removeprefix("torch."),  # the forwardkit contender's
         "batch_sizes": s["batch_sizes"],
         "prompt_len": s["prompt_len"],
         "new_tokens": s["new_tokens"],
