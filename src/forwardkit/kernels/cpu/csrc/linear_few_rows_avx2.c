@@ -207,24 +207,21 @@ static int fk_linear_bf16_bcast(const uint16_t* x, const uint16_t* w, const uint
 #pragma omp for schedule(static)
     for (long g = 0; g < ng; g++) {
       const long n0 = g * NF, nf = N - n0 < NF ? N - n0 : NF;
-      for (long j = 0; j < nf; j += nf == NF ? NF : 1) {
-        const long cnt = nf == NF ? NF : 1;
-        if (V == 2) {
-          if (cnt == NF) fkc_2_6(xp, w, K, n0, out);
-          else fkc_2_1(xp, w, K, n0 + j, out);
-        } else {
-          if (cnt == NF) fkc_1_8(xp, w, K, n0, out);
-          else fkc_1_1(xp, w, K, n0 + j, out);
-        }
-        for (long jj = 0; jj < cnt; jj++) {
-          const long n = n0 + j + jj;
-          for (long m = 0; m < M; m++) {
-            float s = out[W * jj + m];
-            if (bias) s += fk_bf16_to_f32(bias[n]);
-            y[m * N + n] = fk_f32_to_bf16(s);
-          }
+      if (nf == NF) {
+        if (V == 2) fkc_2_6(xp, w, K, n0, out);
+        else fkc_1_8(xp, w, K, n0, out);
+      } else { /* the short last group: one weight row at a time */
+        for (long j = 0; j < nf; j++) {
+          if (V == 2) fkc_2_1(xp, w, K, n0 + j, out + W * j);
+          else fkc_1_1(xp, w, K, n0 + j, out + W * j);
         }
       }
+      for (long j = 0; j < nf; j++)
+        for (long m = 0; m < M; m++) {
+          float s = out[W * j + m];
+          if (bias) s += fk_bf16_to_f32(bias[n0 + j]);
+          y[m * N + n0 + j] = fk_f32_to_bf16(s);
+        }
     }
   }
   free(xp);
