@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -200,6 +201,8 @@ def test_generation_figures_from_timings(tmp_path, monkeypatch, capsys):
     def fell_back(*args, **kwargs):  # as the llama.cpp contender after a probe crash
         fn, obj = build(*args, **kwargs)
         obj.extra_buffers_off = "a child process running it with them died by SIGSEGV"
+        time.sleep(3.0)  # the probe's child, which is not the contender's start-up
+        obj.probe_seconds = 3.0
         return fn, obj
 
     monkeypatch.setattr(generation_cli, "_build", fell_back)
@@ -215,6 +218,7 @@ def test_generation_figures_from_timings(tmp_path, monkeypatch, capsys):
     data = json.loads(out.read_text())
     assert data["dtype"] == "bfloat16"  # named, not "bfloat16/float16" by its width
     assert data["contenders"]["eager"]["note"] == note
+    assert 0 < data["contenders"]["eager"]["startup_s"] < 3.0  # the probe's seconds left out
     assert data["stream_gb_s"] == pytest.approx(25.0)
     assert data["stream_gb_s_per_run"] == pytest.approx({"min": 20.0, "median": 20.0, "max": 20.0})
     c = data["contenders"]["eager"]

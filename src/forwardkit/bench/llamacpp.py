@@ -15,8 +15,8 @@ llama.cpp's CPU backend moves quantized weights into "extra buffer types" at loa
 or rows repacked for its AVX2 / AVX-512 kernels). Its AMX path crashes the whole process with
 a segmentation fault on some AMX Xeons (a ``GGML_NATIVE`` build there). Before the first load
 of a GGUF in a process, a child process loads it and runs a 32-token prompt with those buffers;
-if the child dies by a signal (or hangs), llama.cpp runs here without them, and a note on
-stderr says so (a build without AMX keeps its repacked rows: ``-DGGML_NATIVE=OFF`` with
+if the child dies by a signal (or hangs), llama.cpp runs here without them, and a logged
+warning says so (a build without AMX keeps its repacked rows: ``-DGGML_NATIVE=OFF`` with
 ``GGML_AVX512`` and its siblings on and ``GGML_AMX_TILE`` / ``GGML_AMX_INT8`` off).
 """
 
@@ -29,10 +29,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from forwardkit.logger import init_logger
+
+logger = init_logger(__name__)
 
 __all__ = ["LlamaCppGenerator", "llamacpp_available", "llamacpp_missing_note"]
 
@@ -159,14 +164,18 @@ class LlamaCppGenerator:
         elif "load_mode" in fields:
             mparams.load_mode = 0
         self.extra_buffers_off: str | None = None  # why llama.cpp runs without them, if it does
+        # seconds spent in the probe's child: forwardkit's cost, not llama.cpp's start-up
+        self.probe_seconds = 0.0
         if "use_extra_bufts" in fields and mparams.use_extra_bufts:
+            start = time.perf_counter()
             crash = extra_buffers_crash(os.path.abspath(path), threads)
+            self.probe_seconds = time.perf_counter() - start
             if crash is not None:
                 mparams.use_extra_bufts = False
                 self.extra_buffers_off = crash
-                print(f"forwardkit: llama.cpp runs without its extra buffer types (AMX tiles, "
-                      f"repacked rows): {crash}. A llama.cpp build without AMX keeps its "
-                      f"repacked rows.", file=sys.stderr)
+                logger.warning("llama.cpp runs without its extra buffer types (AMX tiles, "
+                               "repacked rows): %s. A llama.cpp build without AMX keeps its "
+                               "repacked rows.", crash)
         self._model = lc.llama_model_load_from_file(path.encode(), mparams)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load the GGUF at {path}")
