@@ -66,7 +66,8 @@ def test_file_trace_beyond_the_model_names_the_flag(capsys, short_model, tmp_pat
 def test_help_shows_the_defaults_used(capsys):
     code, out, _ = _run(capsys, "bench", "--help")
     flat = " ".join(out.split())
-    assert "most tokens per step (default 512" in flat and "most requests per step (default 64)" in flat
+    assert "most tokens per step (default 512; with --generation the engine's 2048" in flat
+    assert "most requests per step (default 64; with --generation the largest --batch-sizes" in flat
     steps = make_trace("prefill-heavy", 100, max_tokens=512)
     assert max(s.num_tokens for s in steps) == 512
 
@@ -141,3 +142,32 @@ def test_bandwidth_probe_once_per_bench_and_skippable(capsys, monkeypatch, tmp_p
     data = json.loads(out.read_text())
     assert (data["stream_gb_s"] is None) == (measures == 0)
     assert ("BW use" in printed) == (measures == 1)
+
+
+def test_generation_takes_the_engines_token_budget_so_a_batch_prefills_in_one_step():
+    """--generation leaves max_num_batched_tokens to the engine (2048): 16 prompts of 64 tokens
+    prefill in one step, as llama.cpp takes them in one pass, not in two 512-token steps that
+    leave half the batch a step behind for all its decode. A budget given is kept; one below
+    the largest batch is an error naming both flags. The step trace keeps 64 / 512."""
+    import argparse
+
+    from forwardkit.bench.generation_cli import _engine_config, _settings
+    from forwardkit.commands import bench
+    from forwardkit.config.model_shapes import model_shape_config
+
+    def parse(*argv: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        bench.register(parser.add_subparsers())
+        return parser.parse_args(["bench", *argv])
+
+    hf = model_shape_config("default")
+    args = parse("--generation", "--batch-sizes", "1,16", "--prompt-len", "64")
+    sched = _engine_config("forwardkit", args, hf, _settings(args)).scheduler_config
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (16, 2048)
+    args = parse("--generation", "--batch-sizes", "16", "--max-num-batched-tokens", "256")
+    assert _engine_config("forwardkit", args, hf, _settings(args)).scheduler_config.max_num_batched_tokens == 256
+    args = parse("--generation", "--batch-sizes", "16", "--max-num-batched-tokens", "8")
+    with pytest.raises(ValueError, match="--max-num-batched-tokens 8 is below the largest --batch-sizes 16"):
+        _engine_config("forwardkit", args, hf, _settings(args))
+    steps = make_trace("prefill-heavy", 100, max_tokens=bench.TRACE_BATCH_LIMITS[1])
+    assert max(s.num_tokens for s in steps) == 512 == bench.TRACE_BATCH_LIMITS[1]

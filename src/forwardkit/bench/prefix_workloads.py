@@ -178,8 +178,6 @@ def _build(args: argparse.Namespace, names: list[str], quick: bool) -> LLM:
     ns = copy.copy(args)
     ns.enable_prefix_caching = True  # switched per run by run_workloads
     ns.max_model_len = ns.max_model_len or max(_longest(s) for s in shapes) + 1
-    ns.max_num_seqs = ns.max_num_seqs or max(s.prompts * s.n for s in shapes)
-    ns.max_num_batched_tokens = ns.max_num_batched_tokens or 2048
     hf_config = None if args.model is not None else model_shape_config(
         args.model_shape or BUILTIN_MODEL_SHAPE)
     cfg = engine_config_from_args(ns, default_hf_config=hf_config)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from forwardkit.bench.generation_cli import add_generation_args, run_generation
 from forwardkit.bench.prefix_workloads import add_workload_args, run_workloads
 from forwardkit.bench.trace import BUILTIN_TRACES
-from forwardkit.commands.engine_flags import strict_int
+from forwardkit.commands.engine_flags import DEFAULT_MAX_NUM_BATCHED_TOKENS, strict_int
 
 if TYPE_CHECKING:
     from forwardkit.bench.report import BenchReport
@@ -31,6 +31,11 @@ DEFAULT_STEPS, QUICK_STEPS = 160, 32
 MODEL_SHAPE_NAMES = ("default", "default-moe", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-0.5b", "mixtral-small")
 DEFAULT_WARMUP, QUICK_WARMUP = 16, 8
 DP_TIMEOUT_S = 3600.0
+TRACE_BATCH_LIMITS = (64, 512)
+"""(max_num_seqs, max_num_batched_tokens) of the step trace and ``--workload`` when not given
+(the workloads' figures in the README were measured with them);
+``--generation`` sizes requests by ``--batch-sizes`` and leaves the token budget to the engine
+(2048), as llama.cpp gets every prompt of a batch in one pass."""
 
 
 def _under_torchrun(world_size: int) -> bool:
@@ -127,7 +132,11 @@ def register(
                     "interleaved step by step, and report median/p99 step latency, tokens/s, "
                     "speed-up over eager, start-up time, recompilations and padding.",
     )
-    add_engine_args(parser, max_num_seqs=64, max_num_batched_tokens=512)
+    seqs, tokens = TRACE_BATCH_LIMITS
+    add_engine_args(parser, batch_defaults=(
+        f"default {seqs}; with --generation the largest --batch-sizes",
+        f"default {tokens}; with --generation the engine's {DEFAULT_MAX_NUM_BATCHED_TOKENS} "
+        "(at least the largest --batch-sizes)"))
     g = parser.add_argument_group("benchmark")
     g.add_argument("--model-shape", default=None, metavar="NAME",
                    help=f"a real architecture's shape with seeded random weights, no download: "
@@ -232,6 +241,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--contenders {DBO_CONTENDER} needs the step trace on data-parallel "
                          "ranks (-dp 2 or more, no --generation): micro-batching is agreed by "
                          "DP ranks")
+    if not args.generation:
+        args.max_num_seqs = args.max_num_seqs or TRACE_BATCH_LIMITS[0]
+        args.max_num_batched_tokens = args.max_num_batched_tokens or TRACE_BATCH_LIMITS[1]
     if args.workload:
         if (args.generation or dp > 1 or args.contenders
                 or getattr(args, "enable_prefix_caching", None) is not None):

@@ -174,11 +174,14 @@ def _install_normalizer(parser: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None = None,
-                    max_num_batched_tokens: int | None = None) -> argparse.ArgumentParser:
+                    max_num_batched_tokens: int | None = None,
+                    batch_defaults: tuple[str, str] | None = None) -> argparse.ArgumentParser:
     """Add the engine flags (model, batch limits, parallelism, optimisation, compilation).
 
     ``max_num_seqs`` / ``max_num_batched_tokens``: this command's own defaults of the batch
-    limits (shown in ``--help`` as the ones used); None = the engine's."""
+    limits (shown in ``--help`` as the ones used); None = the engine's. ``batch_defaults``:
+    the ``--help`` words for those defaults, (requests, tokens), for a command whose modes pick
+    them (its flags then default to None)."""
     _install_normalizer(parser)
     g = parser.add_argument_group("engine configuration")
     g.add_argument("--model", default=None, metavar="DIR",
@@ -188,13 +191,13 @@ def add_engine_args(parser: argparse.ArgumentParser, *, max_num_seqs: int | None
                    help="model dtype: auto (from config.json), float32, bfloat16 or float16")
     g.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
                    help="longest sequence (default: max_position_embeddings of the model)")
+    seqs_default, tokens_default = batch_defaults or (
+        f"default {max_num_seqs or DEFAULT_MAX_NUM_SEQS}",
+        f"default {max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS}, at least max-num-seqs")
     g.add_argument("--max-num-seqs", type=positive_int, default=max_num_seqs, metavar="N",
-                   help=f"most requests per step (default {max_num_seqs or DEFAULT_MAX_NUM_SEQS})")
+                   help=f"most requests per step ({seqs_default})")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=max_num_batched_tokens,
-                   metavar="N",
-                   help=f"most tokens per step (default "
-                        f"{max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS}, at least "
-                        "max-num-seqs)")
+                   metavar="N", help=f"most tokens per step ({tokens_default})")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts over several steps (default on); with "
                         "--no-enable-chunked-prefill max-num-batched-tokens defaults to at least "
