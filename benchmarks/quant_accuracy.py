@@ -17,14 +17,22 @@ Random weights give flatter distributions than a trained model, so the absolute 
 smaller than a trained checkpoint's; the ranking of the formats and their ratios are what this
 measures.
 
+``--dtype float32`` runs the quantized models with float32 activations and KV cache, as llama.cpp
+computes (its KV cache is float16): the bf16 reference is saved as a checkpoint and each format
+loads it with ``dtype="float32"``, so it quantizes the very bf16 values the bfloat16 run does
+(the script checks that the packed blocks are the same bits).
+
 Usage: ``python benchmarks/quant_accuracy.py [--shape llama-3.2-1b] [--tokens 128]
-[--formats q8_0,q4_0,q4_1] [--no-llamacpp]`` (the shape's projections must be whole 32-weight blocks:
+[--formats q8_0,q4_0,q4_1] [--dtype bfloat16|float32] [--no-llamacpp]`` (the shape's projections must be whole 32-weight blocks:
 ``default``'s 688-wide MLP is not)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
 
 import torch
 
@@ -76,6 +84,9 @@ def main() -> None:
     parser.add_argument("--shape", default="llama-3.2-1b")
     parser.add_argument("--tokens", type=int, default=128, help="length of the scored sequence")
     parser.add_argument("--formats", default="q8_0,q4_0,q4_1")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="activations and KV cache of the quantized models (the reference "
+                             "stays bf16)")
     parser.add_argument("--no-llamacpp", action="store_true",
                         help="leave llama.cpp out even where its binding is installed")
     args = parser.parse_args()
@@ -88,12 +99,24 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     tokens = [int(t) for t in torch.randint(0, 1000, (args.tokens,), generator=gen)]
 
+    limits = {"enforce_eager": True, "max_model_len": args.tokens + 8,
+              "max_num_batched_tokens": max(512, args.tokens + 8)}
+
     def build(fmt: str | None) -> LLM:
-        return LLM(model_shape=args.shape, dtype="bfloat16", enforce_eager=True,
-                   max_model_len=args.tokens + 8, max_num_batched_tokens=max(512, args.tokens + 8),
-                   quantization=fmt)
+        return LLM(model_shape=args.shape, dtype="bfloat16", quantization=fmt, **limits)
 
     reference = build(None)
+    checkpoint = None
+    if args.dtype != "bfloat16":
+        checkpoint = tempfile.TemporaryDirectory(prefix="quant_accuracy_")
+        _save_checkpoint(reference, checkpoint.name)
+
+    def build_quantized(fmt: str) -> LLM:
+        if checkpoint is None:
+            return build(fmt)
+        llm = LLM(model=checkpoint.name, dtype=args.dtype, quantization=fmt, **limits)
+        _check_same_blocks(llm, build(fmt))
+        return llm
     ref = _distributions(reference, tokens)
     p = ref.exp()
 
@@ -102,18 +125,43 @@ def main() -> None:
         agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
         return f"{kl.mean().item():10.2e} {kl.max().item():10.2e} {agree:11.3f}"
 
-    print(f"shape {args.shape}, "
-          f"{len(tokens) - 1} scored positions, seeded random weights; reference: forwardkit bf16")
+    print(f"shape {args.shape}, {len(tokens) - 1} scored positions, seeded random weights; "
+          f"reference: forwardkit bf16; quantized models in {args.dtype}")
     head = f"{'mean KL':>10} {'max KL':>10} {'top-1 agree':>11}"
     print(f"{'format':8} {'weights GB':>10} {head}" + (f"  llama.cpp: {head}" if with_cpp else ""))
     for fmt in ["bf16", *args.formats.split(",")]:
-        llm = reference if fmt == "bf16" else build(fmt)
+        llm = reference if fmt == "bf16" else build_quantized(fmt)
         line = f"{fmt:8} {llm.weight_bytes_per_rank()[0] / 1e9:10.3f} "
         line += scores(ref if fmt == "bf16" else _distributions(llm, tokens))
         if with_cpp:
             line += "             " + scores(_llamacpp_distributions(llm, tokens, threads))
         print(line, flush=True)
         del llm
+    if checkpoint is not None:
+        checkpoint.cleanup()
+
+
+def _save_checkpoint(llm: LLM, path: str) -> None:
+    """``llm``'s model as a Hugging Face checkpoint (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    from forwardkit.bench.generation import hf_state_dict
+
+    config = dict(llm.runner.model_config.hf_config, torch_dtype="bfloat16")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    state = {k: v.contiguous().clone() for k, v in hf_state_dict(llm.runner.module).items()}
+    save_file(state, os.path.join(path, "model.safetensors"))
+
+
+def _check_same_blocks(got: LLM, want: LLM) -> None:
+    """Every packed quantized weight of ``got`` holds the same bytes as ``want``'s."""
+    theirs = dict(want.runner.module.named_parameters())
+    for name, param in got.runner.module.named_parameters():
+        if getattr(param, "quant_format", None) is not None and not torch.equal(
+                param.data, theirs[name].data):
+            raise RuntimeError(f"{name}: the float32 model quantized other bits than the bf16 one")
+    del want
 
 
 if __name__ == "__main__":

@@ -91,6 +91,25 @@ def test_q8_0_logprobs_close_to_unquantized(llama_dir):
     assert err["q4_0"] > 10 * err["q8_0"]  # the check tells a coarser format apart
 
 
+def test_a_bf16_checkpoint_quantized_in_float32_holds_the_bf16_runs_blocks(tiny_llama, tmp_path):
+    """``dtype="float32"`` with quantized weights (float32 activations and KV cache, as
+    llama.cpp computes) quantizes the checkpoint's very bf16 values: the same blocks, bit for
+    bit, as ``dtype="bfloat16"``; only the activations differ. What the accuracy comparison
+    against llama.cpp (and a user choosing precision over KV bytes) relies on."""
+    tiny_llama().to(torch.bfloat16).save_pretrained(str(tmp_path))
+    for fmt in ("q8_0", "q4_0"):
+        runs = {dt: LLM(model=str(tmp_path), dtype=dt, quantization=fmt, enforce_eager=True)
+                for dt in ("bfloat16", "float32")}
+        assert runs["float32"].runner.dtype == torch.float32
+        packed = {dt: {n: p for n, p in llm.runner.module.named_parameters()
+                       if getattr(p, "quant_format", None) is not None} for dt, llm in runs.items()}
+        assert len(packed["float32"]) == 2 * 4 + 2  # qkv, o, gate_up, down a layer; embedding, head
+        for name, param in packed["float32"].items():
+            assert torch.equal(param.data, packed["bfloat16"][name].data), (fmt, name)
+        tokens = {dt: _tokens(_greedy(llm, max_tokens=6)) for dt, llm in runs.items()}
+        assert all(len(t) == 6 for t in tokens["float32"])
+
+
 def test_compiled_quantized_run_keeps_the_op_and_matches_eager(llama_dir):
     """Mode 3 (the piecewise backend) compiles the quantized model; tokens equal eager's."""
     from forwardkit.config.compilation_enums import CompilationMode
