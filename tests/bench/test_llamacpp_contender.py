@@ -284,6 +284,39 @@ def test_a_crash_of_the_extra_buffers_probe_is_named_and_a_clean_run_is_not(tmp_
     assert extra_buffers_crash(str(tmp_path / "a.gguf"), 2, "pass") is None
 
 
+def test_only_a_gguf_with_block_quantized_tensors_is_probed(llm, quant_llm, tmp_path):
+    """llama.cpp's extra buffer types take block-quantized tensors only: a bf16 / float32 GGUF
+    skips the probe's child process (seconds of loading), a q4_0 one is probed."""
+    from forwardkit.bench.generation import hf_quant_formats
+    from forwardkit.bench.llamacpp import holds_block_quantized
+
+    plain = write_llama_gguf(tmp_path / "plain.gguf", llm.runner.model_config.hf_config,
+                             hf_state_dict(llm.runner.model))
+    assert not holds_block_quantized(str(plain))
+    model = quant_llm.runner.model
+    packed = write_llama_gguf(tmp_path / "q.gguf", quant_llm.runner.model_config.hf_config,
+                              hf_state_dict(model), hf_quant_formats(model))
+    assert holds_block_quantized(str(packed))
+
+
+@pytest.mark.skipif(not llamacpp_available(), reason=NO_BINDING)
+def test_a_plain_gguf_loads_without_the_probe(llm, monkeypatch):
+    from forwardkit.bench import llamacpp
+
+    def probe(path: str, threads: int) -> str | None:
+        raise AssertionError("the probe ran for a GGUF without block-quantized tensors")
+
+    monkeypatch.setattr(llamacpp, "extra_buffers_crash", probe)
+    cpp = llamacpp.LlamaCppGenerator(llm.runner.model_config.hf_config,
+                                     hf_state_dict(llm.runner.model), max_seqs=1, max_len=12,
+                                     threads=1)
+    try:
+        assert cpp.extra_buffers_off is None and cpp.probe_seconds == 0.0
+        assert len(cpp.generate([[5, 17, 300, 42]], 3)[0]) == 3
+    finally:
+        cpp.close()
+
+
 @pytest.mark.skipif(not llamacpp_available(), reason=NO_BINDING)
 def test_after_a_probe_crash_llamacpp_runs_without_extra_buffers(quant_llm, monkeypatch,
                                                                  fk_log_records):

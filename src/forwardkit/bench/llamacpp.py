@@ -84,6 +84,17 @@ batch.n_tokens = 32
 sys.exit(0 if lc.llama_decode(ctx, batch) == 0 else 5)
 """
 PROBE_TIMEOUT_S = 600.0
+_PLAIN_GGML_TYPES = frozenset({0, 1, 24, 25, 26, 27, 28, 30})
+"""ggml type ids of unblocked tensors (F32, F16, I8, I16, I32, I64, F64, BF16): llama.cpp's
+extra buffer types (AMX tiles, repacked rows) take none of them, only block-quantized ones."""
+
+
+def holds_block_quantized(path: str) -> bool:
+    """Whether the GGUF at ``path`` has a block-quantized tensor (Q8_0, Q4_0, Q4_K, ...): only
+    those reach llama.cpp's extra buffer types, so only such a file needs the crash probe."""
+    from forwardkit.config.gguf import open_gguf
+
+    return any(t.type_id not in _PLAIN_GGML_TYPES for t in open_gguf(path).tensors)
 
 
 @functools.cache
@@ -166,7 +177,8 @@ class LlamaCppGenerator:
         self.extra_buffers_off: str | None = None  # why llama.cpp runs without them, if it does
         # seconds spent in the probe's child: forwardkit's cost, not llama.cpp's start-up
         self.probe_seconds = 0.0
-        if "use_extra_bufts" in fields and mparams.use_extra_bufts:
+        if ("use_extra_bufts" in fields and mparams.use_extra_bufts
+                and holds_block_quantized(path)):
             start = time.perf_counter()
             crash = extra_buffers_crash(os.path.abspath(path), threads)
             self.probe_seconds = time.perf_counter() - start
