@@ -161,7 +161,6 @@ def _check_same_blocks(got: LLM, want: LLM) -> None:
         if getattr(param, "quant_format", None) is not None and not torch.equal(
                 param.data, theirs[name].data):
             raise RuntimeError(f"{name}: the float32 model quantized other bits than the bf16 one")
-    del want
 
 
 if __name__ == "__main__":

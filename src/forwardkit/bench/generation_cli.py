@@ -87,6 +87,13 @@ def _settings(args: argparse.Namespace) -> Settings:
     for key in ("prompt_len", "new_tokens", "repeats"):
         if out[key] < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {out[key]}")
+    # the token budget is the engine's (2048, or the largest batch) unless given: a batch's
+    # prompts prefill together up to it, as llama.cpp takes them in one pass; a smaller budget
+    # splits the prefill and leaves part of the batch a step behind the rest for all its decode
+    tokens, largest = getattr(args, "max_num_batched_tokens", None), max(out["batch_sizes"])
+    if tokens is not None and tokens < largest:
+        raise ValueError(f"--max-num-batched-tokens {tokens} is below the largest --batch-sizes "
+                         f"{largest}: a decode step of that batch takes one token per sequence")
     return out
 
 
@@ -104,14 +111,7 @@ def _engine_config(name: str, args: argparse.Namespace, hf_config: dict[str, Any
     longest = s["prompt_len"] + s["new_tokens"] + 1
     _check_length(ns, hf_config, longest)
     ns.max_model_len = ns.max_model_len or longest
-    ns.max_num_seqs = max(s["batch_sizes"])
-    # the token budget is the engine's (2048, or the largest batch) unless given: a batch's
-    # prompts prefill together up to it, as llama.cpp takes them in one pass; a smaller budget
-    # splits the prefill and leaves part of the batch a step behind the rest for all its decode
-    if ns.max_num_batched_tokens is not None and ns.max_num_batched_tokens < ns.max_num_seqs:
-        raise ValueError(f"--max-num-batched-tokens {ns.max_num_batched_tokens} is below the "
-                         f"largest --batch-sizes {ns.max_num_seqs}: a decode step of that batch "
-                         "takes one token per sequence")
+    ns.max_num_seqs = max(s["batch_sizes"])  # the token budget: see _settings
     if name != "forwardkit":
         ns.enforce_eager, ns.engine_O, ns.compilation_config = False, ["0"], NATIVE_EAGER
     cfg = engine_config_from_args(ns, default_hf_config=hf_config)

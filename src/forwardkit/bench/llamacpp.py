@@ -84,17 +84,18 @@ batch.n_tokens = 32
 sys.exit(0 if lc.llama_decode(ctx, batch) == 0 else 5)
 """
 PROBE_TIMEOUT_S = 600.0
-_PLAIN_GGML_TYPES = frozenset({0, 1, 24, 25, 26, 27, 28, 30})
-"""ggml type ids of unblocked tensors (F32, F16, I8, I16, I32, I64, F64, BF16): llama.cpp's
-extra buffer types (AMX tiles, repacked rows) take none of them, only block-quantized ones."""
+_UNBLOCKED_TYPES = ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64")
+"""ggml types of one value a weight: llama.cpp's extra buffer types (AMX tiles, repacked rows)
+take none of them, only block-quantized ones."""
 
 
 def holds_block_quantized(path: str) -> bool:
     """Whether the GGUF at ``path`` has a block-quantized tensor (Q8_0, Q4_0, Q4_K, ...): only
     those reach llama.cpp's extra buffer types, so only such a file needs the crash probe."""
     from forwardkit.config.gguf import open_gguf
+    from forwardkit.quantization.gguf_types import TYPE_NAMES
 
-    return any(t.type_id not in _PLAIN_GGML_TYPES for t in open_gguf(path).tensors)
+    return any(TYPE_NAMES.get(t.type_id) not in _UNBLOCKED_TYPES for t in open_gguf(path).tensors)
 
 
 @functools.cache
