@@ -187,6 +187,11 @@ def test_q8_0_q4_0_file_has_the_bits_and_tokens_of_quantize_on_load(tmp_path, fm
     file_head, load_head = from_file.runner.module.lm_head, on_load.runner.module.lm_head
     assert load_head.quant_method.format.name == file_head.quant_method.format.name == "q8_0"
     assert torch.equal(file_head.weight, load_head.weight)
+    # the token embedding stays packed too: the file's bytes, looked up row by row
+    file_table = from_file.runner.module.model.embed_tokens
+    load_table = on_load.runner.module.model.embed_tokens
+    assert file_table.quant_method.format.name == load_table.quant_method.format.name == "q8_0"
+    assert torch.equal(file_table.weight, load_table.weight)
     assert _greedy(from_file) == _greedy(on_load)
 
 
@@ -228,9 +233,7 @@ def _dense_twin(tensors: dict[str, np.ndarray], path) -> str:
         if a.dtype == np.uint8:
             kind = _k_type(name, a)
             raw = torch.from_numpy(a)
-            if name == "token_embd.weight":  # the embedding: dequantized exactly
-                values = torch.from_numpy(gguf.quants.dequantize(a, kind))
-            elif kind == T.Q4_K:
+            if kind == T.Q4_K:  # the embedding too: it stays packed, repacked like a projection
                 values = dequantize(gguf_types.repack_q4_k(raw, a.shape[0]), "q4_1")
             else:
                 values = dequantize(gguf_types.repack_q6_k(raw, a.shape[0]), "q8_0")
@@ -460,10 +463,10 @@ def test_rope_freqs_tensor_becomes_the_rotary_scaling(tmp_path, scaling):
     assert _greedy(llm) == _hf_greedy(model)
 
 
-def test_tied_quantized_embedding_gives_a_packed_head(tmp_path, reference_path):
-    """No ``output.weight`` and a Q8_0 ``token_embd``: the lookup uses the dequantized table, the
-    head its own packed copy of the file's bytes; tokens equal transformers' model holding the
-    dequantized table."""
+def test_tied_quantized_embedding_is_one_packed_table(tmp_path, reference_path):
+    """No ``output.weight`` and a Q8_0 ``token_embd``: the embedding holds the file's bytes
+    (each lookup dequantizes its rows) and the head shares that one table; tokens equal
+    transformers' model holding the dequantized table."""
     model = _hf_model("llama", tie_word_embeddings=True)
     cfg = {**TINY, "tie_word_embeddings": True}
     tensors = gguf_tensors(model.state_dict(), cfg, "llama")
@@ -474,9 +477,13 @@ def test_tied_quantized_embedding_gives_a_packed_head(tmp_path, reference_path):
     head = module.lm_head
     assert head.quant_method is not None and head.quant_method.format.name == "q8_0"
     raw = torch.from_numpy(gguf.quants.quantize(tensors["token_embd.weight"], T.Q8_0))
-    assert torch.equal(head.weight, raw)  # the file's bytes
+    embedding = module.model.embed_tokens
+    assert embedding.quant_method is not None and embedding.quant_method.format.name == "q8_0"
+    assert torch.equal(embedding.weight, raw)  # the file's bytes
+    assert head.weight is embedding.weight  # one table
     table = dequantize(raw, "q8_0")
-    assert torch.equal(module.model.embed_tokens.weight, table)
+    ids = torch.tensor([0, 5, 17, 3])
+    assert torch.equal(embedding(ids), table[ids])  # the rows of the dequantized table
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(table)  # tied: the HF head uses it too
     assert _greedy(llm) == _hf_greedy(model)

@@ -6,18 +6,20 @@ no tensor the model needs is absent; one ``ValueError`` names every problem.
 
 Then, tensor by tensor:
 
-* the attention and MLP projections (``attn_q/k/v/output``, ``ffn_gate/up/down``) and the LM
-  head (``output``, or a quantized ``token_embd`` the head is tied to: the head then gets its
-  own packed copy) in a quantized type stay packed: Q8_0 / Q4_0 / Q4_1 as their own bytes,
-  Q4_K repacked into ``q4_1``, Q6_K into ``q8_0``. The layer gets the packed weight and the quant
-  method that applies it through ``forwardkit::quant_linear``
-  (``quantization.linear_method.install_packed_weight``); the parts of a merged projection
-  (q/k/v, gate/up) in different formats run as one op call per part;
+* the attention and MLP projections (``attn_q/k/v/output``, ``ffn_gate/up/down``), the LM
+  head (``output``) and the token embedding (``token_embd``) in a quantized type stay packed:
+  Q8_0 / Q4_0 / Q4_1 as their own bytes, Q4_K repacked into ``q4_1``, Q6_K into ``q8_0``. A
+  projection gets the packed weight and the quant method that applies it through
+  ``forwardkit::quant_linear`` (``quantization.linear_method.install_packed_weight``); the parts
+  of a merged projection (q/k/v, gate/up) in different formats run as one op call per part. The
+  embedding gets its packed table, looked up through ``forwardkit::quant_embedding`` (which
+  dequantizes only the rows it gathers), and a head tied to it shares that table
+  (``install_packed_table``), as a model quantized on load does;
 * stacked MoE expert tensors in such a type stay packed in their layer
   (``FusedMoE.install_packed``): gate and up as one ``w13`` when both map to the same format
   (else both are dequantized), down on its own, this rank's experts and intermediate slice;
-* everything else (F32 / F16 / BF16 tensors, the token embedding's lookup table, norms, biases,
-  the MoE router) is dequantized to float32 values (ggml's,
+* everything else (F32 / F16 / BF16 tensors, norms, biases, the MoE router) is dequantized to
+  float32 values (ggml's,
   bit for bit) and copied in the model's dtype through the models' own ``load_weights``;
 * Q and K rows (and their biases) of a ``llama`` file go back from llama.cpp's interleaved rotary
   order to the half-split order of the Hugging Face checkpoint its converter read (a ``qwen2``
@@ -44,7 +46,7 @@ from forwardkit.logger import init_logger
 from forwardkit.models.llama import LlamaForCausalLM
 from forwardkit.quantization import gguf_types
 from forwardkit.quantization.formats import BLOCK, dequantize, get_format
-from forwardkit.quantization.linear_method import install_packed_weight
+from forwardkit.quantization.linear_method import install_packed_table, install_packed_weight
 
 __all__ = ["GGUFLoadError", "PROGRESS_MIN_BYTES", "gguf_tensor_plan", "load_gguf_weights"]
 
@@ -179,7 +181,7 @@ def gguf_tensor_plan(info: GGUFFile, cfg: dict[str, object]) -> list[TensorPlan]
         suffix = tensor.name.split(".", 2)[-1]
         packed = None
         if gguf_types.native_format(type_name) is not None and (
-                suffix in _PROJECTIONS or (tensor.name == "output.weight")):
+                suffix in _PROJECTIONS or tensor.name in ("output.weight", "token_embd.weight")):
             packed = gguf_types.native_format(type_name)
         elif expert is not None:
             packed = _expert_format(tensor.name, types, int(cfg["hidden_size"]))  # type: ignore[call-overload]
@@ -317,11 +319,12 @@ def load_gguf_weights(model: LlamaForCausalLM, path: str, dtype: torch.dtype) ->
             if plan.packed_format is not None and plan.expert_kind is not None:
                 _take_packed_experts(plan)
                 continue
+            if plan.packed_format is not None and plan.hf_name == "model.embed_tokens.weight":
+                _take_packed_table(plan)
+                continue
             if plan.packed_format is not None:
                 _take_packed(plan)
                 continue
-            if plan.hf_name == "model.embed_tokens.weight" and model.tie_word_embeddings:
-                _pack_tied_head(plan)
             values = _float_values(plan, dtype)
             if plan.rotary_heads:
                 values = _unpermute(values, plan.rotary_heads)
@@ -331,17 +334,19 @@ def load_gguf_weights(model: LlamaForCausalLM, path: str, dtype: torch.dtype) ->
             else:
                 yield plan.hf_name, values
 
-    def _pack_tied_head(plan: TensorPlan) -> None:
-        """A quantized embedding the head is tied to: the head gets its own packed copy in the
-        file's format (the embedding itself is dequantized for the lookup)."""
-        fmt = gguf_types.native_format(plan.type_name)
-        if fmt is None:
-            return  # a float embedding: the head shares it
+    def _take_packed_table(plan: TensorPlan) -> None:
+        """A quantized token embedding kept packed (this rank's rows of the vocabulary); a head
+        tied to it shares the table."""
+        assert plan.packed_format is not None
         raw = _raw(plan.tensor)
         packed = gguf_types.packed_values(raw, plan.type_name, raw.shape[0], plan.tensor.name)
-        local = _local_packed(params["lm_head.weight"], packed, fmt, None, plan.tensor.name)
-        install_packed_weight(model.lm_head, [(fmt, local)])
-        loaded.add("lm_head.weight")
+        local = _local_packed(params[plan.hf_name], packed, plan.packed_format, None,
+                              plan.tensor.name)
+        head = model.lm_head if model.tie_word_embeddings else None
+        install_packed_table(model.model.embed_tokens, plan.packed_format, local, head)
+        loaded.add(plan.hf_name)
+        if head is not None:
+            loaded.add("lm_head.weight")
 
     def _take_packed_experts(plan: TensorPlan) -> None:
         """A stacked expert tensor kept packed: this rank's experts (and intermediate slice)
@@ -399,9 +404,11 @@ def load_gguf_weights(model: LlamaForCausalLM, path: str, dtype: torch.dtype) ->
                        if isinstance(m, (Linear, LMHead)) and m.quant_method is not None)
     packed_experts = sum(1 for m in model.modules() if isinstance(m, FusedMoE)
                          for p in (m.w13_weight, m.w2_weight) if p.dtype == torch.uint8)
-    logger.info("Loaded %s from GGUF file %s: %d tensors, %d projections%s kept packed",
+    table = model.model.embed_tokens.quant_method
+    logger.info("Loaded %s from GGUF file %s: %d tensors, %d projections%s kept packed%s",
                 type(model).__name__, path, len(plans), packed_count,
-                f" and {packed_experts} stacked expert weights" if packed_experts else "")
+                f" and {packed_experts} stacked expert weights" if packed_experts else "",
+                "" if table is None else f", the token embedding as {table.format.name}")
     return loaded
 
 

@@ -233,6 +233,24 @@ def install_packed_weight(layer: nn.Module, parts: list[tuple[str, torch.Tensor]
     return packed
 
 
+def install_packed_table(embedding: nn.Module, fmt: str, packed: torch.Tensor,
+                         head: nn.Module | None = None) -> nn.Parameter:
+    """Give ``embedding`` (a token embedding) an already packed ``[rows, bytes]`` table in
+    ``fmt`` and the :class:`QuantizedEmbeddingMethod` that looks it up; ``head``, an LM head
+    tied to it, shares the packed table through a :class:`QuantizedLinearMethod`. The table
+    refuses in-place reloads, like a quantized-on-load one."""
+    method = QuantizedEmbeddingMethod(fmt)
+    table = nn.Parameter(packed.contiguous(), requires_grad=False)
+    table.weight_loader = _refuse_reload  # type: ignore[attr-defined]
+    table.quant_format = method.format.name  # type: ignore[attr-defined]
+    embedding.weight = table
+    setattr(embedding, "quant_method", method)  # noqa: B010 (a plain attribute, not a submodule)
+    if head is not None:
+        head.weight = table
+        setattr(head, "quant_method", QuantizedLinearMethod(fmt))  # noqa: B010
+    return table
+
+
 def _quant_fusion_pass(pass_config: PassConfig) -> object:
     """The ``fuse_norm_quant`` / ``fuse_act_quant`` pass (``quantization/fusion.py``, imported
     only here: it needs the compiler) when a flag asks for it, else None."""
