@@ -17,13 +17,15 @@ Random weights give flatter distributions than a trained model, so the absolute 
 smaller than a trained checkpoint's; the ranking of the formats and their ratios are what this
 measures.
 
-``--dtype float32`` runs the quantized models with float32 activations and KV cache, as llama.cpp
-computes (its KV cache is float16): the bf16 reference is saved as a checkpoint and each format
-loads it with ``dtype="float32"``, so it quantizes the very bf16 values the bfloat16 run does
-(the script checks that the packed blocks are the same bits).
+``--dtype`` sets the quantized models' activations and KV cache: ``auto`` (the default) is what a
+user gets, the engine's own choice (float32 on a CPU, for a model whose weights are all in
+blocks, as llama.cpp computes; its KV cache is float16), ``bfloat16`` / ``float32`` force one.
+For ``auto`` and ``float32`` the bf16 reference is saved as a checkpoint and each format loads
+it with that dtype, so it quantizes the very bf16 values a bfloat16 run does (the script checks
+that the packed blocks are the same bits).
 
 Usage: ``python benchmarks/quant_accuracy.py [--shape llama-3.2-1b] [--tokens 128]
-[--formats q8_0,q4_0,q4_1] [--dtype bfloat16|float32] [--no-llamacpp]`` (the shape's projections must be whole 32-weight blocks:
+[--formats q8_0,q4_0,q4_1] [--dtype auto|bfloat16|float32] [--no-llamacpp]`` (the shape's projections must be whole 32-weight blocks:
 ``default``'s 688-wide MLP is not)
 """
 
@@ -84,9 +86,9 @@ def main() -> None:
     parser.add_argument("--shape", default="llama-3.2-1b")
     parser.add_argument("--tokens", type=int, default=128, help="length of the scored sequence")
     parser.add_argument("--formats", default="q8_0,q4_0,q4_1")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                        help="activations and KV cache of the quantized models (the reference "
-                             "stays bf16)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="activations and KV cache of the quantized models: auto = the "
+                             "engine's choice (the reference stays bf16)")
     parser.add_argument("--no-llamacpp", action="store_true",
                         help="leave llama.cpp out even where its binding is installed")
     args = parser.parse_args()
@@ -126,12 +128,13 @@ def main() -> None:
         return f"{kl.mean().item():10.2e} {kl.max().item():10.2e} {agree:11.3f}"
 
     print(f"shape {args.shape}, {len(tokens) - 1} scored positions, seeded random weights; "
-          f"reference: forwardkit bf16; quantized models in {args.dtype}")
+          f"reference: forwardkit bf16; quantized models: dtype {args.dtype}")
     head = f"{'mean KL':>10} {'max KL':>10} {'top-1 agree':>11}"
-    print(f"{'format':8} {'weights GB':>10} {head}" + (f"  llama.cpp: {head}" if with_cpp else ""))
+    print(f"{'format':8} {'activations':>11} {'weights GB':>10} {head}" + (f"  llama.cpp: {head}" if with_cpp else ""))
     for fmt in ["bf16", *args.formats.split(",")]:
         llm = reference if fmt == "bf16" else build_quantized(fmt)
-        line = f"{fmt:8} {llm.weight_bytes_per_rank()[0] / 1e9:10.3f} "
+        acts = str(llm.runner.model_config.dtype).removeprefix("torch.")
+        line = f"{fmt:8} {acts:>11} {llm.weight_bytes_per_rank()[0] / 1e9:10.3f} "
         line += scores(ref if fmt == "bf16" else _distributions(llm, tokens))
         if with_cpp:
             line += "             " + scores(_llamacpp_distributions(llm, tokens, threads))
@@ -160,7 +163,8 @@ def _check_same_blocks(got: LLM, want: LLM) -> None:
     for name, param in got.runner.module.named_parameters():
         if getattr(param, "quant_format", None) is not None and not torch.equal(
                 param.data, theirs[name].data):
-            raise RuntimeError(f"{name}: the float32 model quantized other bits than the bf16 one")
+            raise RuntimeError(f"{name}: the {got.runner.model_config.dtype} model quantized other "
+                               "bits than the bf16 one")
 
 
 if __name__ == "__main__":

@@ -103,3 +103,39 @@ def test_auto_bf16_runs_in_fp32_only_where_bf16_would_be_emulated(monkeypatch):
     assert cuda.model_config.dtype == torch.bfloat16
     monkeypatch.setattr(builder, "cpu_has_native_bf16", lambda: True)
     assert build_engine_config(model_shape="llama-3.2-1b", platform="cpu").model_config.dtype == torch.bfloat16
+
+
+def test_auto_runs_a_model_held_in_quantized_blocks_in_float32_on_a_cpu(monkeypatch):
+    """``dtype="auto"`` gives a model whose weights are all in blocks (quantized on load, or a
+    GGUF file of block and float32 tensors) float32 activations on a CPU, whatever the CPU:
+    the products take int8 activations either way (a MoE model's experts are packed too). Not
+    where 16-bit weights would double (a GGUF file with a 16-bit matrix), not on a GPU, and
+    never over an explicit dtype."""
+    import forwardkit.config.builder as builder
+
+    monkeypatch.setattr(builder, "cpu_has_native_bf16", lambda: True)  # bf16 would be native
+
+    def dtype_of(**kw) -> torch.dtype:
+        kw.setdefault("platform", "cpu")
+        return build_engine_config(**kw).model_config.dtype
+
+    assert dtype_of(model_shape="llama-3.2-1b") == torch.bfloat16
+    for fmt in ("q8_0", "q4_0", "q4_1"):
+        assert dtype_of(model_shape="llama-3.2-1b", quantization=fmt) == torch.float32
+    assert dtype_of(model_shape="llama-3.2-1b", quantization="q8_0", dtype="bfloat16") == torch.bfloat16
+    assert dtype_of(model_shape="llama-3.2-1b", quantization="q8_0", platform="cuda") == torch.bfloat16
+    half = {**model_shape_config("llama-3.2-1b"), "torch_dtype": "float16"}
+    assert dtype_of(default_hf_config=half, quantization="q4_0") == torch.float32
+    moe = {**model_shape_config("mixtral-small"), "torch_dtype": "bfloat16"}
+    assert dtype_of(default_hf_config=moe) == torch.bfloat16
+    assert dtype_of(default_hf_config=moe, quantization="q8_0") == torch.float32  # experts packed
+
+    def gguf(types: dict[str, int]) -> torch.dtype:
+        cfg = {**model_shape_config("llama-3.2-1b"), "gguf_tensor_types": types}
+        return dtype_of(default_hf_config=cfg)
+
+    blocks = {"token_embd.weight": 8, "blk.0.attn_q.weight": 2, "blk.0.ffn_down.weight": 12,
+              "output.weight": 14, "blk.0.attn_norm.weight": 0}
+    assert gguf(blocks) == torch.float32  # Q8_0 / Q4_0 / Q4_K / Q6_K and float32 norms
+    assert gguf({**blocks, "token_embd.weight": 1}) == torch.bfloat16  # an F16 table stays 16-bit
+    assert gguf({"blk.0.attn_q.weight": 30, "blk.0.attn_norm.weight": 0}) == torch.bfloat16  # bf16

@@ -35,11 +35,11 @@ def test_quantization_formats_per_layer_grouped(tmp_path, capsys):
     weights = [ln for ln in lines if ln.startswith(("weights", "  layer"))]
     assert len(weights) == 2, weights  # 16 identical layers: one line, not one per weight
     assert weights[0].split(None, 1)[1] == (
-        "quantized on load (q4_0): model.embed_tokens.weight q8_0; model.norm.weight bfloat16; "
+        "quantized on load (q4_0): model.embed_tokens.weight q8_0; model.norm.weight float32; "
         "lm_head.weight q8_0")
     assert weights[1].split(None, 2)[1:] == [
         "0-15", "q4_0: self_attn.qkv_proj.weight, self_attn.o_proj.weight, mlp.gate_up_proj.weight, "
-        "mlp.down_proj.weight; bfloat16: input_layernorm.weight, post_attention_layernorm.weight"]
+        "mlp.down_proj.weight; float32: input_layernorm.weight, post_attention_layernorm.weight"]
     assert "q4_0 projections, q8_0 token embedding and LM head" in out
 
 
@@ -51,7 +51,7 @@ def test_tied_head_is_shown_as_the_embedding_table(tmp_path, capsys):
     assert formats["layers"] == [{"layers": [0, 1], "formats": {
         "self_attn.qkv_proj.weight": "q8_0", "self_attn.o_proj.weight": "q8_0",
         "mlp.gate_up_proj.weight": "q8_0", "mlp.down_proj.weight": "q8_0",
-        "input_layernorm.weight": "bfloat16", "post_attention_layernorm.weight": "bfloat16"}}]
+        "input_layernorm.weight": "float32", "post_attention_layernorm.weight": "float32"}}]
 
 
 def test_unquantized_model_prints_no_weight_rows(tmp_path, capsys):
@@ -88,6 +88,12 @@ def test_gguf_file_formats_per_layer(tmp_path, capsys):
     assert out["layers"][1]["formats"]["attn_norm.weight"] == "F32 as bfloat16"
     text = _run(capsys, "--model", path)
     assert "  layer 2" in text and "Q4_1: attn_v.weight" in text
+    # every matrix in blocks: on a CPU the model runs in float32, and its F32 norms stay F32
+    blocks = write_gguf(str(tmp_path / "b.gguf"), "llama", cfg, tensors,
+                        type_of=lambda name, a: T.F32 if a.ndim != 2 else T.Q8_0)
+    out = json.loads(_run(capsys, "--model", blocks, "--json"))["weight_formats"]
+    assert out["outside_layers"]["token_embd.weight"] == "Q8_0"
+    assert out["layers"][0]["formats"]["attn_norm.weight"] == "F32 as float32"
 
 
 def test_a_weight_the_load_would_refuse_is_marked(tmp_path, capsys):

@@ -38,7 +38,7 @@ from forwardkit.config.engine import EngineConfig
 from forwardkit.config.engine_args import ENGINE_ARGS, LLM_LEVEL_ARGS, screen_engine_args
 from forwardkit.config.gguf import gguf_model_config, is_gguf_path
 from forwardkit.config.lora import LoRAConfig
-from forwardkit.config.model import QUANTIZATION_FORMATS, ModelConfig
+from forwardkit.config.model import GGUF_BLOCK_TYPES, QUANTIZATION_FORMATS, ModelConfig
 from forwardkit.config.model_shapes import (
     BUILTIN_MODEL_SHAPE,
     model_shape_config,
@@ -196,7 +196,8 @@ def build_engine_config(
         model_shape: a named real-architecture shape (``config.model_shapes``, e.g.
             ``"llama-3.2-1b"``) built with seeded random weights; replaces ``default_hf_config``
             and excludes ``model``.
-        dtype: "auto"/None (from config.json), "float32", "bfloat16", "float16" or a torch dtype.
+        dtype: "auto"/None (from config.json, then :func:`_cpu_dtype` on a CPU), "float32",
+            "bfloat16", "float16" or a torch dtype.
         max_model_len: longest sequence; None = ``max_position_embeddings``.
         max_num_seqs / max_num_batched_tokens / enable_chunked_prefill: scheduler limits.
         enforce_eager: no compilation and no CUDA graphs (forces O0).
@@ -272,7 +273,7 @@ def build_engine_config(
                              "have: leave quantization unset")
         if quantization is not None:
             model_config = dataclasses.replace(model_config, quantization=quantization)
-        model_config = _cpu_dtype_fallback(model_config, dtype, resolved_platform, compilation)
+        model_config = _cpu_dtype(model_config, dtype, resolved_platform, compilation)
         scheduler_config = _scheduler_config(model_config, max_num_seqs, max_num_batched_tokens,
                                              enable_chunked_prefill, scheduler_kwargs)
         cache_kwargs: dict[str, Any] = {"num_gpu_blocks": num_gpu_blocks, **routed["cache"]}
@@ -369,17 +370,45 @@ def cpu_has_native_bf16() -> bool:
     return cpu_capabilities().native_bf16
 
 
-def _cpu_dtype_fallback(model_config: ModelConfig, dtype: Any, platform: Platform,
-                        compilation: CompilationConfig) -> ModelConfig:
-    """A checkpoint's bf16 (taken by ``dtype="auto"``) runs in float32 on a CPU where bf16
-    products would be emulated: no native bf16 matmul (AVX-512-BF16 / AMX through oneDNN) and
-    neither forwardkit's AVX2 bf16 kernels (they need AVX2 + FMA and the ``cpu_linear`` op, on
-    unless ``"-cpu_linear"``). Emulated bf16 matmuls are several times slower than float32;
-    the AVX2 kernels are faster than float32 (they read half the bytes at batch 1 and match
-    float32's prompt speed). An explicit dtype is kept."""
+def weights_held_in_blocks(model_config: ModelConfig) -> bool:
+    """Whether every large weight of the model is held in 32-weight blocks, so that ``dtype``
+    decides only the activations, the KV cache and the small tensors (norms, biases, MoE router
+    gates): a model quantized on load (its projections, MoE experts, token embedding and LM head
+    go into blocks), or a GGUF file whose tensors are all block types or float32 (norms and
+    routers are float32 in GGUF; a file with 16-bit matrices is not)."""
+    if model_config.quantization is not None:
+        return True
+    types = model_config.hf_config.get("gguf_tensor_types") or {}
+    kinds = set(types.values())
+    return bool(kinds & GGUF_BLOCK_TYPES) and kinds <= GGUF_BLOCK_TYPES | {0}
+
+
+def _cpu_dtype(model_config: ModelConfig, dtype: Any, platform: Platform,
+               compilation: CompilationConfig) -> ModelConfig:
+    """What ``dtype="auto"`` resolves to on a CPU, where the checkpoint names a 16-bit dtype
+    (an explicit dtype is kept, and so is anything on a GPU):
+
+    - float32 for a model whose weights are all held in blocks (:func:`weights_held_in_blocks`):
+      its products quantize their activations to int8 whatever the dtype, so 16-bit activations
+      save no product time there, while float32 ones (llama.cpp computes so too) keep the
+      rounding of the residual stream, norms and attention out of the model's accuracy; the
+      cost is a KV cache of twice the bytes (decode time showed none, AMX or AVX2).
+    - float32 for a bf16 checkpoint where bf16 products would be emulated: no native bf16
+      matmul (AVX-512-BF16 / AMX through oneDNN) and neither forwardkit's AVX2 bf16 kernels
+      (they need AVX2 + FMA and the ``cpu_linear`` op, on unless ``"-cpu_linear"``). Emulated
+      bf16 matmuls are several times slower than float32; the AVX2 kernels are faster than
+      float32 (they read half the bytes at batch 1 and match float32's prompt speed).
+    - else the checkpoint's dtype."""
     auto = dtype is None or (isinstance(dtype, str) and dtype.strip().lower() == "auto")
-    if (not auto or model_config.dtype != torch.bfloat16
-            or not platform.is_cpu() or cpu_has_native_bf16()):
+    if not auto or not platform.is_cpu() or model_config.dtype == torch.float32:
+        return model_config
+    if weights_held_in_blocks(model_config):
+        logger.info_once("The model's weights are held in quantized blocks: dtype='auto' runs its "
+                         "activations and KV cache in float32 (the products take int8 "
+                         "activations either way; pass dtype='bfloat16' for 16-bit activations "
+                         "and a KV cache of half the bytes)")
+        return dataclasses.replace(model_config, dtype=torch.float32)
+    if model_config.dtype != torch.bfloat16 or cpu_has_native_bf16():
         return model_config
     if cpu_capabilities().avx2_fma and is_custom_op_enabled(
             compilation.custom_ops, "cpu_linear", compilation.mode, compilation.backend):

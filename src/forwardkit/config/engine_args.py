@@ -73,8 +73,9 @@ _ROWS: tuple[EngineArg, ...] = (
           ("auto", "hf")),
     _acts("trust_remote_code", "True is accepted for configs that need no code; a checkpoint "
           "that ships its own Python code (`auto_map`) is refused either way"),
-    _acts("dtype", "auto (config.json; bf16 runs in float32 on CPUs with neither native bf16 nor AVX2), "
-          "float32, bfloat16, float16"),
+    _acts("dtype", "auto (config.json; on a CPU float32 for a model whose weights are all in quantized "
+          "blocks, and for bf16 on CPUs with neither native bf16 nor AVX2), float32, bfloat16, "
+          "float16"),
     _acts("seed", "seed of the requests without their own; None = a fresh random seed"),
     _acts("max_model_len", "longest sequence; None = the model's max_position_embeddings"),
     _acts("max_logprobs", "most logprobs a request may ask for (-1 = no cap)"),

@@ -209,8 +209,8 @@ class ModelConfig(FreezableConfig):
     quantization: str | None = None
     """Block format the attention/MLP projections are quantized to on load (``q8_0``, ``q4_0``,
     ``q4_1``); None keeps every weight in ``dtype``. The token embedding and the LM head are then
-    held in :data:`EMBEDDING_QUANTIZATION` (``q8_0``); norms, biases and MoE experts and router
-    gates stay in ``dtype``."""
+    held in :data:`EMBEDDING_QUANTIZATION` (``q8_0``), MoE experts in the projections' format;
+    norms, biases and MoE router gates stay in ``dtype``."""
 
     def __post_init__(self) -> None:
         if self.model is not None:

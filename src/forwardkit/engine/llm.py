@@ -147,7 +147,9 @@ class LLM:
 
     Args:
         model: local Hugging Face checkpoint directory; None = the built-in default model.
-        dtype: "auto" (from config.json), "float32", "bfloat16", "float16" or a torch dtype.
+        dtype: "auto" (from config.json; on a CPU float32 for a model whose weights are all in
+            quantized blocks, and for bf16 where bf16 products would be emulated), "float32",
+            "bfloat16", "float16" or a torch dtype.
         max_num_seqs / max_num_batched_tokens: scheduler limits (defaults as ``forwardkit generate``).
         enforce_eager: no compilation and no CUDA graphs.
         compilation_config: a ``CompilationConfig``, a dict of its fields, or None.

@@ -12,8 +12,9 @@ projections hold a ``QuantizedLinearMethod``, and the token embedding and the LM
 methods in ``q8_0`` (``config.model.embedding_quantization``; a tied head shares the packed
 table): each weight is loaded at full precision, quantized as soon as all of it is loaded and
 its full-precision copy freed (``models/weights.py``), so the model is never held at full
-precision; seeded random weights are quantized one weight at a time after the fill. Norms, MoE
-experts and router gates stay in the model's dtype. A weight whose rows are not whole 32-weight
+precision; seeded random weights are quantized one weight at a time after the fill. MoE experts
+are packed in the projections' format (``FusedMoE.quantize_weights``); norms and router gates
+stay in the model's dtype. A weight whose rows are not whole 32-weight
 blocks is refused (named) before anything is read.
 
 On the CPU the loader also makes the model's ``CpuLinearRouter`` (``kernels/cpu/router.py``)
