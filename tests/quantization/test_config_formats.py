@@ -94,6 +94,15 @@ def test_gguf_file_formats_per_layer(tmp_path, capsys):
     out = json.loads(_run(capsys, "--model", blocks, "--json"))["weight_formats"]
     assert out["outside_layers"]["token_embd.weight"] == "Q8_0"
     assert out["layers"][0]["formats"]["attn_norm.weight"] == "F32 as float32"
+    # tied (no output.weight): the head is the embedding's one table, packed or not
+    tied_cfg = {**cfg, "tie_word_embeddings": True}
+    tied_tensors = {k: v for k, v in tensors.items() if k != "output.weight"}
+    for kind, held in ((T.Q8_0, "Q8_0"), (T.F16, "F16 as float32")):
+        path = write_gguf(str(tmp_path / f"tied_{kind.name}.gguf"), "llama", tied_cfg, tied_tensors,
+                          type_of=lambda name, a, kind=kind: (
+                              T.F32 if a.ndim != 2 else kind if name == "token_embd.weight" else T.Q8_0))
+        out = json.loads(_run(capsys, "--model", path, "--json", "--dtype", "float32"))["weight_formats"]
+        assert out["outside_layers"]["output (tied)"] == f"the table of token_embd.weight ({held})"
 
 
 def test_a_weight_the_load_would_refuse_is_marked(tmp_path, capsys):

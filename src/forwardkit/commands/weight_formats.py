@@ -146,13 +146,8 @@ def _gguf(cfg: EngineConfig) -> WeightFormats:
         held = plan.packed_format or dtype
         named.append((plan.tensor.name, plan.type_name if held.upper() == plan.type_name
                       else f"{plan.type_name} as {held}"))
-        if plan.tensor.name == "token_embd.weight" and tied:
-            from forwardkit.quantization.gguf_types import native_format
-
-            head = native_format(plan.type_name)
-            named.append(("output (tied)", f"{plan.type_name} as {head}" if head is not None
-                          and head.upper() != plan.type_name else
-                          (plan.type_name if head is not None else f"the table of token_embd.weight ({dtype})")))
+        if plan.tensor.name == "token_embd.weight" and tied:  # the head shares the table
+            named.append(("output (tied)", f"the table of token_embd.weight ({named[-1][1]})"))
     return _group(named, "GGUF file")
 
 
