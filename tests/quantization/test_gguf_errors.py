@@ -131,11 +131,15 @@ def test_quantization_argument_is_refused_for_a_gguf(tmp_path):
 
 
 @pytest.mark.distributed
-def test_packed_gguf_over_two_tp_ranks_generates_the_one_rank_tokens(tmp_path):
-    """Column splits take rows, row splits whole blocks, the packed head its vocabulary rows."""
-    cfg = dict(TINY, intermediate_size=128)
-    path = write_gguf(str(tmp_path / "tp.gguf"), "llama", cfg, _tensors(cfg),
-                      type_of=lambda name, a: T.Q8_0 if name == "output.weight" else _q8(name, a))
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_gguf_over_two_tp_ranks_generates_the_one_rank_tokens(tmp_path, tied):
+    """Column splits take rows, row splits whole blocks, the packed head and the packed
+    embedding (one table when tied) their vocabulary rows."""
+    cfg = dict(TINY, intermediate_size=128, tie_word_embeddings=tied)
+    tensors = {k: v for k, v in _tensors(cfg).items() if not (tied and k == "output.weight")}
+    tables = ("output.weight", "token_embd.weight")
+    path = write_gguf(str(tmp_path / "tp.gguf"), "llama", cfg, tensors,
+                      type_of=lambda name, a: T.Q8_0 if name in tables else _q8(name, a))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[5, 17, 33, 2, 90, 41], [7, 7, 120, 3]]
 
