@@ -370,6 +370,9 @@ def cpu_has_native_bf16() -> bool:
     return cpu_capabilities().native_bf16
 
 
+_GGUF_F32 = 0  # ggml's type id of float32 (norms and MoE routers in a quantized GGUF)
+
+
 def weights_held_in_blocks(model_config: ModelConfig) -> bool:
     """Whether every large weight of the model is held in 32-weight blocks, so that ``dtype``
     decides only the activations, the KV cache and the small tensors (norms, biases, MoE router
@@ -380,7 +383,7 @@ def weights_held_in_blocks(model_config: ModelConfig) -> bool:
         return True
     types = model_config.hf_config.get("gguf_tensor_types") or {}
     kinds = set(types.values())
-    return bool(kinds & GGUF_BLOCK_TYPES) and kinds <= GGUF_BLOCK_TYPES | {0}
+    return bool(kinds & GGUF_BLOCK_TYPES) and kinds <= GGUF_BLOCK_TYPES | {_GGUF_F32}
 
 
 def _cpu_dtype(model_config: ModelConfig, dtype: Any, platform: Platform,

@@ -70,13 +70,18 @@ def _refuse_reload(param: torch.Tensor, loaded: torch.Tensor, shard_id: Hashable
         "be written in place: load the model again instead")
 
 
-def _packed_parameter(staging: torch.Tensor, fmt: QuantFormat, name: str) -> nn.Parameter:
-    """``staging`` (a loaded full-precision weight) quantized into a packed parameter that
-    refuses in-place reloads."""
-    packed = nn.Parameter(quantize(staging.data, fmt, name), requires_grad=False)
+def _packed_param(data: torch.Tensor, fmt: str) -> nn.Parameter:
+    """Packed bytes ``data`` in format ``fmt`` as a parameter that names its format and refuses
+    in-place reloads (every packed weight and table is made here)."""
+    packed = nn.Parameter(data.contiguous(), requires_grad=False)
     packed.weight_loader = _refuse_reload  # type: ignore[attr-defined]
-    packed.quant_format = fmt.name  # type: ignore[attr-defined]
+    packed.quant_format = fmt  # type: ignore[attr-defined]
     return packed
+
+
+def _packed_parameter(staging: torch.Tensor, fmt: QuantFormat, name: str) -> nn.Parameter:
+    """``staging`` (a loaded full-precision weight) quantized into a packed parameter."""
+    return _packed_param(quantize(staging.data, fmt, name), fmt.name)
 
 
 class QuantizedLinearMethod:
@@ -225,9 +230,7 @@ def install_packed_weight(layer: nn.Module, parts: list[tuple[str, torch.Tensor]
     else:
         method = SplitQuantizedLinearMethod([(p.shape[0], fmt) for fmt, p in parts])
         data = torch.cat([p.reshape(-1) for _, p in parts])
-    packed = nn.Parameter(data.contiguous(), requires_grad=False)
-    packed.weight_loader = _refuse_reload  # type: ignore[attr-defined]
-    packed.quant_format = method.format.name  # type: ignore[attr-defined]
+    packed = _packed_param(data, method.format.name)
     layer.weight = packed
     setattr(layer, "quant_method", method)  # noqa: B010 (a plain attribute, not a submodule)
     return packed
@@ -240,9 +243,7 @@ def install_packed_table(embedding: nn.Module, fmt: str, packed: torch.Tensor,
     tied to it, shares the packed table through a :class:`QuantizedLinearMethod`. The table
     refuses in-place reloads, like a quantized-on-load one."""
     method = QuantizedEmbeddingMethod(fmt)
-    table = nn.Parameter(packed.contiguous(), requires_grad=False)
-    table.weight_loader = _refuse_reload  # type: ignore[attr-defined]
-    table.quant_format = method.format.name  # type: ignore[attr-defined]
+    table = _packed_param(packed, method.format.name)
     embedding.weight = table
     setattr(embedding, "quant_method", method)  # noqa: B010 (a plain attribute, not a submodule)
     if head is not None:
