@@ -88,6 +88,8 @@ def test_gguf_file_formats_per_layer(tmp_path, capsys):
     assert out["layers"][1]["formats"]["attn_norm.weight"] == "F32 as bfloat16"
     text = _run(capsys, "--model", path)
     assert "  layer 2" in text and "Q4_1: attn_v.weight" in text
+    # nothing is quantized on load, yet the file's weights are quantized: not "none"
+    assert "quantization        the GGUF file's tensor types (weights below)" in text
     # every matrix in blocks: on a CPU the model runs in float32, and its F32 norms stay F32
     blocks = write_gguf(str(tmp_path / "b.gguf"), "llama", cfg, tensors,
                         type_of=lambda name, a: T.F32 if a.ndim != 2 else T.Q8_0)

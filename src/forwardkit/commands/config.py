@@ -104,6 +104,17 @@ def _weight_rows(cfg: EngineConfig) -> list[tuple[str, str]]:
     return [] if formats is None else formats.text_rows()
 
 
+def _quantization_text(info: dict[str, Any], cfg: EngineConfig) -> str:
+    from forwardkit.config.gguf import is_gguf_path
+
+    if info["quantization"] is not None:
+        return (f"{info['quantization']} projections, {info['embedding_quantization']} token "
+                "embedding and LM head")
+    if is_gguf_path(cfg.require_model_config().model):  # nothing quantized on load
+        return "the GGUF file's tensor types (weights below)"
+    return "none (model dtype)"
+
+
 def _text(info: dict[str, Any], cfg: EngineConfig) -> str:
     cc = cfg.compilation_config
     mode = "None" if cc.mode is None else f"{cc.mode.name} ({int(cc.mode)})"
@@ -122,9 +133,7 @@ def _text(info: dict[str, Any], cfg: EngineConfig) -> str:
                      f"{info['num_gpu_blocks'] if info['num_gpu_blocks'] is not None else 'auto'}"),
         ("prefix caching", f"{'on' if info['enable_prefix_caching'] else 'off'} "
                            f"(hash {info['prefix_caching_hash_algo']})"),
-        ("quantization", "none (model dtype)" if info["quantization"] is None else
-         f"{info['quantization']} projections, {info['embedding_quantization']} token embedding "
-         "and LM head"),
+        ("quantization", _quantization_text(info, cfg)),
         *_weight_rows(cfg),
         ("speculative", "off" if info["speculative_config"] is None else
          " ".join(f"{k}={v}" for k, v in info["speculative_config"].items())),
