@@ -41,12 +41,13 @@ def fresh_kernel(monkeypatch):
 
 
 def _paged_step(gen: torch.Generator, lengths: list[int], hq: int, hk: int, d: int,
-                dtype: torch.dtype, pad: int = 3):
-    """A random paged cache with shuffled block ids, one decode request per length at shuffled
-    token rows among ``pad`` padding rows, and the step's K/V at slots (-1 for padding rows)."""
-    widths = [-(-s // BS) for s in lengths]
+                dtype: torch.dtype, pad: int = 3, bs: int = BS):
+    """A random paged cache (blocks of ``bs`` tokens) with shuffled block ids, one decode request
+    per length at shuffled token rows among ``pad`` padding rows, and the step's K/V at slots
+    (-1 for padding rows)."""
+    widths = [-(-s // bs) for s in lengths]
     num_blocks = sum(widths) + 5
-    kv_cache = torch.randn(2, num_blocks + 1, BS, hk, d, generator=gen).to(dtype)
+    kv_cache = torch.randn(2, num_blocks + 1, bs, hk, d, generator=gen).to(dtype)
     free = torch.randperm(num_blocks, generator=gen).tolist()
     width = max(widths)
     table = torch.zeros(len(lengths), width, dtype=torch.int64)
@@ -56,7 +57,7 @@ def _paged_step(gen: torch.Generator, lengths: list[int], hq: int, hk: int, d: i
     rows = torch.randperm(t, generator=gen)[: len(lengths)].clone()  # not in order
     slots = torch.full((t,), -1, dtype=torch.int64)
     for i, s in enumerate(lengths):
-        slots[rows[i]] = table[i, (s - 1) // BS] * BS + (s - 1) % BS
+        slots[rows[i]] = table[i, (s - 1) // bs] * bs + (s - 1) % bs
     # the query as the model gives it: a slice of the fused qkv projection (row stride > Hq * D)
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype)
     q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
@@ -94,6 +95,26 @@ def test_matches_a_float64_reference(isa, dtype, group, head_size):
     _assert_matches_reference(out[rows], ref, dtype)
     others = [r for r in range(q.shape[0]) if r not in rows.tolist()]
     assert (out[others] == 7.0).all()  # padding rows untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("bs", [8, 24, 32])
+def test_other_block_sizes_match_the_reference(dtype, bs):
+    """Blocks of other sizes than the kernel's 16-key score chunks: float32 keys are read in
+    place where a chunk lies in one block (32) and gathered where it crosses blocks (8, 24)."""
+    if not native_attention.available(dtype):
+        pytest.fail(f"native decode attention unavailable for {dtype} (no compiler?)")
+    gen = torch.Generator().manual_seed(bs)
+    hk, d = 2, 64
+    lengths = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 200]
+    q, k, v, kv_cache, rows, table, seq_lens, slots = _paged_step(gen, lengths, 2 * hk, hk, d,
+                                                                   dtype, bs=bs)
+    out = torch.full_like(q, 7.0).contiguous()
+    index = native_attention.decode_index(rows, table, seq_lens, slots)
+    assert native_attention.paged_decode(q, k, v, kv_cache, index, d**-0.5, out)
+    ref = native_attention.reference_decode(q, kv_cache[0], kv_cache[1], rows, table, seq_lens,
+                                            d**-0.5)
+    _assert_matches_reference(out[rows], ref, dtype)
 
 
 def _mixed_metadata(gen: torch.Generator, hq: int, hk: int, d: int, dtype: torch.dtype):
