@@ -45,7 +45,8 @@
  * without VNNI, q4's 8 VPMADDUBSW pair sums of a block add in 16 bits (no overflow: nibbles
  * times |q_x| <= 127) and are widened once.
  * Weight tiles are split over the OpenMP threads; activation rows are taken in chunks whose
- * int8 copy stays in L2 while every weight tile passes over it.
+ * int8 copy stays in L2 while every weight tile passes over it. The int8 activations are laid
+ * out block-major for the tiles (a block's 32 bytes of every row adjacent: see fk_tiles).
  *
  * In the 512-bit tiles a block of 16 weight rows is unpacked by one transpose of the packed
  * bytes (16 rows x 4 dwords: a VPERMD per 4 rows and a 4 x 4 transpose of 128-bit lanes), q4's
@@ -695,7 +696,7 @@ FK_INLINE void fk_unpack16(const uint8_t* const* wr, long b, long bb, long qat, 
  * around it (the broadcasts, the conversion, the FMA with the scales) is spread over twice as
  * many. Every output is summed in the same order as the 256-bit tile's: the same floats. */
 FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
-                       const uint8_t* xa, const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
+                       const uint8_t* xa, const uint8_t* w, const float* bias, float* y, long M, long m0, long mr, long n0,
                        long nr, long N, long K, const int fmt) {
     const long nb = K / FK_QK, bb = fk_block_bytes(fmt), qat = fk_quants_at(fmt);
     const uint8_t* wr[FK_NR];
@@ -717,7 +718,7 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
         }
         for (long i = 0; i < mr; i++) {
             const long r = m0 + i;
-            const int8_t* xb = xq + r * K + b * FK_QK;
+            const int8_t* xb = xq + (b * M + r) * FK_QK;
             __m512i dot, d2 = _mm512_setzero_si512(); /* two chains of 4 (integers: exact) */
             if (fmt == FK_Q8_0) {
                 dot = wc; /* xq holds q_x + 128 here (fk_tiles) */
@@ -726,7 +727,7 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
                     d2 = _mm512_dpbusd_epi32(d2, _mm512_set1_epi32(fk_load4(xb + 4 * s8 + 16)), t[s8 + 4]);
                 }
             } else {
-                dot = _mm512_set1_epi32(fmt == FK_Q4_0 ? xi[r * nb + b] : 0);
+                dot = _mm512_set1_epi32(fmt == FK_Q4_0 ? xi[b * M + r] : 0);
                 for (int s8 = 0; s8 < 4; s8++) {
                     dot = _mm512_dpbusd_epi32(dot, t[s8], _mm512_set1_epi32(fk_load4(xb + 4 * s8)));
                     d2 = _mm512_dpbusd_epi32(d2, t[s8 + 4], _mm512_set1_epi32(fk_load4(xb + 4 * s8 + 16)));
@@ -734,9 +735,9 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
             }
             dot = _mm512_add_epi32(dot, d2);
             __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                       _mm512_mul_ps(wd, _mm512_set1_ps(xd[r * nb + b])), acc[i]);
+                                       _mm512_mul_ps(wd, _mm512_set1_ps(xd[b * M + r])), acc[i]);
             if (fmt == FK_Q4_1) /* + m_w * d_x * sum(q_x) */
-                a = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[r * nb + b]), a);
+                a = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[b * M + r]), a);
             acc[i] = a;
         }
     }
@@ -758,7 +759,7 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
  * rows. The unpacked block serves every row of the pass (up to FK_MR), whose accumulators
  * stay in L1. */
 FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
-                       const uint8_t* xa, const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
+                       const uint8_t* xa, const uint8_t* w, const float* bias, float* y, long M, long m0, long mr, long n0,
                        long nr, long N, long K, const int fmt) {
     const long nb = K / FK_QK, bb = fk_block_bytes(fmt), qat = fk_quants_at(fmt);
     const uint8_t* wr[FK_NR];
@@ -775,12 +776,12 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
                                          : _mm256_setzero_ps();
         for (long i = 0; i < mr; i++) {
             const long r = m0 + i;
-            const int8_t* xb = xq + r * K + b * FK_QK;
+            const int8_t* xb = xq + (b * M + r) * FK_QK;
             __m256i dot;
             if (fmt == FK_Q8_0) { /* |q_x| (xa, made once per call) against q_w with q_x's sign,
                                    * one pair sum widened at a time (two of 127 * 127 would
                                    * overflow 16 bits) */
-                const uint8_t* ab = xa + r * K + b * FK_QK;
+                const uint8_t* ab = xa + (b * M + r) * FK_QK;
                 dot = _mm256_setzero_si256();
                 for (int s8 = 0; s8 < 8; s8++) {
                     __m256i xv = _mm256_set1_epi32(fk_load4(xb + 4 * s8));
@@ -790,7 +791,7 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
                 }
             } else {
                 /* q4_0's "- 8": -8 * sum(q_x), exact (xi: per row and block) */
-                dot = _mm256_set1_epi32(fmt == FK_Q4_0 ? xi[r * nb + b] : 0);
+                dot = _mm256_set1_epi32(fmt == FK_Q4_0 ? xi[b * M + r] : 0);
                 /* nibbles (0..15) times int8 (-127..127): the 8 VPMADDUBSW pair sums of a block
                  * add up in 16 bits without overflow (8 * 2 * 15 * 127 = 30480), so they are
                  * widened to 32 bits once, not 8 times */
@@ -801,9 +802,9 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
                 dot = _mm256_add_epi32(dot, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
             }
             __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                       _mm256_mul_ps(wd, _mm256_set1_ps(xd[r * nb + b])), acc[i]);
+                                       _mm256_mul_ps(wd, _mm256_set1_ps(xd[b * M + r])), acc[i]);
             if (fmt == FK_Q4_1) /* + m_w * d_x * sum(q_x) */
-                a = _mm256_fmadd_ps(wm, _mm256_set1_ps(xs[r * nb + b]), a);
+                a = _mm256_fmadd_ps(wm, _mm256_set1_ps(xs[b * M + r]), a);
             acc[i] = a;
         }
     }
@@ -816,7 +817,7 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
 #endif /* FK_WIDE */
 #else
 FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,
-                       const uint8_t* xa, const uint8_t* w, const float* bias, float* y, long m0, long mr, long n0,
+                       const uint8_t* xa, const uint8_t* w, const float* bias, float* y, long M, long m0, long mr, long n0,
                        long nr, long N, long K, const int fmt) {
     const long nb = K / FK_QK, bb = fk_block_bytes(fmt);
     float acc[FK_MR][FK_NR];
@@ -828,10 +829,10 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
             float d = fk_block_ints(w + ((n0 + j) * nb + b) * bb, fmt, q, &m);
             for (int i = 0; i < mr; i++) {
                 const long r = m0 + i;
-                const int8_t* xr = xq + r * K + b * FK_QK;
+                const int8_t* xr = xq + (b * M + r) * FK_QK;
                 int32_t s = 0;
                 for (int t = 0; t < FK_QK; t++) s += (int32_t)q[t] * (int32_t)xr[t];
-                acc[i][j] += (d * xd[r * nb + b]) * (float)s + m * xs[r * nb + b];
+                acc[i][j] += (d * xd[b * M + r]) * (float)s + m * xs[b * M + r];
             }
         }
     for (int i = 0; i < mr; i++)
@@ -841,9 +842,9 @@ FK_INLINE void fk_tile(const int8_t* xq, const float* xd, const float* xs, const
 
 #define FK_TILE_FN(NAME, FMT)                                                                  \
     static void NAME(const int8_t* xq, const float* xd, const float* xs, const int32_t* xi,   \
-                     const uint8_t* xa, const uint8_t* w, const float* bias, float* y, long m0, \
-                     long mr, long n0, long nr, long N, long K) {                             \
-        fk_tile(xq, xd, xs, xi, xa, w, bias, y, m0, mr, n0, nr, N, K, FMT);                   \
+                     const uint8_t* xa, const uint8_t* w, const float* bias, float* y, long M,  \
+                     long m0, long mr, long n0, long nr, long N, long K) {                             \
+        fk_tile(xq, xd, xs, xi, xa, w, bias, y, M, m0, mr, n0, nr, N, K, FMT);                   \
     }
 FK_TILE_FN(fk_tile_q8_0, FK_Q8_0)
 FK_TILE_FN(fk_tile_q4_0, FK_Q4_0)
@@ -1085,16 +1086,46 @@ int fk_quant_amx(void) { return 0; }
 static int fk_tiles(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w,
                     const float* bias, float* y, long M, long N, long K, int fmt) {
     void (*tile)(const int8_t*, const float*, const float*, const int32_t*, const uint8_t*,
-                 const uint8_t*, const float*, float*, long, long, long, long, long, long) =
+                 const uint8_t*, const float*, float*, long, long, long, long, long, long, long) =
         fmt == FK_Q8_0 ? fk_tile_q8_0 : fmt == FK_Q4_0 ? fk_tile_q4_0 : fk_tile_q4_1;
 #if defined(__AMX_INT8__) && defined(FK_WIDE)
     if (M >= FK_AMX_MIN_ROWS && fk_amx_ok()) return fk_amx_tiles(xq, xd, xs, w, bias, y, M, N, K, fmt);
 #endif
     const long nb = K / FK_QK;
+    /* The activations block-major: row r's block b (32 bytes; its scale, its d * sum(q)) at
+     * index b * M + r, so the rows a tile takes for one block are adjacent. Row-major, those
+     * rows lay K bytes apart: with K a multiple of 2 KiB they fell into one or two L1 sets, more
+     * lines than the sets hold, and every pass over a block went to L2. The 1B shape's qkv,
+     * o, gate_up and down products, 2 threads, medians of 21, the same bits (GOPS, row-major ->
+     * block-major): AVX2 q8_0 16 rows 177-195 / 168-190 / 193-196 / 179 -> 192-199 / 190-193 /
+     * 214-216 / 205-209, 64 rows 188-200 / 191-199 / 188-196 / 148-156 -> 221-230 / 216-233 /
+     * 221-234 / 231-237; AVX2 q4_0 64 rows 280-298 / 280-281 / 293-301 / 234-236 -> 350-356 /
+     * 333-342 / 367-395 / 369-390; VNNI q8_0 16 rows 381 / 336 / 449 / 401 -> 433 / 406 / 503 /
+     * 467. */
+    int8_t* xqb = (int8_t*)malloc((size_t)(M * K));
+    float* xdb = (float*)malloc(sizeof(float) * (size_t)(2 * M * nb));
+    if (!xqb || !xdb) {
+        free(xqb);
+        free(xdb);
+        return -1;
+    }
+    for (long r = 0; r < M; r++)
+        for (long b = 0; b < nb; b++) {
+            memcpy(xqb + (b * M + r) * FK_QK, xq + (r * nb + b) * FK_QK, FK_QK);
+            xdb[b * M + r] = xd[r * nb + b];
+            xdb[M * nb + b * M + r] = xs ? xs[r * nb + b] : 0.0f;
+        }
+    xq = xqb;
+    xd = xdb;
+    xs = xdb + M * nb;
     int32_t* xi = NULL; /* q4_0: -8 * sum(q_x) per row and block (a broadcast load in the tile) */
     if (fmt == FK_Q4_0) {
         xi = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * nb));
-        if (!xi) return -1;
+        if (!xi) {
+            free(xqb);
+            free(xdb);
+            return -1;
+        }
         for (long r = 0; r < M * nb; r++) {
             int32_t sum = 0;
             for (int e = 0; e < FK_QK; e++) sum += xq[r * FK_QK + e];
@@ -1105,7 +1136,11 @@ static int fk_tiles(const int8_t* xq, const float* xd, const float* xs, const ui
     uint8_t* xa = NULL; /* q8_0: |q_x|, VPMADDUBSW's unsigned operand (the sign goes to q_w) */
     if (fmt == FK_Q8_0) {
         xa = (uint8_t*)malloc((size_t)(M * K));
-        if (!xa) return -1;
+        if (!xa) {
+            free(xqb);
+            free(xdb);
+            return -1;
+        }
         for (long e = 0; e < M * K; e++) xa[e] = (uint8_t)(xq[e] < 0 ? -xq[e] : xq[e]);
     }
 #else
@@ -1115,7 +1150,11 @@ static int fk_tiles(const int8_t* xq, const float* xd, const float* xs, const ui
     int8_t* xu = NULL; /* q8_0: q_x + 128, VPDPBUSD's unsigned operand */
     if (fmt == FK_Q8_0) {
         xu = (int8_t*)malloc((size_t)(M * K));
-        if (!xu) return -1;
+        if (!xu) {
+            free(xqb);
+            free(xdb);
+            return -1;
+        }
         for (long e = 0; e < M * K; e++) xu[e] = (int8_t)(xq[e] ^ (int8_t)0x80);
         xq = xu;
     }
@@ -1129,9 +1168,11 @@ static int fk_tiles(const int8_t* xq, const float* xd, const float* xs, const ui
         for (long t = 0; t < ntiles; t++) {
             const long n0 = t * FK_NR, nr = N - n0 < FK_NR ? N - n0 : FK_NR;
             for (long m0 = c0; m0 < c1; m0 += FK_MR)
-                tile(xq, xd, xs, xi, xa, w, bias, y, m0, c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
+                tile(xq, xd, xs, xi, xa, w, bias, y, M, m0, c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
         }
     }
+    free(xqb);
+    free(xdb);
     free(xi);
 #if defined(FK_VNNI)
     free(xu);
