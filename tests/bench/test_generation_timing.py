@@ -47,3 +47,29 @@ def test_a_clear_decode_time_is_measured_once(monkeypatch):
 def test_a_short_generation_is_an_error(monkeypatch):
     with pytest.raises(RuntimeError, match="generated 2 tokens instead of 5"):
         gen.time_generation(lambda prompts, n: [[0] * min(n, 2)], [[1]], 4)
+
+
+def test_a_negative_decode_time_is_measured_again_past_the_tries(monkeypatch):
+    """A busy machine can make the 1-token run slower than the full one for every try: those
+    runs are measured again (up to 4 x tries) rather than reported as a negative decode time."""
+    clock = FakeClock()
+    monkeypatch.setattr(gen.time, "perf_counter", clock)
+    fn, calls = _fake_generate(clock, [5.0, 5.0, 5.0, 1.0], [3.0])
+    assert gen.time_generation(fn, [[1]], 4) == (1.0, 3.0) and calls == {"first": 4, "full": 4}
+
+
+def test_a_small_positive_decode_time_stops_at_the_tries(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(gen.time, "perf_counter", clock)
+    fn, calls = _fake_generate(clock, [1.0], [1.25])
+    assert gen.time_generation(fn, [[1]], 4) == (1.0, 1.25) and calls == {"first": 3, "full": 3}
+
+
+def test_a_decode_time_never_positive_is_an_error(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(gen.time, "perf_counter", clock)
+    fn, calls = _fake_generate(clock, [5.0], [3.0])
+    with pytest.raises(RuntimeError, match=r"decode time not measurable: 5 tokens took 3\.0000 s, "
+                                           r"1 token 5\.0000 s"):
+        gen.time_generation(fn, [[1]], 4)
+    assert calls == {"first": 12, "full": 12}
