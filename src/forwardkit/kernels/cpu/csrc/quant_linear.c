@@ -1102,63 +1102,46 @@ static int fk_tiles(const int8_t* xq, const float* xd, const float* xs, const ui
      * 221-234 / 231-237; AVX2 q4_0 64 rows 280-298 / 280-281 / 293-301 / 234-236 -> 350-356 /
      * 333-342 / 367-395 / 369-390; VNNI q8_0 16 rows 381 / 336 / 449 / 401 -> 433 / 406 / 503 /
      * 467. */
+    /* Everything the tiles read is made here in one pass over the blocks: q_x block-major (for
+     * q8_0 on VNNI, q_x + 128: VPDPBUSD's unsigned operand), its scales and d * sum(q) terms,
+     * q4_0's -8 * sum(q_x) per row and block (a broadcast load in the tile) and, for q8_0 on
+     * AVX2, |q_x| (VPMADDUBSW's unsigned operand; the sign goes to q_w). */
+#if !defined(FK_VNNI) && defined(__AVX2__)
+    const int abs_x = fmt == FK_Q8_0;
+#else
+    const int abs_x = 0;
+#endif
     int8_t* xqb = (int8_t*)malloc((size_t)(M * K));
     float* xdb = (float*)malloc(sizeof(float) * (size_t)(2 * M * nb));
-    if (!xqb || !xdb) {
+    int32_t* xi = fmt == FK_Q4_0 ? (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * nb)) : NULL;
+    uint8_t* xa = abs_x ? (uint8_t*)malloc((size_t)(M * K)) : NULL;
+    if (!xqb || !xdb || (fmt == FK_Q4_0 && !xi) || (abs_x && !xa)) {
         free(xqb);
         free(xdb);
+        free(xi);
+        free(xa);
         return -1;
     }
     for (long r = 0; r < M; r++)
         for (long b = 0; b < nb; b++) {
-            memcpy(xqb + (b * M + r) * FK_QK, xq + (r * nb + b) * FK_QK, FK_QK);
-            xdb[b * M + r] = xd[r * nb + b];
-            xdb[M * nb + b * M + r] = xs ? xs[r * nb + b] : 0.0f;
-        }
-    xq = xqb;
-    xd = xdb;
-    xs = xdb + M * nb;
-    int32_t* xi = NULL; /* q4_0: -8 * sum(q_x) per row and block (a broadcast load in the tile) */
-    if (fmt == FK_Q4_0) {
-        xi = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * nb));
-        if (!xi) {
-            free(xqb);
-            free(xdb);
-            return -1;
-        }
-        for (long r = 0; r < M * nb; r++) {
-            int32_t sum = 0;
-            for (int e = 0; e < FK_QK; e++) sum += xq[r * FK_QK + e];
-            xi[r] = -8 * sum;
-        }
-    }
-#if !defined(FK_VNNI) && defined(__AVX2__)
-    uint8_t* xa = NULL; /* q8_0: |q_x|, VPMADDUBSW's unsigned operand (the sign goes to q_w) */
-    if (fmt == FK_Q8_0) {
-        xa = (uint8_t*)malloc((size_t)(M * K));
-        if (!xa) {
-            free(xqb);
-            free(xdb);
-            return -1;
-        }
-        for (long e = 0; e < M * K; e++) xa[e] = (uint8_t)(xq[e] < 0 ? -xq[e] : xq[e]);
-    }
-#else
-    const uint8_t* xa = NULL;
-#endif
+            const long at = b * M + r, from = r * nb + b;
+            int8_t* dst = xqb + at * FK_QK;
+            memcpy(dst, xq + from * FK_QK, FK_QK);
+            xdb[at] = xd[from];
+            xdb[M * nb + at] = xs ? xs[from] : 0.0f;
+            if (xi) {
+                int32_t sum = 0;
+                for (int e = 0; e < FK_QK; e++) sum += dst[e];
+                xi[at] = -8 * sum;
+            }
+            if (xa)
+                for (int e = 0; e < FK_QK; e++)
+                    xa[at * FK_QK + e] = (uint8_t)(dst[e] < 0 ? -dst[e] : dst[e]);
 #if defined(FK_VNNI)
-    int8_t* xu = NULL; /* q8_0: q_x + 128, VPDPBUSD's unsigned operand */
-    if (fmt == FK_Q8_0) {
-        xu = (int8_t*)malloc((size_t)(M * K));
-        if (!xu) {
-            free(xqb);
-            free(xdb);
-            return -1;
-        }
-        for (long e = 0; e < M * K; e++) xu[e] = (int8_t)(xq[e] ^ (int8_t)0x80);
-        xq = xu;
-    }
+            if (fmt == FK_Q8_0)
+                for (int e = 0; e < FK_QK; e++) dst[e] = (int8_t)(dst[e] ^ (int8_t)0x80);
 #endif
+        }
     long chunk = FK_CHUNK_BYTES / K / FK_MR * FK_MR;
     if (chunk < FK_MR) chunk = FK_MR;
     const long ntiles = (N + FK_NR - 1) / FK_NR;
@@ -1168,17 +1151,14 @@ static int fk_tiles(const int8_t* xq, const float* xd, const float* xs, const ui
         for (long t = 0; t < ntiles; t++) {
             const long n0 = t * FK_NR, nr = N - n0 < FK_NR ? N - n0 : FK_NR;
             for (long m0 = c0; m0 < c1; m0 += FK_MR)
-                tile(xq, xd, xs, xi, xa, w, bias, y, M, m0, c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
+                tile(xqb, xdb, xdb + M * nb, xi, xa, w, bias, y, M, m0,
+                     c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
         }
     }
     free(xqb);
     free(xdb);
     free(xi);
-#if defined(FK_VNNI)
-    free(xu);
-#elif defined(__AVX2__)
     free(xa);
-#endif
     return 0;
 }
 
