@@ -144,7 +144,8 @@ def time_generation(fn: GenerateFn, prompts: list[list[int]], new_tokens: int,
     ``4 * tries`` times. Raises RuntimeError if it stays so (a negative decode time is no
     figure)."""
     best_first = best_full = float("inf")
-    for attempt in range(4 * tries):
+    most = 4 * tries  # the tries while the difference is not positive
+    for attempt in range(most):
         start = time.perf_counter()
         fn(prompts, 1)
         best_first = min(best_first, time.perf_counter() - start)
@@ -160,7 +161,7 @@ def time_generation(fn: GenerateFn, prompts: list[list[int]], new_tokens: int,
     if best_full <= best_first:
         raise RuntimeError(
             f"decode time not measurable: {1 + new_tokens} tokens took {best_full:.4f} s, 1 token "
-            f"{best_first:.4f} s (fastest of {4 * tries} tries each); the machine is too busy "
+            f"{best_first:.4f} s (fastest of {most} tries each); the machine is too busy "
             "or --new-tokens too small")
     return best_first, best_full
 
