@@ -9,7 +9,10 @@
  * restart at every row, which they follow badly (on the 2-core EPYC, 2 threads: bf16 40 -> 58
  * GB/s with AVX-512, q4_0 32 -> 35, q8_0 42-50 -> 54-56; 8 parts were slower than 4). The
  * rows from lo + S * per to hi are left to the caller, one at a time. Call inside a parallel
- * region.
+ * region. Shared out with fk_share.h, a thread does its own part's last rows, publishes its
+ * steps i (fk_share_begin_part(&sh, 0, fk_own_streams(N, S).per)) and takes steps of part
+ * c.part at fk_part_streams(N, S, c.part, sh.parts): a thread that finishes its own rows
+ * goes on with the next steps of another's.
  *
  * The builder (kernels/cpu/native_build.py) hashes every file a source includes with
  * #include "..." into the library's name, so a change here rebuilds.
@@ -19,17 +22,34 @@
 
 #include <omp.h>
 
+#include "fk_share.h"
+
 typedef struct {
   long lo, hi, per;
 } fk_parts;
 
-static inline fk_parts fk_thread_parts(long N, long S) {
-  const long nt = omp_get_num_threads(), t = omp_get_thread_num();
+/* Part v of nparts: rows [lo, hi), S parts of `per` rows and the rest. */
+static inline fk_parts fk_part_streams(long N, long S, long v, long nparts) {
   fk_parts p;
-  p.lo = N * t / nt;
-  p.hi = N * (t + 1) / nt;
+  p.lo = N * v / nparts;
+  p.hi = N * (v + 1) / nparts;
   p.per = (p.hi - p.lo) / S;
   return p;
+}
+
+static inline fk_parts fk_thread_parts(long N, long S) {
+  return fk_part_streams(N, S, omp_get_thread_num(), omp_get_num_threads());
+}
+
+/* The calling thread's part when the parts are shared out with fk_share.h (one part a thread,
+ * at most FK_SHARE_PARTS; a thread past them owns none and only takes from the others). */
+static inline fk_parts fk_own_streams(long N, long S) {
+  const int t = omp_get_thread_num(), p = fk_share_parts();
+  if (t >= p) {
+    fk_parts none = {0, 0, 0};
+    return none;
+  }
+  return fk_part_streams(N, S, t, p);
 }
 
 #endif /* FK_STREAMS_H */

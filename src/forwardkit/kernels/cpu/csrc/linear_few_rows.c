@@ -122,25 +122,37 @@ int fk_linear_f32(const float* x, const float* w, const float* bias, float* y, l
                   long K) {
   if (M < 1 || M > 2 || N < 1 || K < 1) return -1;
   if (M == 1 && N * K >= (1L << 18)) { /* as in fk_linear_bf16: FK_STREAMS streams */
+    fk_share sh;
 #pragma omp parallel
     {
-      const fk_parts q = fk_thread_parts(N, FK_STREAMS);
-      const long lo = q.lo, hi = q.hi, per = q.per;
-      for (long i = 0; i < per; i++) fk32_block_1_4(x, w, bias, y, lo + i, FK_STREAMS, N, K, per);
-      for (long j = lo + FK_STREAMS * per; j < hi; j++)
+      const fk_parts q = fk_own_streams(N, FK_STREAMS);
+      for (long j = q.lo + FK_STREAMS * q.per; j < q.hi; j++)
         fk32_block_1_8(x, w, bias, y, j, 1, N, K, 1);
+      fk_share_begin_part(&sh, 0, q.per);
+      fk_claim c = fk_claim_start();
+      while (fk_share_take(&sh, &c, 8)) {
+        const fk_parts v = fk_part_streams(N, FK_STREAMS, c.part, sh.parts);
+        for (long i = c.lo; i < c.hi; i++)
+          fk32_block_1_4(x, w, bias, y, v.lo + i, FK_STREAMS, N, K, v.per);
+      }
     }
     return 0;
   }
   const long R = 8;
   const long nblocks = (N + R - 1) / R;
+  fk_share sh;
   /* small products (weights in cache) are not worth waking a second thread for */
-#pragma omp parallel for schedule(static) if (N * K >= (1L << 18))
-  for (long b = 0; b < nblocks; b++) {
-    const long n0 = b * R;
-    const long nr = N - n0 < R ? N - n0 : R;
-    if (M == 1) fk32_block_1_8(x, w, bias, y, n0, nr, N, K, 1);
-    else fk32_block_2_8(x, w, bias, y, n0, nr, N, K, 1);
+#pragma omp parallel if (N * K >= (1L << 18))
+  {
+    fk_share_begin(&sh, nblocks);
+    fk_claim c = fk_claim_start();
+    while (fk_share_take(&sh, &c, 2))
+      for (long b = c.lo; b < c.hi; b++) {
+        const long n0 = b * R;
+        const long nr = N - n0 < R ? N - n0 : R;
+        if (M == 1) fk32_block_1_8(x, w, bias, y, n0, nr, N, K, 1);
+        else fk32_block_2_8(x, w, bias, y, n0, nr, N, K, 1);
+      }
   }
   return 0;
 }
@@ -153,29 +165,40 @@ int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
     /* One sequence's decode: FK_STREAMS long streams a thread (fk_streams.h; the same sums as
      * blocks of adjacent rows, bit for bit). 12 bf16 weights of the 1B shape, 2 threads:
      * 40.2-40.7 GB/s for blocks of 8 adjacent rows, 57.8-58.2 for 4 streams, 49.2 for 8. */
+    fk_share sh;
 #pragma omp parallel
     {
-      const fk_parts q = fk_thread_parts(N, FK_STREAMS);
-      const long lo = q.lo, hi = q.hi, per = q.per;
-      for (long i = 0; i < per; i++)
-        fk_block_1_4(x, w, bias, y, 0, lo + i, FK_STREAMS, N, K, per);
-      for (long j = lo + FK_STREAMS * per; j < hi; j++)
+      const fk_parts q = fk_own_streams(N, FK_STREAMS);
+      for (long j = q.lo + FK_STREAMS * q.per; j < q.hi; j++)
         fk_block_1_8(x, w, bias, y, 0, j, 1, N, K, 1);
+      fk_share_begin_part(&sh, 0, q.per);
+      fk_claim c = fk_claim_start();
+      while (fk_share_take(&sh, &c, 8)) {
+        const fk_parts v = fk_part_streams(N, FK_STREAMS, c.part, sh.parts);
+        for (long i = c.lo; i < c.hi; i++)
+          fk_block_1_4(x, w, bias, y, 0, v.lo + i, FK_STREAMS, N, K, v.per);
+      }
     }
     return 0;
   }
   const long R = M <= 2 ? 8 : 4;
   const long nblocks = (N + R - 1) / R;
-#pragma omp parallel for schedule(static)
-  for (long b = 0; b < nblocks; b++) {
-    const long n0 = b * R;
-    const long nr = N - n0 < R ? N - n0 : R;
-    switch (M) {
-      case 1: fk_block_1_8(x, w, bias, y, 0, n0, nr, N, K, 1); break;
-      case 2: fk_block_2_8(x, w, bias, y, 0, n0, nr, N, K, 1); break;
-      case 3: fk_block_3_4(x, w, bias, y, 0, n0, nr, N, K, 1); break;
-      default: fk_block_4_4(x, w, bias, y, 0, n0, nr, N, K, 1); break;
-    }
+  fk_share sh;
+#pragma omp parallel
+  {
+    fk_share_begin(&sh, nblocks);
+    fk_claim c = fk_claim_start();
+    while (fk_share_take(&sh, &c, 2))
+      for (long b = c.lo; b < c.hi; b++) {
+        const long n0 = b * R;
+        const long nr = N - n0 < R ? N - n0 : R;
+        switch (M) {
+          case 1: fk_block_1_8(x, w, bias, y, 0, n0, nr, N, K, 1); break;
+          case 2: fk_block_2_8(x, w, bias, y, 0, n0, nr, N, K, 1); break;
+          case 3: fk_block_3_4(x, w, bias, y, 0, n0, nr, N, K, 1); break;
+          default: fk_block_4_4(x, w, bias, y, 0, n0, nr, N, K, 1); break;
+        }
+      }
   }
   return 0;
 }

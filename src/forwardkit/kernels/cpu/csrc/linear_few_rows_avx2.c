@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "fk_bf16.h"
+#include "fk_share.h"
 #include "fk_streams.h"
 
 #define FK_ABI_VERSION 2
@@ -201,28 +202,31 @@ static int fk_linear_bf16_bcast(const uint16_t* x, const uint16_t* w, const uint
   for (long k = 0; k < K; k++)
     for (long m = 0; m < W; m++) xp[k * W + m] = m < M ? fk_bf16_to_f32(x[m * K + k]) : 0.0f;
   const long ng = (N + NF - 1) / NF;
+  fk_share sh;
 #pragma omp parallel if (N * K * M >= FK_PARALLEL_MIN)
   {
     float out[8 * 16];
-#pragma omp for schedule(static)
-    for (long g = 0; g < ng; g++) {
-      const long n0 = g * NF, nf = N - n0 < NF ? N - n0 : NF;
-      if (nf == NF) {
-        if (V == 2) fkc_2_6(xp, w, K, n0, out);
-        else fkc_1_8(xp, w, K, n0, out);
-      } else { /* the short last group: one weight row at a time */
-        for (long j = 0; j < nf; j++) {
-          if (V == 2) fkc_2_1(xp, w, K, n0 + j, out + W * j);
-          else fkc_1_1(xp, w, K, n0 + j, out + W * j);
+    fk_share_begin(&sh, ng);
+    fk_claim c = fk_claim_start();
+    while (fk_share_take(&sh, &c, 4)) /* 4 groups a claim: 1 cost 2-3 % at 16 rows */
+      for (long g = c.lo; g < c.hi; g++) {
+        const long n0 = g * NF, nf = N - n0 < NF ? N - n0 : NF;
+        if (nf == NF) {
+          if (V == 2) fkc_2_6(xp, w, K, n0, out);
+          else fkc_1_8(xp, w, K, n0, out);
+        } else { /* the short last group: one weight row at a time */
+          for (long j = 0; j < nf; j++) {
+            if (V == 2) fkc_2_1(xp, w, K, n0 + j, out + W * j);
+            else fkc_1_1(xp, w, K, n0 + j, out + W * j);
+          }
         }
+        for (long j = 0; j < nf; j++)
+          for (long m = 0; m < M; m++) {
+            float s = out[W * j + m];
+            if (bias) s += fk_bf16_to_f32(bias[n0 + j]);
+            y[m * N + n0 + j] = fk_f32_to_bf16(s);
+          }
       }
-      for (long j = 0; j < nf; j++)
-        for (long m = 0; m < M; m++) {
-          float s = out[W * j + m];
-          if (bias) s += fk_bf16_to_f32(bias[n0 + j]);
-          y[m * N + n0 + j] = fk_f32_to_bf16(s);
-        }
-    }
   }
   free(xp);
   return 0;
@@ -248,27 +252,38 @@ int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
     /* One sequence's decode: FK_STREAMS long streams a thread (fk_streams.h; the same sums as
      * blocks of adjacent rows, bit for bit). 12 bf16 weights of the 1B shape, 2 threads:
      * 30.3-30.9 GB/s for blocks of 8 adjacent rows, 34.8-36.0 for 4 streams, 34.1-34.4 for 8. */
+    fk_share sh;
 #pragma omp parallel
     {
-      const fk_parts q = fk_thread_parts(N, FK_STREAMS);
-      const long lo = q.lo, hi = q.hi, per = q.per;
-      for (long i = 0; i < per; i++)
-        fkb_1_4(xe, xo, H, x, w, bias, y, lo + i, FK_STREAMS, N, K, per);
-      for (long j = lo + FK_STREAMS * per; j < hi; j++)
+      const fk_parts q = fk_own_streams(N, FK_STREAMS);
+      for (long j = q.lo + FK_STREAMS * q.per; j < q.hi; j++) /* the part's last rows */
         fkb_1_8(xe, xo, H, x, w, bias, y, j, 1, N, K, 1);
+      fk_share_begin_part(&sh, 0, q.per);
+      fk_claim c = fk_claim_start();
+      while (fk_share_take(&sh, &c, 8)) {
+        const fk_parts v = fk_part_streams(N, FK_STREAMS, c.part, sh.parts);
+        for (long i = c.lo; i < c.hi; i++)
+          fkb_1_4(xe, xo, H, x, w, bias, y, v.lo + i, FK_STREAMS, N, K, v.per);
+      }
     }
     free(buf);
     return 0;
   }
   const long R = M == 1 ? 8 : M == 2 ? 4 : 8;
   const long nblocks = (N + R - 1) / R;
-#pragma omp parallel for schedule(static) if (N * K * (M > 2 ? M : 1) >= FK_PARALLEL_MIN)
-  for (long b = 0; b < nblocks; b++) {
-    const long n0 = b * R;
-    const long nr = N - n0 < R ? N - n0 : R;
-    if (M == 1) fkb_1_8(xe, xo, H, x, w, bias, y, n0, nr, N, K, 1);
-    else if (M == 2) fkb_2_4(xe, xo, H, x, w, bias, y, n0, nr, N, K, 1);
-    else fkb_group(xe, xo, H, x, w, bias, y, n0, nr, N, K, M);
+  fk_share sh;
+#pragma omp parallel if (N * K * (M > 2 ? M : 1) >= FK_PARALLEL_MIN)
+  {
+    fk_share_begin(&sh, nblocks);
+    fk_claim c = fk_claim_start();
+    while (fk_share_take(&sh, &c, 2))
+      for (long b = c.lo; b < c.hi; b++) {
+        const long n0 = b * R;
+        const long nr = N - n0 < R ? N - n0 : R;
+        if (M == 1) fkb_1_8(xe, xo, H, x, w, bias, y, n0, nr, N, K, 1);
+        else if (M == 2) fkb_2_4(xe, xo, H, x, w, bias, y, n0, nr, N, K, 1);
+        else fkb_group(xe, xo, H, x, w, bias, y, n0, nr, N, K, M);
+      }
   }
   free(buf);
   return 0;
@@ -379,24 +394,34 @@ int fk_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bi
   if (M < 1 || N < 1 || K < 1) return -1;
   const long np = (N + FK_NR - 1) / FK_NR;
   int failed = 0;
+  fk_share sh;
 #pragma omp parallel if (N * K * M >= FK_PARALLEL_MIN)
   {
-    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const long p_lo = np * t / nt, p_hi = np * (t + 1) / nt;
     const long ldc = FK_SB * FK_NR;
     float* buf = (float*)aligned_alloc(
         64, sizeof(float) * (FK_MC * FK_KC + FK_KC * FK_NR + FK_MC * ldc));
     if (!buf) {
 #pragma omp atomic write
       failed = 1;
-    } else {
+    }
+#pragma omp barrier
+    int stop;
+#pragma omp atomic read
+    stop = failed;
+    if (!stop) { /* every thread or none: the loop below has barriers */
       float* xb = buf;
       float* pb = xb + FK_MC * FK_KC;
       float* cb = pb + FK_KC * FK_NR;
+      /* column blocks of sb panels, FK_SB at most, and at least 4 a thread where N allows */
+      const long per = np / (4 * omp_get_num_threads());
+      const long sb = per < 1 ? 1 : per > FK_SB ? FK_SB : per, nsb = (np + sb - 1) / sb;
       for (long m0 = 0; m0 < M; m0 += FK_MC) {
         const long mr = M - m0 < FK_MC ? M - m0 : FK_MC;
-        for (long s0 = p_lo; s0 < p_hi; s0 += FK_SB) {
-          const long sn = p_hi - s0 < FK_SB ? p_hi - s0 : FK_SB;
+        fk_share_begin(&sh, nsb);
+        fk_claim c = fk_claim_start();
+        while (fk_share_take(&sh, &c, 1)) {
+          const long s0 = c.lo * sb;
+          const long sn = np - s0 < sb ? np - s0 : sb;
           memset(cb, 0, sizeof(float) * mr * ldc);
           for (long k0 = 0; k0 < K; k0 += FK_KC) {
             const long kc = K - k0 < FK_KC ? K - k0 : FK_KC;
@@ -425,8 +450,8 @@ int fk_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bi
               }
         }
       }
-      free(buf);
     }
+    free(buf);
   }
   return failed ? -1 : 0;
 }
@@ -475,23 +500,34 @@ int fk_linear_f32(const float* x, const float* w, const float* bias, float* y, l
                   long K) {
   if (M < 1 || M > 2 || N < 1 || K < 1) return -1;
   if (M == 1 && N * K >= FK_PARALLEL_MIN) { /* as in fk_linear_bf16: FK_STREAMS streams */
+    fk_share sh;
 #pragma omp parallel
     {
-      const fk_parts q = fk_thread_parts(N, FK_STREAMS);
-      const long lo = q.lo, hi = q.hi, per = q.per;
-      for (long i = 0; i < per; i++) fkf_1_4(x, w, bias, y, lo + i, FK_STREAMS, N, K, per);
-      for (long j = lo + FK_STREAMS * per; j < hi; j++) fkf_1_8(x, w, bias, y, j, 1, N, K, 1);
+      const fk_parts q = fk_own_streams(N, FK_STREAMS);
+      for (long j = q.lo + FK_STREAMS * q.per; j < q.hi; j++) fkf_1_8(x, w, bias, y, j, 1, N, K, 1);
+      fk_share_begin_part(&sh, 0, q.per);
+      fk_claim c = fk_claim_start();
+      while (fk_share_take(&sh, &c, 8)) {
+        const fk_parts v = fk_part_streams(N, FK_STREAMS, c.part, sh.parts);
+        for (long i = c.lo; i < c.hi; i++) fkf_1_4(x, w, bias, y, v.lo + i, FK_STREAMS, N, K, v.per);
+      }
     }
     return 0;
   }
   const long R = M == 1 ? 8 : 4;
   const long nblocks = (N + R - 1) / R;
-#pragma omp parallel for schedule(static) if (N * K >= FK_PARALLEL_MIN)
-  for (long b = 0; b < nblocks; b++) {
-    const long n0 = b * R;
-    const long nr = N - n0 < R ? N - n0 : R;
-    if (M == 1) fkf_1_8(x, w, bias, y, n0, nr, N, K, 1);
-    else fkf_2_4(x, w, bias, y, n0, nr, N, K, 1);
+  fk_share sh;
+#pragma omp parallel if (N * K >= FK_PARALLEL_MIN)
+  {
+    fk_share_begin(&sh, nblocks);
+    fk_claim c = fk_claim_start();
+    while (fk_share_take(&sh, &c, 2))
+      for (long b = c.lo; b < c.hi; b++) {
+        const long n0 = b * R;
+        const long nr = N - n0 < R ? N - n0 : R;
+        if (M == 1) fkf_1_8(x, w, bias, y, n0, nr, N, K, 1);
+        else fkf_2_4(x, w, bias, y, n0, nr, N, K, 1);
+      }
   }
   return 0;
 }

@@ -524,34 +524,45 @@ static void fk_few_rows(const float* x, const int8_t* xq, const float* xd, const
          * threads, interleaved: q4_0 31.9 -> 35.0 GB/s (VNNI), 24.9 -> 27.1 (AVX2) against FK_R
          * adjacent rows with the next FK_R prefetched; q8_0 42-50 -> 54-56 against one row at a
          * time. */
+        fk_share sh;
 #pragma omp parallel if (N * K >= FK_PARALLEL_MIN)
         {
-            const fk_parts q = fk_thread_parts(N, FK_R);
-            const long lo = q.lo, hi = q.hi, per = q.per;
+            const fk_parts q = fk_own_streams(N, FK_R);
             float sums[FK_R];
-            for (long i = 0; i < per; i++) {
-                fk_rows1_int8(xq, xd, xs, K, w + (lo + i) * row_bytes, per * row_bytes, fmt, FK_R,
-                              sums);
-                for (long r = 0; r < FK_R; r++) {
-                    const long j = lo + r * per + i;
-                    y[j] = sums[r] + (bias ? bias[j] : 0.0f);
-                }
-            }
-            for (long j = lo + FK_R * per; j < hi; j++) { /* the last few rows one at a time */
+            for (long j = q.lo + FK_R * q.per; j < q.hi; j++) { /* the part's last rows */
                 fk_rows1_int8(xq, xd, xs, K, w + j * row_bytes, row_bytes, fmt, 1, sums);
                 y[j] = sums[0] + (bias ? bias[j] : 0.0f);
+            }
+            fk_share_begin_part(&sh, 0, q.per);
+            fk_claim c = fk_claim_start();
+            while (fk_share_take(&sh, &c, 8)) {
+                const fk_parts v = fk_part_streams(N, FK_R, c.part, sh.parts);
+                for (long i = c.lo; i < c.hi; i++) {
+                    fk_rows1_int8(xq, xd, xs, K, w + (v.lo + i) * row_bytes, v.per * row_bytes,
+                                  fmt, FK_R, sums);
+                    for (long r = 0; r < FK_R; r++) {
+                        const long j = v.lo + r * v.per + i;
+                        y[j] = sums[r] + (bias ? bias[j] : 0.0f);
+                    }
+                }
             }
         }
         return;
     }
-#pragma omp parallel for schedule(static) if (N * K >= FK_PARALLEL_MIN)
-    for (long j = 0; j < N; j++) {
-        const uint8_t* wrow = w + j * row_bytes;
-        float add = bias ? bias[j] : 0.0f;
-        for (long r0 = 0; r0 < full; r0 += FK_G)
-            fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, FK_G);
-        for (long r0 = full; r0 < M; r0++)
-            fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, 1);
+    fk_share sh;
+#pragma omp parallel if (N * K >= FK_PARALLEL_MIN)
+    {
+        fk_share_begin(&sh, N);
+        fk_claim c = fk_claim_start();
+        while (fk_share_take(&sh, &c, 8))
+            for (long j = c.lo; j < c.hi; j++) {
+                const uint8_t* wrow = w + j * row_bytes;
+                float add = bias ? bias[j] : 0.0f;
+                for (long r0 = 0; r0 < full; r0 += FK_G)
+                    fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, FK_G);
+                for (long r0 = full; r0 < M; r0++)
+                    fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, 1);
+            }
     }
 }
 
@@ -1046,6 +1057,7 @@ static int fk_amx_tiles(const int8_t* xq, const float* xd, const float* xs, cons
     /* per thread: the panel (512 + 2 * 64 bytes a block) and four stored result tiles */
     const size_t panel_bytes = (size_t)(nb * 640 + 4096);
     int failed = 0;
+    fk_share sh;
 #pragma omp parallel if (N * K * M >= FK_PARALLEL_MIN)
     {
         uint8_t* pb = (uint8_t*)aligned_alloc(64, panel_bytes);
@@ -1061,9 +1073,10 @@ static int fk_amx_tiles(const int8_t* xq, const float* xd, const float* xs, cons
             fk_amx_config();
             for (long c0 = 0; c0 < Mp; c0 += chunk) {
                 const long c1 = c0 + chunk < Mp ? c0 + chunk : Mp;
-#pragma omp for schedule(static)
-                for (long t = 0; t < ntiles; t++) {
-                    const long n0 = t * 16, nr = N - n0 < 16 ? N - n0 : 16;
+                fk_share_begin(&sh, ntiles);
+                fk_claim c = fk_claim_start();
+                while (fk_share_take(&sh, &c, 1)) {
+                    const long n0 = c.lo * 16, nr = N - n0 < 16 ? N - n0 : 16;
                     fk_amx_panel(w, n0, nr, nb, fmt, pb, pd, pm);
                     for (long m0 = c0; m0 < c1; m0 += 16)
                         tile(xp + m0 * K, sp + m0 * nb, sp + Mp * nb + m0 * nb, pb, pd, pm, bias,
@@ -1145,14 +1158,20 @@ static int fk_tiles(const int8_t* xq, const float* xd, const float* xs, const ui
     long chunk = FK_CHUNK_BYTES / K / FK_MR * FK_MR;
     if (chunk < FK_MR) chunk = FK_MR;
     const long ntiles = (N + FK_NR - 1) / FK_NR;
+    fk_share sh;
     for (long c0 = 0; c0 < M; c0 += chunk) {
         const long c1 = c0 + chunk < M ? c0 + chunk : M;
-#pragma omp parallel for schedule(static) if (N * K * (c1 - c0) >= FK_PARALLEL_MIN)
-        for (long t = 0; t < ntiles; t++) {
-            const long n0 = t * FK_NR, nr = N - n0 < FK_NR ? N - n0 : FK_NR;
-            for (long m0 = c0; m0 < c1; m0 += FK_MR)
-                tile(xqb, xdb, xdb + M * nb, xi, xa, w, bias, y, M, m0,
-                     c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
+#pragma omp parallel if (N * K * (c1 - c0) >= FK_PARALLEL_MIN)
+        {
+            fk_share_begin(&sh, ntiles);
+            fk_claim c = fk_claim_start();
+            while (fk_share_take(&sh, &c, 4)) /* 4 tiles a claim (as the bf16 kernels) */
+                for (long t = c.lo; t < c.hi; t++) {
+                    const long n0 = t * FK_NR, nr = N - n0 < FK_NR ? N - n0 : FK_NR;
+                    for (long m0 = c0; m0 < c1; m0 += FK_MR)
+                        tile(xqb, xdb, xdb + M * nb, xi, xa, w, bias, y, M, m0,
+                             c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
+                }
         }
     }
     free(xqb);
