@@ -22,12 +22,10 @@ int fk_share_check(long n, long chunk, int threads, int wait_first, int* owner, 
     const int t = omp_get_thread_num();
     fk_share_begin(&sh, n);
     if (wait_first && t != 0) wait_for(&done0);
-    fk_claim c = fk_claim_start();
-    while (fk_share_take(&sh, &c, chunk))
-      for (long i = c.lo; i < c.hi; i++) {
-        owner[i] = t;
-        __atomic_fetch_add(&count[i], 1, __ATOMIC_RELAXED);
-      }
+    FK_SHARED_FOR(&sh, i, chunk) {
+      owner[i] = t;
+      __atomic_fetch_add(&count[i], 1, __ATOMIC_RELAXED);
+    }
     if (t == 0) {
       team = omp_get_num_threads();
       atomic_store_explicit(&done0, 1, memory_order_release);
@@ -36,8 +34,9 @@ int fk_share_check(long n, long chunk, int threads, int wait_first, int* owner, 
   return team;
 }
 
-/* One sequence's decode layout: rows [0, N) in S streams a part, each part's last rows by its
- * owner, the steps shared; records the owner of every row. Returns the team size. */
+/* One sequence's decode layout (fk_streams.h): rows [0, N) in S streams a part, the steps
+ * shared, each part's last rows by its owner; records the owner of every row. Returns the
+ * team size. */
 int fk_share_streams_check(long N, long S, long chunk, int threads, int wait_first, int* owner,
                            int* count) {
   fk_share sh;
@@ -46,21 +45,16 @@ int fk_share_streams_check(long N, long S, long chunk, int threads, int wait_fir
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num();
-    const fk_parts q = fk_own_streams(N, S);
-    for (long j = q.lo + S * q.per; j < q.hi; j++) {
+    const fk_parts q = fk_streams_begin(&sh, N, S);
+    if (wait_first && t != 0) wait_for(&done0);
+    FK_SHARED_STEPS(&sh, N, S, chunk, r, per)
+      for (long s = 0; s < S; s++) {
+        owner[r + s * per] = t;
+        __atomic_fetch_add(&count[r + s * per], 1, __ATOMIC_RELAXED);
+      }
+    for (long j = q.lo + S * q.per; j < q.hi; j++) { /* the part's last rows: its owner's */
       owner[j] = t;
       __atomic_fetch_add(&count[j], 1, __ATOMIC_RELAXED);
-    }
-    fk_share_begin_part(&sh, 0, q.per);
-    if (wait_first && t != 0) wait_for(&done0);
-    fk_claim c = fk_claim_start();
-    while (fk_share_take(&sh, &c, chunk)) {
-      const fk_parts v = fk_part_streams(N, S, c.part, sh.parts);
-      for (long i = c.lo; i < c.hi; i++)
-        for (long s = 0; s < S; s++) {
-          owner[v.lo + s * v.per + i] = t;
-          __atomic_fetch_add(&count[v.lo + s * v.per + i], 1, __ATOMIC_RELAXED);
-        }
     }
     if (t == 0) {
       team = omp_get_num_threads();

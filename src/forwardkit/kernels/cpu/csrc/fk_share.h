@@ -18,10 +18,11 @@
  *     #pragma omp parallel
  *     {
  *       fk_share_begin(&sh, n);           (every thread of the team, a barrier inside)
- *       fk_claim c = fk_claim_start();
- *       while (fk_share_take(&sh, &c, chunk))
- *         for (long i = c.lo; i < c.hi; i++) ...   (c.part: whose part it came from)
+ *       FK_SHARED_FOR(&sh, i, chunk) ...  (the items i this thread takes, `chunk` a claim)
  *     }
+ *
+ * (FK_SHARED_FOR is fk_claim_start() and a loop of fk_share_take(); a claim's c.part says
+ * whose part it came from, which fk_streams.h uses.)
  *
  * fk_share_begin starts with a barrier too, so the same fk_share can serve one loop after
  * another in one region. The builder (kernels/cpu/native_build.py) hashes every file a source
@@ -99,5 +100,10 @@ static inline int fk_share_take(fk_share* sh, fk_claim* c, long chunk) {
   }
   return 0;
 }
+
+/* The items [c.lo, c.hi) of every claim this thread makes, as `long i`; a statement follows. */
+#define FK_SHARED_FOR(sh, i, chunk)                                      \
+  for (fk_claim fk_c_ = fk_claim_start(); fk_share_take(sh, &fk_c_, chunk);) \
+    for (long i = fk_c_.lo; i < fk_c_.hi; i++)
 
 #endif /* FK_SHARE_H */

@@ -125,16 +125,11 @@ int fk_linear_f32(const float* x, const float* w, const float* bias, float* y, l
     fk_share sh;
 #pragma omp parallel
     {
-      const fk_parts q = fk_own_streams(N, FK_STREAMS);
+      const fk_parts q = fk_streams_begin(&sh, N, FK_STREAMS);
+      FK_SHARED_STEPS(&sh, N, FK_STREAMS, 8, r, per)
+        fk32_block_1_4(x, w, bias, y, r, FK_STREAMS, N, K, per);
       for (long j = q.lo + FK_STREAMS * q.per; j < q.hi; j++)
         fk32_block_1_8(x, w, bias, y, j, 1, N, K, 1);
-      fk_share_begin_part(&sh, 0, q.per);
-      fk_claim c = fk_claim_start();
-      while (fk_share_take(&sh, &c, 8)) {
-        const fk_parts v = fk_part_streams(N, FK_STREAMS, c.part, sh.parts);
-        for (long i = c.lo; i < c.hi; i++)
-          fk32_block_1_4(x, w, bias, y, v.lo + i, FK_STREAMS, N, K, v.per);
-      }
     }
     return 0;
   }
@@ -145,14 +140,12 @@ int fk_linear_f32(const float* x, const float* w, const float* bias, float* y, l
 #pragma omp parallel if (N * K >= (1L << 18))
   {
     fk_share_begin(&sh, nblocks);
-    fk_claim c = fk_claim_start();
-    while (fk_share_take(&sh, &c, 2))
-      for (long b = c.lo; b < c.hi; b++) {
-        const long n0 = b * R;
-        const long nr = N - n0 < R ? N - n0 : R;
-        if (M == 1) fk32_block_1_8(x, w, bias, y, n0, nr, N, K, 1);
-        else fk32_block_2_8(x, w, bias, y, n0, nr, N, K, 1);
-      }
+    FK_SHARED_FOR(&sh, b, 2) {
+      const long n0 = b * R;
+      const long nr = N - n0 < R ? N - n0 : R;
+      if (M == 1) fk32_block_1_8(x, w, bias, y, n0, nr, N, K, 1);
+      else fk32_block_2_8(x, w, bias, y, n0, nr, N, K, 1);
+    }
   }
   return 0;
 }
@@ -168,16 +161,11 @@ int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
     fk_share sh;
 #pragma omp parallel
     {
-      const fk_parts q = fk_own_streams(N, FK_STREAMS);
+      const fk_parts q = fk_streams_begin(&sh, N, FK_STREAMS);
+      FK_SHARED_STEPS(&sh, N, FK_STREAMS, 8, r, per)
+        fk_block_1_4(x, w, bias, y, 0, r, FK_STREAMS, N, K, per);
       for (long j = q.lo + FK_STREAMS * q.per; j < q.hi; j++)
         fk_block_1_8(x, w, bias, y, 0, j, 1, N, K, 1);
-      fk_share_begin_part(&sh, 0, q.per);
-      fk_claim c = fk_claim_start();
-      while (fk_share_take(&sh, &c, 8)) {
-        const fk_parts v = fk_part_streams(N, FK_STREAMS, c.part, sh.parts);
-        for (long i = c.lo; i < c.hi; i++)
-          fk_block_1_4(x, w, bias, y, 0, v.lo + i, FK_STREAMS, N, K, v.per);
-      }
     }
     return 0;
   }
@@ -187,18 +175,16 @@ int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
 #pragma omp parallel
   {
     fk_share_begin(&sh, nblocks);
-    fk_claim c = fk_claim_start();
-    while (fk_share_take(&sh, &c, 2))
-      for (long b = c.lo; b < c.hi; b++) {
-        const long n0 = b * R;
-        const long nr = N - n0 < R ? N - n0 : R;
-        switch (M) {
-          case 1: fk_block_1_8(x, w, bias, y, 0, n0, nr, N, K, 1); break;
-          case 2: fk_block_2_8(x, w, bias, y, 0, n0, nr, N, K, 1); break;
-          case 3: fk_block_3_4(x, w, bias, y, 0, n0, nr, N, K, 1); break;
-          default: fk_block_4_4(x, w, bias, y, 0, n0, nr, N, K, 1); break;
-        }
+    FK_SHARED_FOR(&sh, b, 2) {
+      const long n0 = b * R;
+      const long nr = N - n0 < R ? N - n0 : R;
+      switch (M) {
+        case 1: fk_block_1_8(x, w, bias, y, 0, n0, nr, N, K, 1); break;
+        case 2: fk_block_2_8(x, w, bias, y, 0, n0, nr, N, K, 1); break;
+        case 3: fk_block_3_4(x, w, bias, y, 0, n0, nr, N, K, 1); break;
+        default: fk_block_4_4(x, w, bias, y, 0, n0, nr, N, K, 1); break;
       }
+    }
   }
   return 0;
 }

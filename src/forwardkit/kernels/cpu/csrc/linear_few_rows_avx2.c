@@ -207,26 +207,24 @@ static int fk_linear_bf16_bcast(const uint16_t* x, const uint16_t* w, const uint
   {
     float out[8 * 16];
     fk_share_begin(&sh, ng);
-    fk_claim c = fk_claim_start();
-    while (fk_share_take(&sh, &c, 4)) /* 4 groups a claim: 1 cost 2-3 % at 16 rows */
-      for (long g = c.lo; g < c.hi; g++) {
-        const long n0 = g * NF, nf = N - n0 < NF ? N - n0 : NF;
-        if (nf == NF) {
-          if (V == 2) fkc_2_6(xp, w, K, n0, out);
-          else fkc_1_8(xp, w, K, n0, out);
-        } else { /* the short last group: one weight row at a time */
-          for (long j = 0; j < nf; j++) {
-            if (V == 2) fkc_2_1(xp, w, K, n0 + j, out + W * j);
-            else fkc_1_1(xp, w, K, n0 + j, out + W * j);
-          }
+    FK_SHARED_FOR(&sh, g, 4) { /* 4 groups a claim: 1 cost 2-3 % at 16 rows */
+      const long n0 = g * NF, nf = N - n0 < NF ? N - n0 : NF;
+      if (nf == NF) {
+        if (V == 2) fkc_2_6(xp, w, K, n0, out);
+        else fkc_1_8(xp, w, K, n0, out);
+      } else { /* the short last group: one weight row at a time */
+        for (long j = 0; j < nf; j++) {
+          if (V == 2) fkc_2_1(xp, w, K, n0 + j, out + W * j);
+          else fkc_1_1(xp, w, K, n0 + j, out + W * j);
         }
-        for (long j = 0; j < nf; j++)
-          for (long m = 0; m < M; m++) {
-            float s = out[W * j + m];
-            if (bias) s += fk_bf16_to_f32(bias[n0 + j]);
-            y[m * N + n0 + j] = fk_f32_to_bf16(s);
-          }
       }
+      for (long j = 0; j < nf; j++)
+        for (long m = 0; m < M; m++) {
+          float s = out[W * j + m];
+          if (bias) s += fk_bf16_to_f32(bias[n0 + j]);
+          y[m * N + n0 + j] = fk_f32_to_bf16(s);
+        }
+    }
   }
   free(xp);
   return 0;
@@ -255,16 +253,11 @@ int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
     fk_share sh;
 #pragma omp parallel
     {
-      const fk_parts q = fk_own_streams(N, FK_STREAMS);
+      const fk_parts q = fk_streams_begin(&sh, N, FK_STREAMS);
+      FK_SHARED_STEPS(&sh, N, FK_STREAMS, 8, r, per)
+        fkb_1_4(xe, xo, H, x, w, bias, y, r, FK_STREAMS, N, K, per);
       for (long j = q.lo + FK_STREAMS * q.per; j < q.hi; j++) /* the part's last rows */
         fkb_1_8(xe, xo, H, x, w, bias, y, j, 1, N, K, 1);
-      fk_share_begin_part(&sh, 0, q.per);
-      fk_claim c = fk_claim_start();
-      while (fk_share_take(&sh, &c, 8)) {
-        const fk_parts v = fk_part_streams(N, FK_STREAMS, c.part, sh.parts);
-        for (long i = c.lo; i < c.hi; i++)
-          fkb_1_4(xe, xo, H, x, w, bias, y, v.lo + i, FK_STREAMS, N, K, v.per);
-      }
     }
     free(buf);
     return 0;
@@ -275,15 +268,13 @@ int fk_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
 #pragma omp parallel if (N * K * (M > 2 ? M : 1) >= FK_PARALLEL_MIN)
   {
     fk_share_begin(&sh, nblocks);
-    fk_claim c = fk_claim_start();
-    while (fk_share_take(&sh, &c, 2))
-      for (long b = c.lo; b < c.hi; b++) {
-        const long n0 = b * R;
-        const long nr = N - n0 < R ? N - n0 : R;
-        if (M == 1) fkb_1_8(xe, xo, H, x, w, bias, y, n0, nr, N, K, 1);
-        else if (M == 2) fkb_2_4(xe, xo, H, x, w, bias, y, n0, nr, N, K, 1);
-        else fkb_group(xe, xo, H, x, w, bias, y, n0, nr, N, K, M);
-      }
+    FK_SHARED_FOR(&sh, b, 2) {
+      const long n0 = b * R;
+      const long nr = N - n0 < R ? N - n0 : R;
+      if (M == 1) fkb_1_8(xe, xo, H, x, w, bias, y, n0, nr, N, K, 1);
+      else if (M == 2) fkb_2_4(xe, xo, H, x, w, bias, y, n0, nr, N, K, 1);
+      else fkb_group(xe, xo, H, x, w, bias, y, n0, nr, N, K, M);
+    }
   }
   free(buf);
   return 0;
@@ -418,9 +409,8 @@ int fk_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bi
       for (long m0 = 0; m0 < M; m0 += FK_MC) {
         const long mr = M - m0 < FK_MC ? M - m0 : FK_MC;
         fk_share_begin(&sh, nsb);
-        fk_claim c = fk_claim_start();
-        while (fk_share_take(&sh, &c, 1)) {
-          const long s0 = c.lo * sb;
+        FK_SHARED_FOR(&sh, block, 1) {
+          const long s0 = block * sb;
           const long sn = np - s0 < sb ? np - s0 : sb;
           memset(cb, 0, sizeof(float) * mr * ldc);
           for (long k0 = 0; k0 < K; k0 += FK_KC) {
@@ -503,14 +493,9 @@ int fk_linear_f32(const float* x, const float* w, const float* bias, float* y, l
     fk_share sh;
 #pragma omp parallel
     {
-      const fk_parts q = fk_own_streams(N, FK_STREAMS);
+      const fk_parts q = fk_streams_begin(&sh, N, FK_STREAMS);
+      FK_SHARED_STEPS(&sh, N, FK_STREAMS, 8, r, per) fkf_1_4(x, w, bias, y, r, FK_STREAMS, N, K, per);
       for (long j = q.lo + FK_STREAMS * q.per; j < q.hi; j++) fkf_1_8(x, w, bias, y, j, 1, N, K, 1);
-      fk_share_begin_part(&sh, 0, q.per);
-      fk_claim c = fk_claim_start();
-      while (fk_share_take(&sh, &c, 8)) {
-        const fk_parts v = fk_part_streams(N, FK_STREAMS, c.part, sh.parts);
-        for (long i = c.lo; i < c.hi; i++) fkf_1_4(x, w, bias, y, v.lo + i, FK_STREAMS, N, K, v.per);
-      }
     }
     return 0;
   }
@@ -520,14 +505,12 @@ int fk_linear_f32(const float* x, const float* w, const float* bias, float* y, l
 #pragma omp parallel if (N * K >= FK_PARALLEL_MIN)
   {
     fk_share_begin(&sh, nblocks);
-    fk_claim c = fk_claim_start();
-    while (fk_share_take(&sh, &c, 2))
-      for (long b = c.lo; b < c.hi; b++) {
-        const long n0 = b * R;
-        const long nr = N - n0 < R ? N - n0 : R;
-        if (M == 1) fkf_1_8(x, w, bias, y, n0, nr, N, K, 1);
-        else fkf_2_4(x, w, bias, y, n0, nr, N, K, 1);
-      }
+    FK_SHARED_FOR(&sh, b, 2) {
+      const long n0 = b * R;
+      const long nr = N - n0 < R ? N - n0 : R;
+      if (M == 1) fkf_1_8(x, w, bias, y, n0, nr, N, K, 1);
+      else fkf_2_4(x, w, bias, y, n0, nr, N, K, 1);
+    }
   }
   return 0;
 }

@@ -527,24 +527,18 @@ static void fk_few_rows(const float* x, const int8_t* xq, const float* xd, const
         fk_share sh;
 #pragma omp parallel if (N * K >= FK_PARALLEL_MIN)
         {
-            const fk_parts q = fk_own_streams(N, FK_R);
+            const fk_parts q = fk_streams_begin(&sh, N, FK_R);
             float sums[FK_R];
+            FK_SHARED_STEPS(&sh, N, FK_R, 8, r0, per) {
+                fk_rows1_int8(xq, xd, xs, K, w + r0 * row_bytes, per * row_bytes, fmt, FK_R, sums);
+                for (long r = 0; r < FK_R; r++) {
+                    const long j = r0 + r * per;
+                    y[j] = sums[r] + (bias ? bias[j] : 0.0f);
+                }
+            }
             for (long j = q.lo + FK_R * q.per; j < q.hi; j++) { /* the part's last rows */
                 fk_rows1_int8(xq, xd, xs, K, w + j * row_bytes, row_bytes, fmt, 1, sums);
                 y[j] = sums[0] + (bias ? bias[j] : 0.0f);
-            }
-            fk_share_begin_part(&sh, 0, q.per);
-            fk_claim c = fk_claim_start();
-            while (fk_share_take(&sh, &c, 8)) {
-                const fk_parts v = fk_part_streams(N, FK_R, c.part, sh.parts);
-                for (long i = c.lo; i < c.hi; i++) {
-                    fk_rows1_int8(xq, xd, xs, K, w + (v.lo + i) * row_bytes, v.per * row_bytes,
-                                  fmt, FK_R, sums);
-                    for (long r = 0; r < FK_R; r++) {
-                        const long j = v.lo + r * v.per + i;
-                        y[j] = sums[r] + (bias ? bias[j] : 0.0f);
-                    }
-                }
             }
         }
         return;
@@ -553,16 +547,14 @@ static void fk_few_rows(const float* x, const int8_t* xq, const float* xd, const
 #pragma omp parallel if (N * K >= FK_PARALLEL_MIN)
     {
         fk_share_begin(&sh, N);
-        fk_claim c = fk_claim_start();
-        while (fk_share_take(&sh, &c, 8))
-            for (long j = c.lo; j < c.hi; j++) {
-                const uint8_t* wrow = w + j * row_bytes;
-                float add = bias ? bias[j] : 0.0f;
-                for (long r0 = 0; r0 < full; r0 += FK_G)
-                    fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, FK_G);
-                for (long r0 = full; r0 < M; r0++)
-                    fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, 1);
-            }
+        FK_SHARED_FOR(&sh, j, 8) {
+            const uint8_t* wrow = w + j * row_bytes;
+            float add = bias ? bias[j] : 0.0f;
+            for (long r0 = 0; r0 < full; r0 += FK_G)
+                fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, FK_G);
+            for (long r0 = full; r0 < M; r0++)
+                fk_rows(x, xq, xd, xs, wrow, add, y, r0, N, K, j, fmt, mode, 1);
+        }
     }
 }
 
@@ -1074,9 +1066,8 @@ static int fk_amx_tiles(const int8_t* xq, const float* xd, const float* xs, cons
             for (long c0 = 0; c0 < Mp; c0 += chunk) {
                 const long c1 = c0 + chunk < Mp ? c0 + chunk : Mp;
                 fk_share_begin(&sh, ntiles);
-                fk_claim c = fk_claim_start();
-                while (fk_share_take(&sh, &c, 1)) {
-                    const long n0 = c.lo * 16, nr = N - n0 < 16 ? N - n0 : 16;
+                FK_SHARED_FOR(&sh, t, 1) {
+                    const long n0 = t * 16, nr = N - n0 < 16 ? N - n0 : 16;
                     fk_amx_panel(w, n0, nr, nb, fmt, pb, pd, pm);
                     for (long m0 = c0; m0 < c1; m0 += 16)
                         tile(xp + m0 * K, sp + m0 * nb, sp + Mp * nb + m0 * nb, pb, pd, pm, bias,
@@ -1164,14 +1155,12 @@ static int fk_tiles(const int8_t* xq, const float* xd, const float* xs, const ui
 #pragma omp parallel if (N * K * (c1 - c0) >= FK_PARALLEL_MIN)
         {
             fk_share_begin(&sh, ntiles);
-            fk_claim c = fk_claim_start();
-            while (fk_share_take(&sh, &c, 4)) /* 4 tiles a claim (as the bf16 kernels) */
-                for (long t = c.lo; t < c.hi; t++) {
-                    const long n0 = t * FK_NR, nr = N - n0 < FK_NR ? N - n0 : FK_NR;
-                    for (long m0 = c0; m0 < c1; m0 += FK_MR)
-                        tile(xqb, xdb, xdb + M * nb, xi, xa, w, bias, y, M, m0,
-                             c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
-                }
+            FK_SHARED_FOR(&sh, t, 4) { /* 4 tiles a claim, as the bf16 kernels */
+                const long n0 = t * FK_NR, nr = N - n0 < FK_NR ? N - n0 : FK_NR;
+                for (long m0 = c0; m0 < c1; m0 += FK_MR)
+                    tile(xqb, xdb, xdb + M * nb, xi, xa, w, bias, y, M, m0,
+                         c1 - m0 < FK_MR ? c1 - m0 : FK_MR, n0, nr, N, K);
+            }
         }
     }
     free(xqb);
