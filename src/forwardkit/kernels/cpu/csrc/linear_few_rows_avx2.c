@@ -399,46 +399,47 @@ int fk_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bi
     int stop;
 #pragma omp atomic read
     stop = failed;
-    if (!stop) { /* every thread or none: the loop below has barriers */
+    if (!stop) { /* every thread or none: fk_share_begin has barriers */
       float* xb = buf;
       float* pb = xb + FK_MC * FK_KC;
       float* cb = pb + FK_KC * FK_NR;
-      /* column blocks of sb panels, FK_SB at most, and at least 4 a thread where N allows */
+      /* items: a column block of sb panels (FK_SB at most, and at least 4 blocks a thread
+       * where N allows) x a pass of FK_MC rows, block-major: a thread's own part is whole
+       * column blocks, all passes of each */
       const long per = np / (4 * omp_get_num_threads());
       const long sb = per < 1 ? 1 : per > FK_SB ? FK_SB : per, nsb = (np + sb - 1) / sb;
-      for (long m0 = 0; m0 < M; m0 += FK_MC) {
+      const long npass = (M + FK_MC - 1) / FK_MC;
+      fk_share_begin(&sh, nsb * npass);
+      FK_SHARED_FOR(&sh, item, 1) {
+        const long m0 = item % npass * FK_MC, s0 = item / npass * sb;
         const long mr = M - m0 < FK_MC ? M - m0 : FK_MC;
-        fk_share_begin(&sh, nsb);
-        FK_SHARED_FOR(&sh, block, 1) {
-          const long s0 = block * sb;
-          const long sn = np - s0 < sb ? np - s0 : sb;
-          memset(cb, 0, sizeof(float) * mr * ldc);
-          for (long k0 = 0; k0 < K; k0 += FK_KC) {
-            const long kc = K - k0 < FK_KC ? K - k0 : FK_KC;
-            for (long i = 0; i < mr; i++) {
-              const uint16_t* xr = x + (m0 + i) * K + k0;
-              float* xo = xb + i * FK_KC;
+        const long sn = np - s0 < sb ? np - s0 : sb;
+        memset(cb, 0, sizeof(float) * mr * ldc);
+        for (long k0 = 0; k0 < K; k0 += FK_KC) {
+          const long kc = K - k0 < FK_KC ? K - k0 : FK_KC;
+          for (long i = 0; i < mr; i++) {
+            const uint16_t* xr = x + (m0 + i) * K + k0;
+            float* xo = xb + i * FK_KC;
 #pragma omp simd
-              for (long k = 0; k < kc; k++) xo[k] = fk_bf16_to_f32(xr[k]);
-            }
-            for (long pi = 0; pi < sn; pi++) {
-              const long n0 = (s0 + pi) * FK_NR;
-              fk_pack(w, K, n0, N - n0 < FK_NR ? N - n0 : FK_NR, k0, kc, pb);
-              for (long i0 = 0; i0 < mr; i0 += FK_MR)
-                fk_mk((int)(mr - i0 < FK_MR ? mr - i0 : FK_MR), xb + i0 * FK_KC, FK_KC, pb, kc,
-                      cb + i0 * ldc + pi * FK_NR, ldc);
-            }
+            for (long k = 0; k < kc; k++) xo[k] = fk_bf16_to_f32(xr[k]);
           }
-          for (long i = 0; i < mr; i++)
-            for (long pi = 0; pi < sn; pi++)
-              for (long r = 0; r < FK_NR; r++) {
-                const long n = (s0 + pi) * FK_NR + r;
-                if (n >= N) break;
-                float s = cb[i * ldc + pi * FK_NR + r];
-                if (bias) s += fk_bf16_to_f32(bias[n]);
-                y[(m0 + i) * N + n] = fk_f32_to_bf16(s);
-              }
+          for (long pi = 0; pi < sn; pi++) {
+            const long n0 = (s0 + pi) * FK_NR;
+            fk_pack(w, K, n0, N - n0 < FK_NR ? N - n0 : FK_NR, k0, kc, pb);
+            for (long i0 = 0; i0 < mr; i0 += FK_MR)
+              fk_mk((int)(mr - i0 < FK_MR ? mr - i0 : FK_MR), xb + i0 * FK_KC, FK_KC, pb, kc,
+                    cb + i0 * ldc + pi * FK_NR, ldc);
+          }
         }
+        for (long i = 0; i < mr; i++)
+          for (long pi = 0; pi < sn; pi++)
+            for (long r = 0; r < FK_NR; r++) {
+              const long n = (s0 + pi) * FK_NR + r;
+              if (n >= N) break;
+              float s = cb[i * ldc + pi * FK_NR + r];
+              if (bias) s += fk_bf16_to_f32(bias[n]);
+              y[(m0 + i) * N + n] = fk_f32_to_bf16(s);
+            }
       }
     }
     free(buf);
