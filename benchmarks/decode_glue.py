@@ -14,13 +14,14 @@ rotating from round to round so a drifting host weighs on all of them alike:
 * ``memmove``: a function that copies the weight's bytes into a scratch buffer and computes
   nothing: the caches see the same stream of weights as with the kernel.
 
-For each: the median step, the median time inside the linear function over a step, and the
-rest (step minus linear: the glue and the attention). If the glue costs more after a real or
+For each: the median step, the median time inside the linear function over a step, the
+rest (step minus linear: the glue and the attention) and the products the function served in
+a step (the same in every setting, or the substitution missed some). If the glue costs more after a real or
 a copied stream of weights than with ``no-op``, it is running on caches the weights have just
 evicted. Tokens are not checked (two of the settings compute nothing).
 
 Usage: ``python benchmarks/decode_glue.py [--shape llama-3.2-1b] [--batches 1 16]
-[--context 64] [--rounds 8] [--dtype bfloat16]``; set ``FORWARDKIT_CPU_MAX_ISA=avx2`` to time
+[--context 64] [--rounds 8]`` (bf16 weights); set ``FORWARDKIT_CPU_MAX_ISA=avx2`` to time
 the AVX2 build on a CPU with AVX-512.
 """
 
@@ -29,14 +30,16 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import threading
 import time
 from collections.abc import Callable
 
 import torch
 
+from forwardkit.bench.harness import make_batches
+from forwardkit.bench.trace import Step
+from forwardkit.config.model_shapes import model_shape_names
 from forwardkit.engine.llm import LLM
-from forwardkit.kernels.cpu import native_linear
+from forwardkit.kernels.cpu import hugepages, native_linear
 from forwardkit.runner.batch import StepBatch
 
 SETTINGS = ("kernel", "no-op", "memmove")
@@ -45,23 +48,19 @@ _SCRATCH_BYTES = 64 << 20
 
 def decode_batch(llm: LLM, batch: int, context: int) -> StepBatch:
     """``batch`` requests decoding one token each after ``context`` tokens, on their own blocks."""
-    per_req = -(-(context + 1) // llm.runner.block_size)
-    if batch * per_req > llm.runner.num_blocks:
-        raise SystemExit(f"--batches {batch} x --context {context} needs {batch * per_req} KV "
-                         f"blocks; the runner has {llm.runner.num_blocks}")
-    return StepBatch(req_ids=[f"r{i}" for i in range(batch)],
-                     token_ids=[[7 + i] for i in range(batch)],
-                     num_computed_tokens=[context] * batch,
-                     block_tables=[list(range(i * per_req, (i + 1) * per_req)) for i in range(batch)])
+    step = Step(query_lens=(1,) * batch, context_lens=(context,) * batch)
+    made = make_batches([step], llm.runner.block_size, int(llm.runner.vocab_size), seed=0)[0]
+    need = made.block_tables[-1][-1] + 1
+    if need > llm.runner.num_blocks:
+        raise SystemExit(f"--batches {batch} x --context {context} needs {need} KV blocks; the "
+                         f"runner has {llm.runner.num_blocks}")
+    return made
 
 
-def linear_functions(scratch: torch.Tensor) -> dict[str, Callable[..., int]]:
+def linear_functions(kernel: Callable[..., int],
+                     scratch: torch.Tensor) -> dict[str, Callable[..., int]]:
     """The three settings' linear functions (the ``fk_linear_*`` signature: x, w, bias, y, M, N,
-    K as addresses and longs; 0 for success)."""
-    found = native_linear._selected(torch.bfloat16)
-    if found is None:
-        raise SystemExit("no native bf16 linear kernel on this machine (see `forwardkit env`)")
-    kernel = found[1]
+    K as addresses and longs; 0 for success): ``kernel`` and its two stand-ins."""
     dst, room = scratch.data_ptr(), scratch.numel()
 
     def noop(x: int, w: int, bias: int | None, y: int, m: int, n: int, k: int) -> int:
@@ -78,69 +77,69 @@ def linear_functions(scratch: torch.Tensor) -> dict[str, Callable[..., int]]:
     return {"kernel": kernel, "no-op": noop, "memmove": copy}
 
 
-def _wait_for_huge_pages() -> None:
-    for thread in threading.enumerate():
-        if thread.name == "forwardkit-hugepages":
-            thread.join()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="llama-3.2-1b")
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=model_shape_names())
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16"])
     args = parser.parse_args()
     for flag, values in (("--batches", args.batches), ("--context", [args.context]),
                          ("--rounds", [args.rounds])):
         if min(values) < 1:
             parser.error(f"{flag} must be >= 1, got {' '.join(map(str, values))}")
 
-    llm = LLM(model_shape=args.shape, dtype=args.dtype, max_num_seqs=max(args.batches),
+    llm = LLM(model_shape=args.shape, dtype="bfloat16", max_num_seqs=max(args.batches),
               max_model_len=args.context + 16, enable_prefix_caching=False)
+    found = native_linear._selected(torch.bfloat16)
+    if found is None:
+        raise SystemExit("no native bf16 linear kernel on this machine (see `forwardkit env`)")
     scratch = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8)
     scratch.fill_(0)
-    fns = linear_functions(scratch)
-    found = native_linear._selected(torch.bfloat16)
-    assert found is not None
+    fns = linear_functions(found[1], scratch)
     inside = [0.0]
+    calls = [0]
     current: list[Callable[..., int]] = [fns["kernel"]]
 
     def timed(*a: object) -> int:
         start = time.perf_counter()
         rc = current[0](*a)
         inside[0] += time.perf_counter() - start
+        calls[0] += 1
         return int(rc)
 
     # linear_rows looks the function up on every call: every product of the step goes here
     native_linear._selected = lambda dtype: (found[0], timed, found[2])  # type: ignore[assignment]
-    print(f"{args.shape} ({args.dtype}), native linear build {found[0]}, decode steps at "
+    print(f"{args.shape} (bfloat16), native linear build {found[0]}, decode steps at "
           f"{args.context} tokens of context, median of {args.rounds} rounds, "
           f"{torch.get_num_threads()} threads")
-    print(f"{'batch':>5} {'setting':<8} {'step ms':>8} {'in linear ms':>13} {'rest ms':>8}")
+    print(f"{'batch':>5} {'setting':<8} {'step ms':>8} {'in linear ms':>13} {'rest ms':>8} "
+          f"{'products':>8}")
     for b in args.batches:
         batch = decode_batch(llm, b, args.context)
         for _ in range(3):  # first uses of a row count: untimed
             llm.runner.execute(batch)
-        _wait_for_huge_pages()
+        hugepages.wait_for_moves(timeout=300)  # a move still running would share the cores
         step: dict[str, list[float]] = {s: [] for s in SETTINGS}
         lin: dict[str, list[float]] = {s: [] for s in SETTINGS}
+        products: dict[str, int] = {}
         for r in range(args.rounds):
             k = r % len(SETTINGS)
             for name in SETTINGS[k:] + SETTINGS[:k]:
                 current[0] = fns[name]
                 llm.runner.execute(batch)  # untimed: the setting's own cache state
-                inside[0] = 0.0
+                inside[0], calls[0] = 0.0, 0
                 start = time.perf_counter()
                 llm.runner.execute(batch)
                 step[name].append(time.perf_counter() - start)
                 lin[name].append(inside[0])
+                products[name] = calls[0]
         current[0] = fns["kernel"]
         for name in SETTINGS:
             s, i = statistics.median(step[name]), statistics.median(lin[name])
             rest = statistics.median(a - c for a, c in zip(step[name], lin[name]))
-            print(f"{b:>5} {name:<8} {s * 1e3:8.1f} {i * 1e3:13.1f} {rest * 1e3:8.1f}")
+            print(f"{b:>5} {name:<8} {s * 1e3:8.1f} {i * 1e3:13.1f} {rest * 1e3:8.1f} "
+                  f"{products[name]:8d}")
     llm.shutdown()
 
 

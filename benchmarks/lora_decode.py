@@ -30,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import torch
@@ -38,6 +37,7 @@ import torch
 from forwardkit.config.model_shapes import model_shape_config
 from forwardkit.engine.llm import LLM
 from forwardkit.engine.lora import LoRARequest
+from forwardkit.kernels.cpu import hugepages
 from forwardkit.runner.batch import StepBatch
 
 RANK = 16
@@ -79,14 +79,6 @@ def decode_batch(llm: LLM, batch: int, context: int, lora_slots: list[int] | Non
                      lora_slots=lora_slots)
 
 
-def _wait_for_huge_pages() -> None:
-    """After its first step a runner moves its weights onto huge pages on a background thread:
-    let that finish before timing (it would slow whatever runs meanwhile)."""
-    for thread in threading.enumerate():
-        if thread.name == "forwardkit-hugepages":
-            thread.join()
-
-
 def time_steps(steps: dict[str, tuple[LLM, list[StepBatch]]],
                rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Wall and process CPU seconds of each setting's step per round, the settings in rotating
@@ -98,7 +90,7 @@ def time_steps(steps: dict[str, tuple[LLM, list[StepBatch]]],
             llm, batches = steps[name]
             for b in batches:
                 llm.runner.execute(b)
-    _wait_for_huge_pages()
+    hugepages.wait_for_moves(timeout=300)
     wall: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
@@ -123,7 +115,7 @@ def run_mode(args: argparse.Namespace, cfg: dict, eager: bool) -> None:
     assert on.lora is not None
     adapters: list[LoRARequest] = []
     update_s: list[float] = []
-    _wait_for_huge_pages()  # a compiled engine's start-up steps started the move
+    hugepages.wait_for_moves(timeout=300)  # a compiled engine's start-up steps started the move
     for i in range(NUM_ADAPTERS):
         tensors = adapter_tensors(cfg, i)
         start = time.perf_counter()

@@ -25,8 +25,12 @@ def test_times_every_setting_per_batch():
     assert [(r[0], r[1]) for r in rows] == [(b, s) for b in ("1", "2")
                                             for s in ("kernel", "no-op", "memmove")]
     for r in rows:
-        step, inside, rest = map(float, r[2:])
+        step, inside, rest = map(float, r[2:5])
         assert step > 0 and inside >= 0 and rest > 0
+    # every product of a step went through the substituted function, in every setting
+    for b in ("1", "2"):
+        served = {int(r[5]) for r in rows if r[0] == b}
+        assert len(served) == 1 and served.pop() > 0
 
 
 def test_bad_counts_are_refused_with_the_values():
