@@ -60,6 +60,93 @@ def test_deferred_collapse_waits_for_the_start_and_skips_freed_tensors():
     assert queue.start() is None  # nothing left
 
 
+def test_the_loader_asks_for_huge_pages_before_it_writes_the_weights(monkeypatch):
+    """Memory asked for (``madvise``) before its first write faults in on huge pages as it is
+    written; asked for afterwards it stays on 4 KiB pages until a move. The loader asks for
+    every weight between building the model and writing its values."""
+    from forwardkit import LLM
+    from forwardkit.models import loader
+
+    advised: list[int] = []
+    at_write: list[set[int]] = []
+    monkeypatch.setattr(loader.hugepages, "advise",
+                        lambda t: advised.append(t.untyped_storage().data_ptr()) or 0)
+    fill = loader.init_random_weights
+
+    def init(model: torch.nn.Module, *args: object, **kwargs: object) -> None:
+        at_write.append({p.untyped_storage().data_ptr() for p in model.parameters()})
+        fill(model, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "init_random_weights", init)
+    llm = LLM(enforce_eager=True)
+    if llm.runner.device.type != "cpu":
+        pytest.skip("huge pages are asked for CPU weights")
+    assert len(at_write) == 1 and at_write[0] and at_write[0] <= set(advised)
+
+
+def test_a_plain_pytorch_model_is_not_advised(monkeypatch):
+    """``-cpu_linear`` (the benchmark's plain PyTorch baselines): weights as PyTorch gives them."""
+    from forwardkit import LLM
+    from forwardkit.models import loader
+
+    advised: list[torch.Tensor] = []
+    monkeypatch.setattr(loader.hugepages, "advise", lambda t: advised.append(t) or 0)
+    LLM(enforce_eager=True, compilation_config={"custom_ops": ["-cpu_linear"]})
+    assert advised == []
+
+
+_HUGE_AFTER_LOAD = """
+import sys
+import torch
+from forwardkit import LLM
+from forwardkit.kernels.cpu import hugepages
+
+llm = LLM(sys.argv[1], enforce_eager=True, dtype="float32")
+assert llm.runner.cpu_linear_router.huge_pages.pending_bytes() > 0  # no step has run: no move
+weight = llm.runner.module.model.layers[0].mlp.gate_up_proj.weight  # 8192 x 256 float32: 8 MiB
+start = weight.untyped_storage().data_ptr()
+interior = -(-start // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE
+inside = False
+for line in open("/proc/self/smaps", encoding="ascii"):
+    head = line.split()[0]
+    if "-" in head and not head.endswith(":"):
+        lo, hi = (int(v, 16) for v in head.split("-"))
+        inside = lo <= interior < hi
+    elif inside and head == "AnonHugePages:":
+        print("huge", int(line.split()[1]) * 1024)
+        break
+"""
+
+
+@linux
+def test_loaded_weights_sit_on_huge_pages_before_the_first_step(tmp_path):
+    """Where the system gives huge pages to memory that asks (``madvise`` or ``always``), a
+    weight several huge pages long is on them as soon as the model is loaded, before any step
+    (with ``never``, on none). In a fresh process: memory this one has had moved before may
+    be handed out again already huge."""
+    import subprocess
+
+    transformers = pytest.importorskip("transformers")
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+            mode = f.read()
+    except OSError:
+        mode = "[never]"
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=4096,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", _HUGE_AFTER_LOAD, str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    huge = int(run.stdout.split("huge")[-1])
+    if "[never]" in mode:
+        assert huge == 0
+    else:
+        assert huge >= hugepages.HUGE_PAGE
+
+
 def test_runner_starts_the_move_after_its_first_step_not_during_start_up():
     from forwardkit import LLM, SamplingParams
 

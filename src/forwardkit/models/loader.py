@@ -41,6 +41,7 @@ from safetensors import safe_open
 
 from forwardkit.config.gguf import is_gguf_path
 from forwardkit.config.model import embedding_quantization
+from forwardkit.kernels.cpu import hugepages
 from forwardkit.kernels.cpu.router import CpuLinearRouter, attach_router
 from forwardkit.layers.fused_moe import FusedMoE
 from forwardkit.layers.linear import (
@@ -301,6 +302,12 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
         model = model_cls(engine_config)
     quantized = quantized_layers(model)
     _check_quantizable(quantized)
+    if device.type == "cpu" and (quantized or linear_op_weights(model)):
+        # Before anything writes them: the weights then fault in on huge pages as they are
+        # written (faster than 4 KiB faults, and nothing is left for the move after the first
+        # step, which stalls the steps that run beside it; see kernels/cpu/hugepages.py).
+        for t in model.parameters():
+            hugepages.advise(t)
     if model_dir is None:
         init_random_weights(model)
         logger.info_once("Built %s with seeded random weights (no checkpoint)", model_cls.__name__)
@@ -331,10 +338,9 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
     routed = linear_op_weights(model)
     if (routed or quantized or packed_experts) and device.type == "cpu":
         router = CpuLinearRouter()
-        # written weights move onto huge pages in the background once the runner has served
-        # its first step (faulting them in as huge pages is slower: each 2 MiB fault zeroes and
-        # may compact synchronously; collapsing during start-up slows start-up by seconds).
-        # Quantized weights too: a decode step streams them just the same.
+        # What is not on huge pages yet (written before it could be advised: packed quantized
+        # blocks) moves in the background once the runner has served its first step (memory
+        # already huge is skipped at once). Quantized weights too: a decode step streams them.
         router.huge_pages.defer(model.parameters())
         router.route_weights(routed)
         attach_router(model, router)
