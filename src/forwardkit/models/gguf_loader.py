@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from forwardkit.config.gguf import GGUFFile, GGUFTensor, open_gguf
+from forwardkit.kernels.cpu import hugepages
 from forwardkit.layers.fused_moe import FusedMoE
 from forwardkit.layers.linear import Linear, LMHead, MergedLinear
 from forwardkit.layers.parallel import shard_spec_of
@@ -222,7 +223,10 @@ def _raw(tensor: GGUFTensor) -> torch.Tensor:
     rows = 1
     for d in tensor.shape[:-1]:
         rows *= d
-    return torch.from_numpy(data.copy()).reshape(rows, -1)
+    out = torch.empty(data.shape[0], dtype=torch.uint8)
+    hugepages.advise(out)  # before the copy writes it: kept packed, it is streamed every step
+    out.numpy()[:] = data
+    return out.reshape(rows, -1)
 
 
 def _dequantize_rows(raw: torch.Tensor, type_name: str) -> torch.Tensor:

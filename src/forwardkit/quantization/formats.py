@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from forwardkit.config.model import QUANTIZATION_FORMATS
+from forwardkit.kernels.cpu import hugepages
 
 __all__ = ["BLOCK", "FORMATS", "QuantFormat", "dequantize", "get_format", "packed_shape", "quantize",
            "quantize_activations"]
@@ -172,6 +173,7 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat | str, name: str = "weight")
         raise ValueError(f"{name}: input dim {k} (shape {tuple(weight.shape)}) is not a multiple "
                          f"of {BLOCK}, the {fmt.name} block size")
     out = torch.empty(fmt.packed_shape(rows, k), dtype=torch.uint8, device=weight.device)
+    hugepages.advise(out)  # before the first write: the blocks fault in on huge pages (CPU)
     with torch.no_grad():
         step = max(1, _WEIGHTS_PER_CHUNK // k)
         for start in range(0, rows, step):

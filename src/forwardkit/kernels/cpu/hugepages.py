@@ -14,9 +14,10 @@ bytes covered (0 when the system declines).
 
 The loader advises every weight of a model with fast CPU paths after building the model and
 before writing its values, so the weights fault in on huge pages as they are written: on the
-2-core EPYC writing 2.5 GB took 0.25-1.4 s there against 1.1-4.7 s on 4 KiB pages. What was
-written before it could be advised (a quantized model's packed blocks, made after the load) is
-moved afterwards: collapsing costs the kernel about 1 s per GiB of CPU time and stalls the
+2-core EPYC writing 2.5 GB took 0.25-1.4 s there against 1.1-4.7 s on 4 KiB pages. Quantizing
+on load advises the packed blocks it allocates, and the GGUF loader the bytes it copies out of
+the file. What was written before it could be advised (memory the allocator hands back after a
+staging weight was freed is on 4 KiB pages already) is moved afterwards: collapsing costs the kernel about 1 s per GiB of CPU time and stalls the
 steps that run beside it (the decode steps of a 1 B bf16 model took 1-2.6 s instead of 0.12
 while its 2.5 GB moved). The loader queues the
 weights (a :class:`DeferredCollapse`, held by the model's ``CpuLinearRouter``) and the model
