@@ -20,7 +20,8 @@ blocks is refused (named) before anything is read.
 On the CPU the loader also makes the model's ``CpuLinearRouter`` (``kernels/cpu/router.py``)
 when any layer calls the ``forwardkit::linear`` op (the ``cpu_linear`` custom op, on unless
 ``custom_ops`` has ``"-cpu_linear"``): it routes those layers' weights (packed copies only when
-a second copy fits in memory; a small model's paths are timed) and queues the weights for huge pages. The router travels with
+a second copy fits in memory; a small model's paths are timed) and queues the weights for the
+huge-page move (they are asked for on huge pages before they are written). The router travels with
 the model (``kernels.cpu.router.attached_router``); the runner binds it around each step.
 """
 
@@ -286,7 +287,8 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
     On the CPU, when layers call the ``forwardkit::linear`` op (``cpu_linear``, on unless
     ``custom_ops`` has ``"-cpu_linear"``) or hold quantized weights, the model gets a
     ``CpuLinearRouter`` (``attached_router(model)``; module doc): it routes the former and
-    queues every weight for huge pages. A plain PyTorch baseline adds ``"-cpu_linear"``.
+    queues every weight for the huge-page move; their weights are asked for on huge pages
+    before they are written. A plain PyTorch baseline adds ``"-cpu_linear"``.
     """
     from forwardkit.config.engine import set_current_engine_config
 

@@ -409,7 +409,7 @@ class ModelRunner:
         self._model_ran = True
         self.last_step = StepInfo(mode, desc, n, across_dp, slices)
         self.last_hidden = hidden if self.keep_hidden else None
-        if not self._served:  # start-up is over: weights move onto huge pages from now on
+        if not self._served:  # start-up is over: what is not on huge pages yet moves from now on
             self._served = True
             if self.cpu_linear_router is not None:
                 self.cpu_linear_router.huge_pages.start()
