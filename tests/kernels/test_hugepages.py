@@ -1,4 +1,5 @@
-"""Lazily zeroed CPU buffers and the deferred huge-page move of loaded weights."""
+"""Lazily zeroed CPU buffers, huge pages asked for before the weights are written, and the
+deferred huge-page move of what was written earlier."""
 
 from __future__ import annotations
 

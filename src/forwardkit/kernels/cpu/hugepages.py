@@ -17,12 +17,12 @@ before writing its values, so the weights fault in on huge pages as they are wri
 2-core EPYC writing 2.5 GB took 0.25-1.4 s there against 1.1-4.7 s on 4 KiB pages. Quantizing
 on load advises the packed blocks it allocates, and the GGUF loader the bytes it copies out of
 the file. What was written before it could be advised (memory the allocator hands back after a
-staging weight was freed is on 4 KiB pages already) is moved afterwards: collapsing costs the kernel about 1 s per GiB of CPU time and stalls the
-steps that run beside it (the decode steps of a 1 B bf16 model took 1-2.6 s instead of 0.12
-while its 2.5 GB moved). The loader queues the
-weights (a :class:`DeferredCollapse`, held by the model's ``CpuLinearRouter``) and the model
-runner starts the move after its first real step (:meth:`DeferredCollapse.start`); memory
-already on huge pages is skipped at once.
+staging weight was freed is on 4 KiB pages already) is moved afterwards: collapsing costs the
+kernel about 1 s per GiB of CPU time and stalls the steps that run beside it (the decode steps
+of a 1 B bf16 model took 1-2.6 s instead of 0.12 while its 2.5 GB moved). The loader queues
+the weights (a :class:`DeferredCollapse`, held by the model's ``CpuLinearRouter``) and the
+model runner starts the move after its first real step (:meth:`DeferredCollapse.start`);
+memory already on huge pages is skipped at once.
 
 :func:`zero_` zeroes a large CPU tensor without touching its pages: the page-aligned interior
 is handed back to the kernel (``MADV_DONTNEED``), which maps zero pages in on first touch. A
