@@ -96,6 +96,24 @@ def test_a_plain_pytorch_model_is_not_advised(monkeypatch):
     assert advised == []
 
 
+
+@pytest.mark.parametrize("fast,custom_ops", [(True, ["-cpu_linear"]), (False, [])])
+def test_advice_and_router_follow_one_decision(monkeypatch, fast, custom_ops):
+    """The loader decides once (``_cpu_fast_paths``, from the modules before any write) whether
+    the CPU kernels serve a model: its weights are then advised and it gets a router, or
+    neither. Forced against what the model would have, both follow."""
+    from forwardkit import LLM
+    from forwardkit.models import loader
+
+    advised: list[torch.Tensor] = []
+    monkeypatch.setattr(loader.hugepages, "advise", lambda t: advised.append(t) or 0)
+    monkeypatch.setattr(loader, "_cpu_fast_paths", lambda model: fast)
+    llm = LLM(enforce_eager=True, compilation_config={"custom_ops": custom_ops})
+    if llm.runner.device.type != "cpu":
+        pytest.skip("the CPU fast paths")
+    assert bool(advised) is fast
+    assert (llm.runner.cpu_linear_router is not None) is fast
+
 _HUGE_AFTER_LOAD = """
 import sys
 import torch

@@ -281,6 +281,17 @@ def _finish_expert_quantization(model: nn.Module) -> list[FusedMoE]:
     return layers
 
 
+def _cpu_fast_paths(model: nn.Module) -> bool:
+    """Whether forwardkit's CPU kernels serve the weights of ``model``: layers calling the
+    ``forwardkit::linear`` op, quantized layers or quantized MoE experts. Read from the modules
+    right after construction, before any weight is written, and decided once: such a model's
+    weights are asked for on huge pages before they are written, and it gets a
+    ``CpuLinearRouter``."""
+    return bool(quantized_layers(model) or linear_op_weights(model)
+                or any(isinstance(m, FusedMoE) and m.quant_format is not None
+                       for m in model.modules()))
+
+
 def load_model(engine_config: EngineConfig) -> nn.Module:
     """Build, load and return the model of ``engine_config`` in eval mode on the platform device.
 
@@ -304,7 +315,8 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
         model = model_cls(engine_config)
     quantized = quantized_layers(model)
     _check_quantizable(quantized)
-    if device.type == "cpu" and (quantized or linear_op_weights(model)):
+    fast_paths = device.type == "cpu" and _cpu_fast_paths(model)
+    if fast_paths:
         # Before anything writes them: the weights then fault in on huge pages as they are
         # written (faster than 4 KiB faults, and nothing is left for the move after the first
         # step, which stalls the steps that run beside it; see kernels/cpu/hugepages.py).
@@ -336,14 +348,13 @@ def load_model(engine_config: EngineConfig) -> nn.Module:
         logger.info("Loaded %s from %s (%d files)", model_cls.__name__, model_dir, len(files))
     if quantized:
         _finish_quantization(model, model_config.quantization, model_config.dtype)
-    packed_experts = _finish_expert_quantization(model)
-    routed = linear_op_weights(model)
-    if (routed or quantized or packed_experts) and device.type == "cpu":
+    _finish_expert_quantization(model)
+    if fast_paths:
         router = CpuLinearRouter()
         # What is not on huge pages yet (written before it could be advised: packed quantized
         # blocks) moves in the background once the runner has served its first step (memory
         # already huge is skipped at once). Quantized weights too: a decode step streams them.
         router.huge_pages.defer(model.parameters())
-        router.route_weights(routed)
+        router.route_weights(linear_op_weights(model))
         attach_router(model, router)
     return model.eval()
