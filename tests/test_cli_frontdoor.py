@@ -120,6 +120,32 @@ def test_output_text_without_tokenizer_refuses(capsys):
     assert "--output text needs a tokenizer" in err
 
 
+def test_quantizing_the_built_in_model_says_what_to_pass(capsys, ckpt):
+    """The built-in model's MLP is not whole 32-weight blocks: the refusal names the tensor and,
+    with no model given, what to pass instead; a checkpoint that has the same refusal gets no
+    such hint (it was the model asked for)."""
+    code, out, err = _run(capsys, "generate", *ENGINE, "--prompt-token-ids", "1,2",
+                          "--quantization", "q8_0")
+    assert code == 2 and out == ""
+    assert "down_proj.weight" in err and "this is the built-in model" in err
+    assert "--model DIR" in err and "--model-shape" not in err  # generate has no --model-shape
+    odd = ckpt + "_odd"
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=48,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1)).save_pretrained(odd)
+    code, _, err = _run(capsys, "generate", "--model", odd, *ENGINE, "--prompt-token-ids", "1,2",
+                        "--quantization", "q8_0")
+    assert code == 2 and "down_proj.weight" in err and "built-in" not in err
+
+
+def test_bench_quantizing_the_built_in_model_names_a_shape_to_pass(capsys):
+    code, _, err = _run(capsys, "bench", "--quantization", "q4_0", "--quick")
+    assert code == 2 and "this is the built-in model" in err
+    assert "--model-shape llama-3.2-1b" in err
+
+
 @pytest.mark.parametrize(("argv", "flag"), [
     (("generate", "--prompt-token-ids", "1,,3"), "--prompt-token-ids"),
     (("generate", "--prompt-token-ids", "1,3,"), "--prompt-token-ids"),

@@ -52,6 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _hint(args: argparse.Namespace, exc: Exception) -> str:
+    """What to do next, for an error the arguments alone explain: quantizing the built-in
+    model (no ``--model``, no real ``--model-shape``), whose MLP is not whole blocks."""
+    from forwardkit.quantization.formats import BlockShapeError
+
+    if (isinstance(exc, BlockShapeError) and getattr(args, "model", None) is None
+            and getattr(args, "model_shape", None) in (None, "default", "default-moe")):
+        shape = " or --model-shape llama-3.2-1b" if hasattr(args, "model_shape") else ""
+        return (" (this is the built-in model: to quantize, pass one whose projections are whole "
+                f"blocks, --model DIR{shape})")
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``forwardkit`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -74,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         text = str(exc).strip().splitlines()
         first = text[0] if text else type(exc).__name__
+        first += _hint(args, exc)
         print(f"forwardkit {args.command}: error: {first}", file=sys.stderr)
         return 2
 

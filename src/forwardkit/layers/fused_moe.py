@@ -59,7 +59,7 @@ from forwardkit.layers.kernels import silu_and_mul_native
 from forwardkit.layers.linear import CpuLinearLayer, copy_weight
 from forwardkit.layers.parallel import ShardSpec, divide, narrow, set_shard_spec, tp_rank_and_size
 from forwardkit.microbatching.overlap import dbo_enabled, dbo_register_recv_hook, dbo_yield
-from forwardkit.quantization.formats import BLOCK, get_format, quantize
+from forwardkit.quantization.formats import BLOCK, BlockShapeError, get_format, quantize
 from forwardkit.quantization.linear_method import QuantizedWeightReloadError
 from forwardkit.quantization.ops import reference_linear
 
@@ -158,7 +158,7 @@ class FusedMoE(nn.Module):
             get_format(self.quant_format)
             for what, k in (("hidden_size", hidden_size), ("per-rank intermediate size", local_inter)):
                 if k % BLOCK:
-                    raise ValueError(
+                    raise BlockShapeError(
                         f"cannot quantize the experts of {prefix} to {self.quant_format}: their "
                         f"{what} {k} is not a multiple of the {BLOCK}-weight block; run this "
                         "model without quantization")

@@ -28,7 +28,13 @@ import torch.nn as nn
 
 from forwardkit.compilation.pass_registry import register_flag_pass
 from forwardkit.quantization import ops as _ops  # registers forwardkit::quant_linear
-from forwardkit.quantization.formats import BLOCK, QuantFormat, get_format, quantize
+from forwardkit.quantization.formats import (
+    BLOCK,
+    BlockShapeError,
+    QuantFormat,
+    get_format,
+    quantize,
+)
 
 if TYPE_CHECKING:
     from forwardkit.config.pass_config import PassConfig
@@ -96,9 +102,9 @@ class QuantizedLinearMethod:
         return nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
 
     def check_shape(self, layer: QuantizedLayer, name: str) -> None:
-        """ValueError naming ``name`` when the layer's input dim is not a whole number of blocks."""
+        """BlockShapeError (a ValueError) naming ``name`` when the layer's input dim is not a whole number of blocks."""
         if layer.input_size % BLOCK:
-            raise ValueError(
+            raise BlockShapeError(
                 f"cannot quantize {name} to {self.format.name}: its input dim {layer.input_size} "
                 f"(weight shape {(layer.output_size, layer.input_size)}) is not a multiple of the "
                 f"{BLOCK}-weight block; run this model without quantization")
@@ -153,9 +159,9 @@ class QuantizedEmbeddingMethod:
         return nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
 
     def check_shape(self, layer: EmbeddingTable, name: str) -> None:
-        """ValueError naming ``name`` when a row is not a whole number of blocks."""
+        """BlockShapeError (a ValueError) naming ``name`` when a row is not a whole number of blocks."""
         if layer.embedding_dim % BLOCK:
-            raise ValueError(
+            raise BlockShapeError(
                 f"cannot quantize {name} to {self.format.name}: its embedding dim "
                 f"{layer.embedding_dim} is not a multiple of the {BLOCK}-weight block; run this "
                 "model without quantization")
