@@ -26,8 +26,8 @@ import torch
 from forwardkit.config.model import QUANTIZATION_FORMATS
 from forwardkit.kernels.cpu import hugepages
 
-__all__ = ["BLOCK", "FORMATS", "QuantFormat", "dequantize", "get_format", "packed_shape", "quantize",
-           "quantize_activations"]
+__all__ = ["BLOCK", "FORMATS", "BlockShapeError", "QuantFormat", "dequantize", "get_format",
+           "packed_shape", "quantize", "quantize_activations"]
 
 BLOCK = 32
 
@@ -35,6 +35,8 @@ BLOCK = 32
 class BlockShapeError(ValueError):
     """A weight whose rows are not a whole number of ``BLOCK``-weight blocks, refused (named)
     before anything is read."""
+
+
 # weights converted at once (whole rows): bounds the float32 temporaries of a big matrix to a
 # few MB, so quantizing a weight adds little to the memory its packed bytes take
 _WEIGHTS_PER_CHUNK = 1 << 18

@@ -102,7 +102,8 @@ class QuantizedLinearMethod:
         return nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
 
     def check_shape(self, layer: QuantizedLayer, name: str) -> None:
-        """BlockShapeError (a ValueError) naming ``name`` when the layer's input dim is not a whole number of blocks."""
+        """BlockShapeError (a ValueError) naming ``name`` when the layer's input dim is not a
+        whole number of blocks."""
         if layer.input_size % BLOCK:
             raise BlockShapeError(
                 f"cannot quantize {name} to {self.format.name}: its input dim {layer.input_size} "
