@@ -120,7 +120,7 @@ def test_output_text_without_tokenizer_refuses(capsys):
     assert "--output text needs a tokenizer" in err
 
 
-def test_quantizing_the_built_in_model_says_what_to_pass(capsys, ckpt):
+def test_quantizing_the_built_in_model_says_what_to_pass(capsys, tmp_path):
     """The built-in model's MLP is not whole 32-weight blocks: the refusal names the tensor and,
     with no model given, what to pass instead; a checkpoint that has the same refusal gets no
     such hint (it was the model asked for)."""
@@ -129,7 +129,7 @@ def test_quantizing_the_built_in_model_says_what_to_pass(capsys, ckpt):
     assert code == 2 and out == ""
     assert "down_proj.weight" in err and "this is the built-in model" in err
     assert "--model DIR" in err and "--model-shape" not in err  # generate has no --model-shape
-    odd = ckpt + "_odd"
+    odd = str(tmp_path)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=48,
@@ -140,9 +140,13 @@ def test_quantizing_the_built_in_model_says_what_to_pass(capsys, ckpt):
     assert code == 2 and "down_proj.weight" in err and "built-in" not in err
 
 
-def test_bench_quantizing_the_built_in_model_names_a_shape_to_pass(capsys):
-    code, _, err = _run(capsys, "bench", "--quantization", "q4_0", "--quick")
-    assert code == 2 and "this is the built-in model" in err
+@pytest.mark.parametrize("shape", [(), ("--model-shape", "default-moe")])
+def test_bench_quantizing_the_built_in_model_names_a_shape_to_pass(capsys, shape):
+    """bench builds the default shape, or the one given: the hint names it (the MoE shape's
+    experts are refused, 344 wide) and a shape that quantizes."""
+    code, _, err = _run(capsys, "bench", *shape, "--quantization", "q4_0", "--quick")
+    what = f"model shape {shape[1]!r}" if shape else "the built-in model"
+    assert code == 2 and f"this is {what}" in err
     assert "--model-shape llama-3.2-1b" in err
 
 

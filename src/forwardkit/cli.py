@@ -53,16 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _hint(args: argparse.Namespace, exc: Exception) -> str:
-    """What to do next, for an error the arguments alone explain: quantizing the built-in
-    model (no ``--model``, no real ``--model-shape``), whose MLP is not whole blocks."""
+    """What to do next, for an error the arguments alone explain: quantizing one of forwardkit's
+    own shapes (no ``--model``) whose rows are not whole blocks."""
+    from forwardkit.config.model_shapes import BUILTIN_MODEL_SHAPE
     from forwardkit.quantization.formats import BlockShapeError
 
-    if (isinstance(exc, BlockShapeError) and getattr(args, "model", None) is None
-            and getattr(args, "model_shape", None) in (None, "default", "default-moe")):
-        shape = " or --model-shape llama-3.2-1b" if hasattr(args, "model_shape") else ""
+    if not isinstance(exc, BlockShapeError) or getattr(args, "model", None) is not None:
+        return ""
+    if not hasattr(args, "model_shape"):  # a command that runs only the built-in model
         return (" (this is the built-in model: to quantize, pass one whose projections are whole "
-                f"blocks, --model DIR{shape})")
-    return ""
+                "blocks, --model DIR)")
+    shape = args.model_shape or BUILTIN_MODEL_SHAPE
+    what = "the built-in model" if shape == BUILTIN_MODEL_SHAPE else f"model shape {shape!r}"
+    return (f" (this is {what}: to quantize, pass one whose projections are whole blocks, "
+            "--model DIR or --model-shape llama-3.2-1b)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -96,7 +96,6 @@ def test_a_plain_pytorch_model_is_not_advised(monkeypatch):
     assert advised == []
 
 
-
 @pytest.mark.parametrize("fast,custom_ops", [(True, ["-cpu_linear"]), (False, [])])
 def test_advice_and_router_follow_one_decision(monkeypatch, fast, custom_ops):
     """The loader decides once (``_cpu_fast_paths``, from the modules before any write) whether
@@ -113,6 +112,7 @@ def test_advice_and_router_follow_one_decision(monkeypatch, fast, custom_ops):
         pytest.skip("the CPU fast paths")
     assert bool(advised) is fast
     assert (llm.runner.cpu_linear_router is not None) is fast
+
 
 _HUGE_AFTER_LOAD = """
 import sys

@@ -94,6 +94,7 @@ def _quantized_on_load(cfg: EngineConfig) -> WeightFormats:
     from forwardkit.layers.fused_moe import FusedMoE
     from forwardkit.layers.linear import VocabEmbedding, quantized_layers
     from forwardkit.models import get_model_class
+    from forwardkit.quantization.formats import BlockShapeError
     from forwardkit.quantization.linear_method import (
         QuantizedEmbeddingMethod,
         QuantizedLinearMethod,
@@ -115,7 +116,7 @@ def _quantized_on_load(cfg: EngineConfig) -> WeightFormats:
             else:
                 assert isinstance(method, QuantizedLinearMethod)
                 method.check_shape(layer, name)
-        except ValueError:  # the load refuses it, naming it
+        except BlockShapeError:  # the load refuses it, naming it
             packed[id(layer.weight)] = f"{method.format.name} refused (rows not whole 32-weight blocks)"
     for module in model.modules():  # MoE experts: packed in the projections' format on load
         if isinstance(module, FusedMoE) and module.quant_format is not None:

@@ -18,8 +18,10 @@ stay in the model's dtype. A weight whose rows are not whole 32-weight
 blocks is refused (named) before anything is read.
 
 On the CPU the loader also makes the model's ``CpuLinearRouter`` (``kernels/cpu/router.py``)
-when any layer calls the ``forwardkit::linear`` op (the ``cpu_linear`` custom op, on unless
-``custom_ops`` has ``"-cpu_linear"``): it routes those layers' weights (packed copies only when
+when forwardkit's CPU kernels serve its weights (one decision, ``_cpu_fast_paths``, read from
+the modules before any weight is written: a layer calls the ``forwardkit::linear`` op, the
+``cpu_linear`` custom op, on unless ``custom_ops`` has ``"-cpu_linear"``, or holds quantized
+weights or experts): it routes those layers' weights (packed copies only when
 a second copy fits in memory; a small model's paths are timed) and queues the weights for the
 huge-page move (they are asked for on huge pages before they are written). The router travels with
 the model (``kernels.cpu.router.attached_router``); the runner binds it around each step.
@@ -267,18 +269,21 @@ def _finish_quantization(model: nn.Module, fmt: str | None, dtype: torch.dtype) 
                 str(dtype).removeprefix("torch."))
 
 
-def _finish_expert_quantization(model: nn.Module) -> list[FusedMoE]:
+def _quantized_experts(model: nn.Module) -> list[FusedMoE]:
+    """The MoE layers of ``model`` whose experts are packed in a block format."""
+    return [m for m in model.modules() if isinstance(m, FusedMoE) and m.quant_format is not None]
+
+
+def _finish_expert_quantization(model: nn.Module) -> None:
     """Pack the quantized MoE layers' experts still at full precision (a checkpoint's were
-    packed as each layer's last expert tensor arrived; seeded random ones are packed here);
-    returns those layers."""
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.quant_format is not None]
+    packed as each layer's last expert tensor arrived; seeded random ones are packed here)."""
+    layers = _quantized_experts(model)
     for layer in layers:
         layer.quantize_weights()
     if layers:
         packed = sum(p.numel() for m in layers for p in (m.w13_weight, m.w2_weight))
         logger.info("MoE experts of %d layers packed in %s: %.1f MB", len(layers),
                     layers[0].quant_format, packed / 1e6)
-    return layers
 
 
 def _cpu_fast_paths(model: nn.Module) -> bool:
@@ -287,9 +292,7 @@ def _cpu_fast_paths(model: nn.Module) -> bool:
     right after construction, before any weight is written, and decided once: such a model's
     weights are asked for on huge pages before they are written, and it gets a
     ``CpuLinearRouter``."""
-    return bool(quantized_layers(model) or linear_op_weights(model)
-                or any(isinstance(m, FusedMoE) and m.quant_format is not None
-                       for m in model.modules()))
+    return bool(quantized_layers(model) or linear_op_weights(model) or _quantized_experts(model))
 
 
 def load_model(engine_config: EngineConfig) -> nn.Module:
