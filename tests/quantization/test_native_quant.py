@@ -117,6 +117,26 @@ def test_tiles_with_large_magnitudes(isa, fmt):
     _close(got, _expected(x, packed, None, fmt, "int8"))
 
 
+@pytest.mark.parametrize("path", ["few", "tiles"])
+def test_q8_0_quants_of_minus_128(isa, path):
+    """A q8_0 block may hold -128 (ggml's quantizer stops at -127, a file need not): each
+    kernel takes it as -128, not as +128 or 0. The int8 products move the weight's sign onto
+    the activation (whose quants stop at -127) and take |q_w| unsigned, as VPABSB gives 128;
+    negating the weight instead wraps -128 back to -128 and flips those products."""
+    gen = torch.Generator().manual_seed(17)
+    n, k = 19, 96
+    packed = quantize(torch.randn(n, k, generator=gen), "q8_0").view(n, k // 32, 34).clone()
+    q = packed[:, :, 2:].view(torch.int8)
+    q[::2, :, ::3] = -128  # every other row, every third quant
+    packed = packed.view(n, -1)
+    rows_list = range(1, native_quant.MAX_ROWS + 1) if path == "few" else (1, 2, 7, 16, 33)
+    for rows in rows_list:
+        x = torch.randn(rows, k, generator=gen)
+        got = native_quant.quant_linear_rows(x, packed, None, "q8_0", isa=isa, path=path)
+        assert got is not None
+        _close(got, _expected(x, packed, None, "q8_0", "int8"))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_op_for_1_to_64_rows_and_dtypes(fmt):
     """The registered op (few-row kernel below TILES_MIN_ROWS rows, tiles from there; both
