@@ -117,8 +117,8 @@ def test_tiles_with_large_magnitudes(isa, fmt):
     _close(got, _expected(x, packed, None, fmt, "int8"))
 
 
-@pytest.mark.parametrize("path", ["few", "tiles"])
-def test_q8_0_quants_of_minus_128(isa, path):
+@pytest.mark.parametrize("path,strategy", [("few", "int8"), ("few", "float"), ("tiles", "int8")])
+def test_q8_0_quants_of_minus_128(isa, path, strategy):
     """A q8_0 block may hold -128 (ggml's quantizer stops at -127, a file need not): each
     kernel takes it as -128, not as +128 or 0. The int8 products move the weight's sign onto
     the activation (whose quants stop at -127) and take |q_w| unsigned, as VPABSB gives 128;
@@ -132,9 +132,10 @@ def test_q8_0_quants_of_minus_128(isa, path):
     rows_list = range(1, native_quant.MAX_ROWS + 1) if path == "few" else (1, 2, 7, 16, 33)
     for rows in rows_list:
         x = torch.randn(rows, k, generator=gen)
-        got = native_quant.quant_linear_rows(x, packed, None, "q8_0", isa=isa, path=path)
+        got = native_quant.quant_linear_rows(x, packed, None, "q8_0", isa=isa, path=path,
+                                             strategy=strategy)
         assert got is not None
-        _close(got, _expected(x, packed, None, "q8_0", "int8"))
+        _close(got, _expected(x, packed, None, "q8_0", strategy))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
