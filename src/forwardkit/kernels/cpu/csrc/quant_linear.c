@@ -330,11 +330,11 @@ FK_INLINE void fk_block1_int8(const int8_t* xq, const float* xd, const float* xs
         for (int r = 0; r < R; r++) {
             const uint8_t* blk = blk0 + r * row_bytes;
             const __m256i qw = _mm256_loadu_si256((const __m256i*)(blk + 2));
-            const __m256i aw = _mm256_abs_epi8(qw), sx = _mm256_sign_epi8(x, qw);
 #if defined(FK_VNNI)
-            __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
+            __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(qw),
+                                              _mm256_sign_epi8(x, qw));
 #else
-            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+            __m256i dot = fk_dot_i8(qw, x);
 #endif
             const __m256 sc = R == 4 ? _mm256_permutevar8x32_ps(s4, _mm256_set1_epi32(r))
                                      : _mm256_set1_ps(fk_half(blk) * dx);
